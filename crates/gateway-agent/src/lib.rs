@@ -1,0 +1,2 @@
+//! The Leasehold agent.
+#![forbid(unsafe_code)]

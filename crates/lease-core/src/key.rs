@@ -1,0 +1,220 @@
+//! Redis keys of global buckets, safe against hostile subjects (invariant I7).
+//!
+//! A bucket's key is `lh:{RULE|SUBJECT}`. The braces are a Redis Cluster hash tag, so the
+//! slot is a function of the whole `RULE|SUBJECT` and each script touches exactly one key.
+//! The subject is escaped before it goes inside the tag: every byte outside a small safe
+//! set (and so every `{`, `}`, `|`, `%`, NUL, non-ASCII byte) becomes `%XX`. A subject
+//! therefore cannot close the tag early, pick the slot or the key of another bucket, or
+//! collide with another subject: the encoding is injective. Subjects whose escaped form
+//! is longer than [`MAX_INLINE`] bytes are replaced by `#` and the hex SHA-256 of their
+//! bytes (`#` is never produced by escaping), which keeps keys short for 1 MB inputs.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::rule::RuleName;
+
+/// Longest escaped subject kept verbatim in a key.
+pub const MAX_INLINE: usize = 96;
+
+/// The number of Redis Cluster hash slots.
+pub const SLOTS: u16 = 16384;
+
+/// The Redis key of one global bucket (rule, subject).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BucketKey(String);
+
+/// A subject that cannot name a bucket.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubjectError {
+    /// The subject is empty: usually a missing header or identity upstream.
+    #[error("subject is empty; identify the caller (API key, tenant) before checking a limit")]
+    Empty,
+}
+
+impl BucketKey {
+    /// The key for `subject` under `rule`. Any bytes are accepted except an empty string.
+    pub fn new(rule: &RuleName, subject: impl AsRef<[u8]>) -> Result<Self, SubjectError> {
+        Self::with_suffix(rule, subject.as_ref(), None)
+    }
+
+    /// The key of sub-bucket `part` of a split bucket: same subject, its own tag and slot.
+    pub fn part(rule: &RuleName, subject: impl AsRef<[u8]>, part: u16) -> Result<Self, SubjectError> {
+        Self::with_suffix(rule, subject.as_ref(), Some(part))
+    }
+
+    fn with_suffix(rule: &RuleName, subject: &[u8], part: Option<u16>) -> Result<Self, SubjectError> {
+        if subject.is_empty() {
+            return Err(SubjectError::Empty);
+        }
+        let mut key = String::with_capacity(8 + rule.as_str().len() + subject.len().min(MAX_INLINE));
+        key.push_str("lh:{");
+        // Rule names are [A-Za-z0-9._-]: nothing in them needs escaping.
+        key.push_str(rule.as_str());
+        key.push('|');
+        let start = key.len();
+        escape_into(&mut key, subject);
+        if key.len() - start > MAX_INLINE {
+            key.truncate(start);
+            key.push('#');
+            for b in Sha256::digest(subject) {
+                key.push_str(&format!("{b:02x}"));
+            }
+        }
+        if let Some(part) = part {
+            key.push_str(&format!("|{part}"));
+        }
+        key.push('}');
+        Ok(Self(key))
+    }
+
+    /// The key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The hash tag: the text between the braces, which alone decides the slot.
+    pub fn hash_tag(&self) -> &str {
+        // Built with exactly one '{' after "lh:" and one trailing '}'.
+        &self.0[4..self.0.len() - 1]
+    }
+
+    /// The Redis Cluster slot of this key (CRC16/XMODEM of the hash tag mod 16384).
+    pub fn slot(&self) -> u16 {
+        slot_of(self.0.as_bytes())
+    }
+}
+
+impl fmt::Display for BucketKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn escape_into(out: &mut String, subject: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for &b in subject {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':' | b'@' | b'/' | b'+' | b'=') {
+            out.push(b as char);
+        } else {
+            out.push('%');
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 15)] as char);
+        }
+        if out.len() > MAX_INLINE + 64 {
+            // Already too long to inline; the caller hashes instead.
+            return;
+        }
+    }
+}
+
+/// The slot Redis Cluster gives `key`, following the hash tag rules.
+pub fn slot_of(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(key);
+    crc16(tagged) % SLOTS
+}
+
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule() -> RuleName {
+        RuleName::new("api.write").unwrap()
+    }
+
+    #[test]
+    fn crc16_matches_the_redis_cluster_spec() {
+        // The reference value from the Redis Cluster specification.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot_of(b"foo"), 12182);
+        assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
+        assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+    }
+
+    #[test]
+    fn plain_subjects_stay_readable() {
+        let k = BucketKey::new(&rule(), "tenant-42").unwrap();
+        assert_eq!(k.as_str(), "lh:{api.write|tenant-42}");
+        assert_eq!(k.hash_tag(), "api.write|tenant-42");
+        assert_eq!(k.slot(), slot_of(k.hash_tag().as_bytes()));
+    }
+
+    #[test]
+    fn hostile_subjects_cannot_leave_their_tag() {
+        let victim = BucketKey::new(&rule(), "victim").unwrap();
+        for s in [
+            "}{victim".as_bytes(),
+            b"{victim}",
+            b"x}",
+            b"{",
+            b"}",
+            b"%7D",
+            b"a|b",
+            b"\0\xff\xfe",
+            "héllo ✓".as_bytes(),
+        ] {
+            let k = BucketKey::new(&rule(), s).unwrap();
+            assert_ne!(k, victim);
+            let tag = k.hash_tag();
+            assert!(!tag.contains('{') && !tag.contains('}'), "{k}");
+            assert_eq!(k.slot(), slot_of(tag.as_bytes()), "{k}");
+        }
+        assert_ne!(
+            BucketKey::new(&rule(), "%7D").unwrap(),
+            BucketKey::new(&rule(), "}").unwrap()
+        );
+    }
+
+    #[test]
+    fn long_subjects_are_hashed_and_stay_distinct() {
+        let a = vec![b'a'; 1 << 20];
+        let mut b = a.clone();
+        b[500_000] = b'b';
+        let (ka, kb) = (
+            BucketKey::new(&rule(), &a).unwrap(),
+            BucketKey::new(&rule(), &b).unwrap(),
+        );
+        assert!(ka.as_str().len() < 100 && ka.as_str().contains("|#"));
+        assert_ne!(ka, kb);
+        // A subject exactly at the inline limit is not hashed.
+        let edge = "x".repeat(MAX_INLINE);
+        assert!(!BucketKey::new(&rule(), &edge).unwrap().as_str().contains('#'));
+        assert_eq!(BucketKey::new(&rule(), ""), Err(SubjectError::Empty));
+    }
+
+    #[test]
+    fn parts_of_a_split_key_have_their_own_tags() {
+        let parts: Vec<_> = (0..3)
+            .map(|i| BucketKey::part(&rule(), "hot", i).unwrap())
+            .collect();
+        assert_ne!(parts[0], parts[1]);
+        assert!(parts.iter().all(|k| k.as_str().ends_with('}')));
+        assert_ne!(parts[0], BucketKey::new(&rule(), "hot").unwrap());
+    }
+}

@@ -1,0 +1,33 @@
+//! The sans-io core of Leasehold.
+//!
+//! Nothing here performs I/O or reads a clock: time is always a parameter, as in
+//! quinn-proto. That is what lets every invariant be tested on a virtual clock, and the
+//! same [`model`] be run side by side with the Lua functions on a real Redis.
+//!
+//! # Layout
+//! - [`rate`]: refill rates as exact rationals.
+//! - [`rule`]: validated rules (capacity, rate, lease bounds, mode, failure policy).
+//! - [`bucket`]: fixed-point token bucket arithmetic (no drift, exact retry times).
+//! - [`key`]: Redis keys of buckets, safe against hostile subjects (I7).
+//! - [`lease`]: the local lease an agent spends from (I3, I4).
+//! - [`sizing`]: how large a lease to ask for, from measured demand.
+//! - [`model`]: the reference model of the global bucket (I1, I2, I5, I6), the oracle the
+//!   Lua must match.
+#![forbid(unsafe_code)]
+
+pub mod bucket;
+pub mod key;
+pub mod lease;
+pub mod model;
+pub mod rate;
+pub mod rule;
+pub mod sizing;
+mod sync;
+
+pub use bucket::{Level, retry_after_secs};
+pub use key::{BucketKey, SubjectError};
+pub use lease::{LocalLease, Spend};
+pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request};
+pub use rate::{MAX_EXACT, Rate, RateError};
+pub use rule::{BucketParams, FailurePolicy, Mode, Rule, RuleError, RuleName, RuleSpec};
+pub use sizing::{LeaseRequest, lease_request};

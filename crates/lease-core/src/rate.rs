@@ -1,0 +1,172 @@
+//! Refill rates as exact rationals: `tokens` every `period` microseconds.
+//!
+//! A rate is never a float. `10/s` is stored as 10 tokens per 1 000 000 µs and `1/1m` as
+//! 1 token per 60 000 000 µs, reduced by their greatest common divisor, so the bucket
+//! arithmetic in [`crate::bucket`] can refill by integer steps and carry the remainder
+//! exactly: there is no drift however many operations run.
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The largest integer every component of Leasehold handles exactly: Redis runs its Lua
+/// with double-precision numbers, which are exact up to 2^53 - 1.
+pub const MAX_EXACT: u64 = (1 << 53) - 1;
+
+/// The longest refill period accepted (about 12.7 days); longer ones are a typo.
+pub const MAX_PERIOD_US: u64 = 1 << 40;
+
+/// The fastest refill accepted, in tokens per second; faster ones are a typo.
+pub const MAX_TOKENS_PER_SEC: u64 = 1_000_000_000;
+
+/// A refill rate: `tokens` added every `period_us` microseconds, in lowest terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rate {
+    tokens: u64,
+    period_us: u64,
+}
+
+/// Why a rate was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    /// The text is not of the form `N/PERIOD` (for example `100/s`, `5/1m`, `1/250ms`).
+    #[error("rate {text:?} is not of the form N/PERIOD, e.g. \"100/s\", \"5/1m\", \"1/250ms\"")]
+    Syntax {
+        /// The text given.
+        text: String,
+    },
+    /// The token count is zero; a bucket that never refills is not a rate limit.
+    #[error("rate must add at least one token per period (got {text:?})")]
+    Zero {
+        /// The text given.
+        text: String,
+    },
+    /// The period is shorter than one microsecond or longer than [`MAX_PERIOD_US`].
+    #[error("rate period must be between 1µs and {max_days} days (got {period_us}µs)", max_days = MAX_PERIOD_US / 86_400_000_000)]
+    Period {
+        /// The period given, in microseconds.
+        period_us: u128,
+    },
+    /// More than [`MAX_TOKENS_PER_SEC`] tokens per second.
+    #[error("rate of {tokens} tokens per {period_us}µs exceeds {MAX_TOKENS_PER_SEC} tokens/s")]
+    Absurd {
+        /// Tokens per period.
+        tokens: u64,
+        /// The period in microseconds.
+        period_us: u64,
+    },
+}
+
+impl Rate {
+    /// `tokens` every `period`. Fails on periods outside 1µs..=[`MAX_PERIOD_US`] and on
+    /// rates above [`MAX_TOKENS_PER_SEC`].
+    pub fn new(tokens: NonZeroU64, period: Duration) -> Result<Self, RateError> {
+        let period_us = period.as_micros();
+        if period_us == 0 || period_us > u128::from(MAX_PERIOD_US) {
+            return Err(RateError::Period { period_us });
+        }
+        let period_us = period_us as u64;
+        let tokens = tokens.get();
+        // tokens / period_us > MAX/1e6  <=>  tokens * 1e6 > MAX * period_us
+        if u128::from(tokens) * 1_000_000 > u128::from(MAX_TOKENS_PER_SEC) * u128::from(period_us)
+        {
+            return Err(RateError::Absurd { tokens, period_us });
+        }
+        let g = gcd(tokens, period_us);
+        Ok(Self {
+            tokens: tokens / g,
+            period_us: period_us / g,
+        })
+    }
+
+    /// `tokens` per second.
+    pub fn per_second(tokens: NonZeroU64) -> Result<Self, RateError> {
+        Self::new(tokens, Duration::from_secs(1))
+    }
+
+    /// Tokens added per period (numerator, in lowest terms).
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The period in microseconds (denominator, in lowest terms).
+    pub fn period_us(&self) -> u64 {
+        self.period_us
+    }
+
+    /// Tokens per second, for display and metrics only; never used in bucket math.
+    pub fn per_sec_f64(&self) -> f64 {
+        self.tokens as f64 * 1e6 / self.period_us as f64
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = Duration::from_micros(self.period_us);
+        write!(f, "{}/{}", self.tokens, humantime::format_duration(d))
+    }
+}
+
+impl FromStr for Rate {
+    type Err = RateError;
+
+    /// Parses `N/PERIOD`: `100/s`, `5/1m`, `1/250ms`, `30/2h`. A bare unit means one of it.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let syntax = || RateError::Syntax {
+            text: text.to_owned(),
+        };
+        let (n, per) = text.split_once('/').ok_or_else(syntax)?;
+        let n: u64 = n.trim().parse().map_err(|_| syntax())?;
+        let n = NonZeroU64::new(n).ok_or_else(|| RateError::Zero {
+            text: text.to_owned(),
+        })?;
+        let per = per.trim();
+        let period = if per.starts_with(|c: char| c.is_ascii_digit()) {
+            parse_duration(per).map_err(|_| syntax())?
+        } else {
+            parse_duration(&format!("1{per}")).map_err(|_| syntax())?
+        };
+        Self::new(n, period)
+    }
+}
+
+/// Parses a duration such as `250ms`, `5s` or `1m 30s`.
+pub fn parse_duration(text: &str) -> Result<Duration, humantime::DurationError> {
+    humantime::parse_duration(text.trim())
+}
+
+pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_reduces() {
+        let r: Rate = "100/s".parse().unwrap();
+        assert_eq!((r.tokens(), r.period_us()), (1, 10_000));
+        let r: Rate = "5/1m".parse().unwrap();
+        assert_eq!((r.tokens(), r.period_us()), (1, 12_000_000));
+        let r: Rate = "3/250ms".parse().unwrap();
+        assert_eq!((r.tokens(), r.period_us()), (3, 250_000));
+        assert!((r.per_sec_f64() - 12.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn refuses_nonsense_with_a_named_reason() {
+        assert!(matches!("0/s".parse::<Rate>(), Err(RateError::Zero { .. })));
+        assert!(matches!("ten/s".parse::<Rate>(), Err(RateError::Syntax { .. })));
+        assert!(matches!("10".parse::<Rate>(), Err(RateError::Syntax { .. })));
+        assert!(matches!("1/0s".parse::<Rate>(), Err(RateError::Period { .. })));
+        assert!(matches!("1/100d".parse::<Rate>(), Err(RateError::Period { .. })));
+        assert!(matches!("2000000000/s".parse::<Rate>(), Err(RateError::Absurd { .. })));
+        let msg = "0/s".parse::<Rate>().unwrap_err().to_string();
+        assert!(msg.contains("at least one token"), "{msg}");
+    }
+}

@@ -1,0 +1,504 @@
+//! Rules: what a bucket admits (capacity B, refill rate r), how it is leased, and what an
+//! agent does when the global store cannot be reached.
+//!
+//! A [`Rule`] can only be built valid: [`RuleSpec`] is the raw form read from a config
+//! file, and [`Rule::from_spec`] turns it into a rule or an error that names the field and
+//! the value at fault.
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::rate::{MAX_EXACT, Rate, RateError, parse_duration};
+
+/// The largest `capacity * period_us + tokens` of a rule: half of [`MAX_EXACT`], so that a
+/// server time (about 2^51 µs since 1970) plus a bucket's time to refill stays exact too.
+pub const MAX_BUCKET_UNITS: u64 = 1 << 52;
+
+/// A validated rule name: 1 to 64 characters of `A-Z a-z 0-9 . _ -`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RuleName(String);
+
+impl RuleName {
+    /// Validates `name`.
+    pub fn new(name: &str) -> Result<Self, RuleError> {
+        let ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+        if ok {
+            Ok(Self(name.to_owned()))
+        } else {
+            Err(RuleError::Name {
+                name: name.chars().take(80).collect(),
+            })
+        }
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RuleName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How refill accounts for leased tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Refill stops at `B - outstanding`: admitted tokens in any window W are at most
+    /// `B + r * W`, across any number of agents (invariant I1). The default.
+    Strict,
+    /// Refill ignores leases; grants stop when `outstanding` reaches `max_outstanding`,
+    /// which bounds the overshoot: admitted in W is at most `B + max_outstanding + r * W`.
+    Relaxed {
+        /// The cap on tokens leased and not yet reported.
+        max_outstanding: NonZeroU64,
+    },
+}
+
+/// What an agent decides while the global store is unreachable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailurePolicy {
+    /// Admit: favours availability.
+    FailOpen,
+    /// Refuse with 503: protects the budget.
+    FailClosed,
+    /// Admit up to a local limit per agent. `None` derives it from the agent's last granted
+    /// share of the rule.
+    LocalEmergency {
+        /// The local rate, when configured.
+        rate: Option<Rate>,
+    },
+}
+
+/// Why a rule was refused. Every variant names the rule, the field and the value.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RuleError {
+    /// A rule name with characters outside `A-Z a-z 0-9 . _ -`, empty, or over 64 bytes.
+    #[error("rule name {name:?} must be 1-64 characters of A-Z a-z 0-9 . _ -")]
+    Name {
+        /// The name given (first 80 characters).
+        name: String,
+    },
+    /// A field that must be positive was zero.
+    #[error("rule {rule}: {field} must be at least 1 (got 0)")]
+    Zero {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+    },
+    /// The refill rate could not be used.
+    #[error("rule {rule}: rate: {source}")]
+    Rate {
+        /// The rule.
+        rule: String,
+        /// What is wrong with it.
+        source: RateError,
+    },
+    /// A duration field could not be parsed or is out of range.
+    #[error("rule {rule}: {field} = {value:?}: {why}")]
+    Duration {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+        /// The text given.
+        value: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A field is out of its range.
+    #[error("rule {rule}: {field} = {value}: {why}")]
+    Range {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+        /// The value given.
+        value: u64,
+        /// The accepted range.
+        why: String,
+    },
+    /// A field holds a word that is not one of its choices.
+    #[error("rule {rule}: {field} = {value:?}: expected one of {choices}")]
+    Choice {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+        /// The text given.
+        value: String,
+        /// The accepted words.
+        choices: &'static str,
+    },
+}
+
+/// A rule as written in a config file. All durations are text (`"250ms"`, `"5s"`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSpec {
+    /// Burst capacity B, in tokens.
+    pub capacity: u64,
+    /// Refill rate, `N/PERIOD` (`"100/s"`).
+    pub rate: String,
+    /// Smallest lease an agent asks for (default 1).
+    pub lease_min: Option<u64>,
+    /// Largest lease an agent asks for (default B/8, at least 1).
+    pub lease_max: Option<u64>,
+    /// Lease lifetime (default `"5s"`).
+    pub lease_ttl: Option<String>,
+    /// How long the store keeps an agent's record after its lease expires (default `"1s"`).
+    pub grace: Option<String>,
+    /// `"strict"` (default) or `"relaxed"`.
+    pub mode: Option<String>,
+    /// With `mode = "relaxed"`: the cap on outstanding leased tokens (default B/4).
+    pub max_outstanding: Option<u64>,
+    /// `"fail_open"`, `"fail_closed"` (default) or `"local_emergency"`.
+    pub on_failure: Option<String>,
+    /// With `on_failure = "local_emergency"`: the local rate (default: derived).
+    pub emergency_rate: Option<String>,
+    /// How long a decision may wait for the store (default `"50ms"`).
+    pub timeout: Option<String>,
+}
+
+/// A validated rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    name: RuleName,
+    capacity: NonZeroU64,
+    rate: Rate,
+    lease_min: NonZeroU64,
+    lease_max: NonZeroU64,
+    lease_ttl: Duration,
+    grace: Duration,
+    mode: Mode,
+    failure: FailurePolicy,
+    timeout: Duration,
+}
+
+/// The parameters of a rule that the global bucket needs, as integers; what the Lua
+/// functions receive as arguments on every call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketParams {
+    /// Capacity B.
+    pub capacity: u64,
+    /// Refill rate.
+    pub rate: Rate,
+    /// Lease lifetime, µs.
+    pub lease_ttl_us: u64,
+    /// Record grace after lease expiry, µs.
+    pub grace_us: u64,
+    /// 0 in strict mode; the cap on outstanding tokens in relaxed mode.
+    pub max_outstanding: u64,
+}
+
+const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+const MAX_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Rule {
+    /// A strict rule with capacity B and rate r, default lease bounds and policy.
+    pub fn new(name: &str, capacity: u64, rate: &str) -> Result<Self, RuleError> {
+        Self::from_spec(
+            name,
+            &RuleSpec {
+                capacity,
+                rate: rate.to_owned(),
+                ..RuleSpec::default()
+            },
+        )
+    }
+
+    /// Validates a rule read from configuration.
+    pub fn from_spec(name: &str, spec: &RuleSpec) -> Result<Self, RuleError> {
+        let name = RuleName::new(name)?;
+        let rule = || name.as_str().to_owned();
+        let capacity = NonZeroU64::new(spec.capacity).ok_or_else(|| RuleError::Zero {
+            rule: rule(),
+            field: "capacity",
+        })?;
+        let rate: Rate = spec.rate.parse().map_err(|source| RuleError::Rate {
+            rule: rule(),
+            source,
+        })?;
+        // Keeps every product of the bucket arithmetic exact in Lua doubles.
+        let bound = u128::from(capacity.get()) * u128::from(rate.period_us())
+            + u128::from(rate.tokens());
+        if bound > u128::from(MAX_BUCKET_UNITS) {
+            return Err(RuleError::Range {
+                rule: rule(),
+                field: "capacity",
+                value: capacity.get(),
+                why: format!(
+                    "capacity x refill period ({}µs) must stay below 2^52; lower the capacity or use a shorter period (e.g. \"{}/s\")",
+                    rate.period_us(),
+                    (rate.per_sec_f64().ceil() as u64).max(1)
+                ),
+            });
+        }
+        let range = |field, value: u64, why: String| RuleError::Range {
+            rule: rule(),
+            field,
+            value,
+            why,
+        };
+        let lease_min = spec.lease_min.unwrap_or(1);
+        let lease_max = spec
+            .lease_max
+            .unwrap_or((capacity.get() / 8).max(1).max(lease_min));
+        if lease_max > capacity.get() {
+            return Err(range(
+                "lease_max",
+                lease_max,
+                format!("must be at most the capacity {capacity}"),
+            ));
+        }
+        let lease_max = NonZeroU64::new(lease_max).ok_or_else(|| RuleError::Zero {
+            rule: rule(),
+            field: "lease_max",
+        })?;
+        let lease_min = NonZeroU64::new(lease_min).ok_or_else(|| RuleError::Zero {
+            rule: rule(),
+            field: "lease_min",
+        })?;
+        if lease_min > lease_max {
+            return Err(range(
+                "lease_min",
+                lease_min.get(),
+                format!("must be at most lease_max {lease_max}"),
+            ));
+        }
+        let dur = |field: &'static str, text: &Option<String>, default: Duration, max: Duration| {
+            let Some(text) = text else {
+                return Ok(default);
+            };
+            let err = |why: String| RuleError::Duration {
+                rule: rule(),
+                field,
+                value: text.clone(),
+                why,
+            };
+            let d = parse_duration(text).map_err(|e| err(e.to_string()))?;
+            if d < Duration::from_millis(1) || d > max {
+                return Err(err(format!(
+                    "must be between 1ms and {}",
+                    humantime::format_duration(max)
+                )));
+            }
+            Ok(d)
+        };
+        let lease_ttl = dur(
+            "lease_ttl",
+            &spec.lease_ttl,
+            Duration::from_secs(5),
+            MAX_LEASE_TTL,
+        )?;
+        let grace = dur("grace", &spec.grace, Duration::from_secs(1), MAX_LEASE_TTL)?;
+        let timeout = dur(
+            "timeout",
+            &spec.timeout,
+            Duration::from_millis(50),
+            MAX_TIMEOUT,
+        )?;
+        let choice = |field, value: &str, choices| RuleError::Choice {
+            rule: rule(),
+            field,
+            value: value.to_owned(),
+            choices,
+        };
+        let mode = match spec.mode.as_deref().unwrap_or("strict") {
+            "strict" => {
+                if let Some(v) = spec.max_outstanding {
+                    return Err(range(
+                        "max_outstanding",
+                        v,
+                        "only applies with mode = \"relaxed\"".into(),
+                    ));
+                }
+                Mode::Strict
+            }
+            "relaxed" => {
+                let v = spec
+                    .max_outstanding
+                    .unwrap_or((capacity.get() / 4).max(1));
+                if v > MAX_EXACT / 2 {
+                    return Err(range("max_outstanding", v, "must stay below 2^52".into()));
+                }
+                Mode::Relaxed {
+                    max_outstanding: NonZeroU64::new(v).ok_or_else(|| RuleError::Zero {
+                        rule: rule(),
+                        field: "max_outstanding",
+                    })?,
+                }
+            }
+            other => return Err(choice("mode", other, "strict, relaxed")),
+        };
+        let failure = match spec.on_failure.as_deref().unwrap_or("fail_closed") {
+            "fail_open" => FailurePolicy::FailOpen,
+            "fail_closed" => FailurePolicy::FailClosed,
+            "local_emergency" => FailurePolicy::LocalEmergency {
+                rate: spec
+                    .emergency_rate
+                    .as_deref()
+                    .map(str::parse)
+                    .transpose()
+                    .map_err(|source| RuleError::Rate {
+                        rule: rule(),
+                        source,
+                    })?,
+            },
+            other => {
+                return Err(choice(
+                    "on_failure",
+                    other,
+                    "fail_open, fail_closed, local_emergency",
+                ));
+            }
+        };
+        if spec.emergency_rate.is_some() && !matches!(failure, FailurePolicy::LocalEmergency { .. })
+        {
+            return Err(RuleError::Choice {
+                rule: rule(),
+                field: "emergency_rate",
+                value: spec.emergency_rate.clone().unwrap_or_default(),
+                choices: "only with on_failure = \"local_emergency\"",
+            });
+        }
+        Ok(Self {
+            name,
+            capacity,
+            rate,
+            lease_min,
+            lease_max,
+            lease_ttl,
+            grace,
+            mode,
+            failure,
+            timeout,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &RuleName {
+        &self.name
+    }
+    /// Capacity B.
+    pub fn capacity(&self) -> NonZeroU64 {
+        self.capacity
+    }
+    /// Refill rate r.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+    /// Smallest lease asked for.
+    pub fn lease_min(&self) -> NonZeroU64 {
+        self.lease_min
+    }
+    /// Largest lease asked for.
+    pub fn lease_max(&self) -> NonZeroU64 {
+        self.lease_max
+    }
+    /// Lease lifetime.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+    /// How long the store remembers an agent after its lease expired.
+    pub fn grace(&self) -> Duration {
+        self.grace
+    }
+    /// Strict or relaxed refill.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+    /// What to do when the store is unreachable.
+    pub fn failure_policy(&self) -> FailurePolicy {
+        self.failure
+    }
+    /// How long a decision may wait for the store.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The integers the global bucket works with.
+    pub fn bucket_params(&self) -> BucketParams {
+        BucketParams {
+            capacity: self.capacity.get(),
+            rate: self.rate,
+            lease_ttl_us: self.lease_ttl.as_micros() as u64,
+            grace_us: self.grace.as_micros() as u64,
+            max_outstanding: match self.mode {
+                Mode::Strict => 0,
+                Mode::Relaxed { max_outstanding } => max_outstanding.get(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(capacity: u64, rate: &str) -> RuleSpec {
+        RuleSpec {
+            capacity,
+            rate: rate.into(),
+            ..RuleSpec::default()
+        }
+    }
+
+    #[test]
+    fn defaults_are_strict_and_fail_closed() {
+        let r = Rule::new("api.write", 100, "10/s").unwrap();
+        assert_eq!(r.mode(), Mode::Strict);
+        assert_eq!(r.failure_policy(), FailurePolicy::FailClosed);
+        assert_eq!(r.lease_max().get(), 12);
+        assert_eq!(r.bucket_params().max_outstanding, 0);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_value() {
+        let e = Rule::from_spec("a", &spec(0, "1/s")).unwrap_err().to_string();
+        assert!(e.contains("capacity") && e.contains("rule a"), "{e}");
+        let e = Rule::from_spec("a", &spec(10, "0/s")).unwrap_err().to_string();
+        assert!(e.contains("rate"), "{e}");
+        let e = Rule::from_spec("a b", &spec(10, "1/s")).unwrap_err().to_string();
+        assert!(e.contains("\"a b\""), "{e}");
+        let mut s = spec(10, "1/s");
+        s.lease_max = Some(11);
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(e.contains("lease_max = 11"), "{e}");
+        let mut s = spec(10, "1/s");
+        s.lease_ttl = Some("forever".into());
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(e.contains("lease_ttl") && e.contains("forever"), "{e}");
+        let mut s = spec(10, "1/s");
+        s.on_failure = Some("shrug".into());
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(e.contains("on_failure") && e.contains("fail_open"), "{e}");
+        // 1 token a day with a billion capacity overflows Lua's exact integers.
+        let e = Rule::from_spec("a", &spec(1_000_000_000, "1/1d"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2^52"), "{e}");
+    }
+
+    #[test]
+    fn relaxed_mode_carries_its_cap() {
+        let mut s = spec(100, "10/s");
+        s.mode = Some("relaxed".into());
+        s.max_outstanding = Some(30);
+        let r = Rule::from_spec("a", &s).unwrap();
+        assert_eq!(r.bucket_params().max_outstanding, 30);
+        let mut s = spec(100, "10/s");
+        s.max_outstanding = Some(30);
+        assert!(Rule::from_spec("a", &s).is_err());
+    }
+}

@@ -1,1 +1,609 @@
-//! x
+//! Real Redis for tests: `redis-server` processes on free loopback ports, each in its own
+//! temporary directory, killed when dropped; and a TCP proxy that injects faults.
+//!
+//! # Layout
+//! - [`RedisServer`]: one node; [`ReplicaPair`]: a primary and a replica that replicates
+//!   through a [`FaultProxy`] (so tests can cut replication and lose writes on purpose);
+//!   [`Cluster`]: three primaries and three replicas made with `redis-cli --cluster create`.
+//! - [`FaultProxy`]: forwards bytes, delays them, drops replies, or swallows everything.
+//!
+//! If `redis-server` is not installed, starting one fails with an error that says how to
+//! install it: a test that needs Redis never skips silently.
+#![forbid(unsafe_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a node may take to answer PING after it was started.
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Why Redis could not be started or driven.
+#[derive(Debug, thiserror::Error)]
+pub enum HarnessError {
+    /// `redis-server` (or `redis-cli`) is not on the PATH.
+    #[error(
+        "{0} not found on PATH: install it with `apt-get install redis-server` (Debian/Ubuntu; \
+         `scripts/test` does this when it can), or put Redis 7 binaries on the PATH"
+    )]
+    Missing(&'static str),
+    /// The process started but did not become ready.
+    #[error("redis-server on port {port} did not become ready: {why}")]
+    NotReady {
+        /// The port it was started on.
+        port: u16,
+        /// What was seen.
+        why: String,
+    },
+    /// A command to a node failed.
+    #[error("redis command failed: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// An I/O error (temp dir, process, socket).
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+type Result<T> = std::result::Result<T, HarnessError>;
+
+fn binary(name: &'static str) -> Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .ok_or(HarnessError::Missing(name))
+}
+
+/// A free loopback port; for cluster nodes also `port + 10000` (the cluster bus) is free.
+fn free_port(with_bus: bool) -> Result<u16> {
+    for _ in 0..200 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if !with_bus {
+            return Ok(port);
+        }
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(HarnessError::Io(std::io::Error::other(
+        "no free loopback port pair found",
+    )))
+}
+
+/// One `redis-server` process.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+}
+
+impl RedisServer {
+    /// A standalone node with no persistence.
+    pub fn start() -> Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// A node with extra `redis-server` arguments (`["--maxmemory-policy", "allkeys-lru"]`).
+    pub fn start_with(extra: &[&str]) -> Result<Self> {
+        Self::launch(extra, false)
+    }
+
+    fn launch(extra: &[&str], cluster: bool) -> Result<Self> {
+        binary("redis-server")?;
+        let mut last = None;
+        // A port found free can be taken by another test before redis binds it: retry on
+        // a fresh port.
+        for _ in 0..5 {
+            let mut server = Self {
+                child: None,
+                port: free_port(cluster)?,
+                dir: tempfile::Builder::new().prefix("leasehold-redis-").tempdir()?,
+                args: extra.iter().map(|s| s.to_string()).collect(),
+            };
+            server.spawn()?;
+            match server.wait_ready() {
+                Ok(()) => return Ok(server),
+                Err(e @ HarnessError::NotReady { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or(HarnessError::NotReady {
+            port: 0,
+            why: "could not start".into(),
+        }))
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let bin = binary("redis-server")?;
+        let log = std::fs::File::create(self.dir.path().join("redis.log"))?;
+        let child = Command::new(bin)
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--protected-mode", "no", "--daemonize", "no"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(child) = &mut self.child
+                && let Some(status) = child.try_wait()?
+            {
+                return Err(HarnessError::NotReady {
+                    port: self.port,
+                    why: format!("exited with {status}; log: {}", self.log_tail()),
+                });
+            }
+            if let Ok(mut c) = self.connection()
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    port: self.port,
+                    why: format!("no PONG within {READY_TIMEOUT:?}; log: {}", self.log_tail()),
+                });
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default();
+        log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The node's working directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A blocking connection, for test set-up and inspection.
+    pub fn connection(&self) -> Result<redis::Connection> {
+        let client = redis::Client::open(self.url())?;
+        Ok(client.get_connection_with_timeout(Duration::from_secs(2))?)
+    }
+
+    /// Runs one command and returns its reply.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Result<T> {
+        let mut c = self.connection()?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        Ok(cmd.query(&mut c)?)
+    }
+
+    /// Kills the process (SIGKILL: no clean shutdown, nothing saved).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the node again on the same port after [`RedisServer::kill`]. Its data and
+    /// function library are gone, as after a crash without persistence.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        self.spawn()?;
+        self.wait_ready()
+    }
+
+    /// True while the process runs.
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A primary and a replica that replicates through a [`FaultProxy`].
+#[derive(Debug)]
+pub struct ReplicaPair {
+    /// The primary.
+    pub primary: RedisServer,
+    /// The replica.
+    pub replica: RedisServer,
+    /// Sits between the replica and the primary: blackhole it to lose writes.
+    pub link: FaultProxy,
+}
+
+impl ReplicaPair {
+    /// Starts both and waits until the replica is in sync.
+    pub fn start() -> Result<Self> {
+        let primary = RedisServer::start()?;
+        let link = FaultProxy::start(primary.addr())?;
+        let link_port = link.port().to_string();
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &link_port, "--repl-timeout", "60"])?;
+        let pair = Self {
+            primary,
+            replica,
+            link,
+        };
+        pair.wait_synced(Duration::from_secs(15))?;
+        Ok(pair)
+    }
+
+    /// Waits until the replica's link is up and it has applied everything the primary
+    /// sent.
+    pub fn wait_synced(&self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let info: String = self.replica.cmd(&["INFO", "replication"])?;
+            let p_info: String = self.primary.cmd(&["INFO", "replication"])?;
+            let field = |s: &str, k: &str| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_owned()))
+            };
+            let up = field(&info, "master_link_status:").as_deref() == Some("up");
+            let r_off = field(&info, "slave_repl_offset:");
+            let p_off = field(&p_info, "master_repl_offset:");
+            if up && r_off.is_some() && r_off == p_off {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    port: self.replica.port(),
+                    why: format!("replica not in sync: {info}"),
+                });
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Fails over by hand: kills the primary and promotes the replica.
+    pub fn fail_over(&mut self) -> Result<()> {
+        self.primary.kill();
+        let _: String = self.replica.cmd(&["REPLICAOF", "NO", "ONE"])?;
+        Ok(())
+    }
+}
+
+/// A 6-node Redis Cluster: 3 primaries, 3 replicas.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The nodes, in creation order.
+    pub nodes: Vec<RedisServer>,
+}
+
+/// A node as `CLUSTER NODES` describes it.
+#[derive(Clone, Debug)]
+pub struct NodeInfo {
+    /// Node id.
+    pub id: String,
+    /// Port.
+    pub port: u16,
+    /// True for a primary.
+    pub primary: bool,
+    /// Slot ranges served (primaries).
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl Cluster {
+    /// Starts six nodes, creates the cluster and waits until every node reports it ok.
+    pub fn start() -> Result<Self> {
+        let cli = binary("redis-cli")?;
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            nodes.push(RedisServer::launch(
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+                true,
+            )?);
+        }
+        let out = Command::new(cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port())))
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            return Err(HarnessError::NotReady {
+                port: nodes[0].port(),
+                why: format!(
+                    "redis-cli --cluster create failed: {}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            });
+        }
+        let cluster = Self { nodes };
+        cluster.wait_ok(Duration::from_secs(30))?;
+        Ok(cluster)
+    }
+
+    /// Waits until every node says `cluster_state:ok` and sees three primaries with slots.
+    pub fn wait_ok(&self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let mut ok = true;
+            for n in &self.nodes {
+                let info: String = n.cmd(&["CLUSTER", "INFO"])?;
+                ok &= info.contains("cluster_state:ok");
+                ok &= Self::parse_nodes(&n.cmd::<String>(&["CLUSTER", "NODES"])?)
+                    .iter()
+                    .filter(|i| i.primary && !i.slots.is_empty())
+                    .count()
+                    == 3;
+            }
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    port: self.nodes[0].port(),
+                    why: "cluster did not reach state ok".into(),
+                });
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT` of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The node list as the first node sees it.
+    pub fn topology(&self) -> Result<Vec<NodeInfo>> {
+        Ok(Self::parse_nodes(&self.nodes[0].cmd::<String>(&["CLUSTER", "NODES"])?))
+    }
+
+    fn parse_nodes(text: &str) -> Vec<NodeInfo> {
+        text.lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let port = f.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+                let slots = f
+                    .iter()
+                    .skip(8)
+                    .filter(|s| !s.starts_with('['))
+                    .filter_map(|s| match s.split_once('-') {
+                        Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                        None => s.parse().ok().map(|x| (x, x)),
+                    })
+                    .collect();
+                Some(NodeInfo {
+                    id: f.first()?.to_string(),
+                    port,
+                    primary: f.get(2)?.contains("master"),
+                    slots,
+                })
+            })
+            .collect()
+    }
+
+    /// The primary serving `slot`.
+    pub fn owner(&self, slot: u16) -> Result<NodeInfo> {
+        self.topology()?
+            .into_iter()
+            .find(|n| n.primary && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
+            .ok_or_else(|| HarnessError::NotReady {
+                port: 0,
+                why: format!("no primary serves slot {slot}"),
+            })
+    }
+
+    /// The node process listening on `port`.
+    pub fn node(&self, port: u16) -> Option<&RedisServer> {
+        self.nodes.iter().find(|n| n.port() == port)
+    }
+
+    /// Moves `slot`, with its keys, to another primary (a one-slot resharding); clients
+    /// that cached the old owner get `MOVED` on their next call. Returns the new owner.
+    pub fn migrate_slot(&self, slot: u16) -> Result<NodeInfo> {
+        let src = self.owner(slot)?;
+        let dst = self
+            .topology()?
+            .into_iter()
+            .find(|n| n.primary && n.id != src.id && !n.slots.is_empty())
+            .ok_or_else(|| HarnessError::NotReady {
+                port: 0,
+                why: "no other primary".into(),
+            })?;
+        let (s, d) = (self.require(src.port)?, self.require(dst.port)?);
+        let slot_s = slot.to_string();
+        let _: String = d.cmd(&["CLUSTER", "SETSLOT", &slot_s, "IMPORTING", &src.id])?;
+        let _: String = s.cmd(&["CLUSTER", "SETSLOT", &slot_s, "MIGRATING", &dst.id])?;
+        loop {
+            let keys: Vec<String> = s.cmd(&["CLUSTER", "GETKEYSINSLOT", &slot_s, "100"])?;
+            if keys.is_empty() {
+                break;
+            }
+            let port = dst.port.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(keys.iter().map(String::as_str));
+            let _: String = s.cmd(&args)?;
+        }
+        for n in self.topology()?.iter().filter(|n| n.primary) {
+            let _: String = self
+                .require(n.port)?
+                .cmd(&["CLUSTER", "SETSLOT", &slot_s, "NODE", &dst.id])?;
+        }
+        Ok(dst)
+    }
+
+    fn require(&self, port: u16) -> Result<&RedisServer> {
+        self.node(port).ok_or_else(|| HarnessError::NotReady {
+            port,
+            why: "not a node of this cluster".into(),
+        })
+    }
+}
+
+/// What a [`FaultProxy`] does with the bytes it carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward both ways.
+    Pass = 0,
+    /// Forward requests, swallow replies: the server acts, the client never hears.
+    DropReplies = 1,
+    /// Swallow everything both ways, keeping connections open.
+    Blackhole = 2,
+    /// Forward both ways, each chunk 50 ms late.
+    Delay = 3,
+}
+
+impl Fault {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::DropReplies,
+            2 => Self::Blackhole,
+            3 => Self::Delay,
+            _ => Self::Pass,
+        }
+    }
+}
+
+/// A TCP proxy on a loopback port, in front of `upstream`, whose behaviour a test sets.
+#[derive(Debug)]
+pub struct FaultProxy {
+    port: u16,
+    fault: Arc<AtomicU8>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl FaultProxy {
+    /// Listens on a free loopback port and forwards to `upstream`.
+    pub fn start(upstream: SocketAddr) -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        listener.set_nonblocking(true)?;
+        let fault = Arc::new(AtomicU8::new(Fault::Pass as u8));
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let (f, s, c) = (fault.clone(), stop.clone(), conns.clone());
+        thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        let _ = client.set_nonblocking(false);
+                        let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2))
+                        else {
+                            let _ = client.shutdown(Shutdown::Both);
+                            continue;
+                        };
+                        if let (Ok(c1), Ok(s1)) = (client.try_clone(), server.try_clone())
+                            && let Ok(mut list) = c.lock()
+                        {
+                            list.push(c1);
+                            list.push(s1);
+                        }
+                        pump(&client, &server, f.clone(), false);
+                        pump(&server, &client, f.clone(), true);
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok(Self {
+            port,
+            fault,
+            stop,
+            conns,
+        })
+    }
+
+    /// The proxy's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Sets what happens to bytes from now on.
+    pub fn set(&self, fault: Fault) {
+        self.fault.store(fault as u8, Ordering::SeqCst);
+    }
+
+    /// Closes every connection it carries (clients see a reset and reconnect).
+    pub fn cut(&self) {
+        if let Ok(mut list) = self.conns.lock() {
+            for s in list.drain(..) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.cut();
+    }
+}
+
+fn pump(from: &TcpStream, to: &TcpStream, fault: Arc<AtomicU8>, is_reply: bool) {
+    let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
+        return;
+    };
+    thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            match Fault::from_u8(fault.load(Ordering::SeqCst)) {
+                Fault::Blackhole => continue,
+                Fault::DropReplies if is_reply => continue,
+                Fault::Delay => thread::sleep(Duration::from_millis(50)),
+                _ => {}
+            }
+            if to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+    });
+}

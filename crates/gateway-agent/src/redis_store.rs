@@ -1,0 +1,311 @@
+//! The Redis store: calls the `leasehold` function library (`lua/leasehold.lua`) on a
+//! single Redis or a Redis Cluster.
+//!
+//! Every call is one `FCALL` on one key. The library is loaded with `FUNCTION LOAD
+//! REPLACE` on every primary at connect. When a node answers that the function does not
+//! exist (a restart without persistence, `FUNCTION FLUSH`, a failover to a node that never
+//! had it), the library is loaded again once — one caller loads, the others that saw the
+//! same failure wait for it — and the call is retried. Requests are idempotent by
+//! `(agent, seq)`, so that retry, and the cluster client's own retries after `MOVED`,
+//! `ASK` or a dropped connection, never debit twice.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use lease_core::key::BucketKey;
+use lease_core::model::{Op, ProtocolError, Reply, Request, validate};
+use lease_core::rule::BucketParams;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, RedisError, Value};
+
+/// The function library, as shipped.
+pub const LIBRARY: &str = include_str!("../../../lua/leasehold.lua");
+
+/// Why a store call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The request was refused before it was sent: it can never succeed as written.
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    /// The store refused the request (`LH_*` error from the library).
+    #[error("store refused the request: {code} {message}")]
+    Refused {
+        /// `LH_CAPACITY`, `LH_STALE` or `LH_ARG`.
+        code: String,
+        /// The store's explanation.
+        message: String,
+    },
+    /// The store could not be reached or did not answer in time. The request may or may
+    /// not have been applied; retrying it with the same `(agent, seq)` is safe.
+    #[error("store unavailable: {0}")]
+    Unavailable(#[source] RedisError),
+    /// No answer within the call timeout. As for `Unavailable`, a retry is safe.
+    #[error("store call timed out after {0:?}")]
+    Timeout(Duration),
+    /// The store answered in a way that needs an operator: a key of another type where a
+    /// bucket should be, a read-only replica, an unexpected reply.
+    #[error("store misconfigured: {0}")]
+    Misconfigured(String),
+}
+
+impl StoreError {
+    /// True when the outcome of the request is unknown and a retry with the same
+    /// sequence number is the right move.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Timeout(_))
+    }
+}
+
+/// Connection settings.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Bound on establishing a connection.
+    pub connect_timeout: Duration,
+    /// Bound on one call, reload included.
+    pub call_timeout: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(1),
+            call_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Self::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+}
+
+struct Loader {
+    generation: AtomicU64,
+    loads: AtomicU64,
+    lock: tokio::sync::Mutex<()>,
+}
+
+/// A connection to the store that holds the global buckets.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: Conn,
+    loader: Arc<Loader>,
+    config: StoreConfig,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field(
+                "mode",
+                &match self.conn {
+                    Conn::Single(_) => "single",
+                    Conn::Cluster(_) => "cluster",
+                },
+            )
+            .field("library_loads", &self.library_loads())
+            .finish()
+    }
+}
+
+impl RedisStore {
+    /// Connects to one Redis (`redis://host:port`) and loads the library.
+    pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::Misconfigured(format!("redis url {url:?}: {e}"))
+        })?;
+        let cm = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.call_timeout))
+            .set_number_of_retries(1);
+        let conn = tokio::time::timeout(
+            config.connect_timeout * 2,
+            ConnectionManager::new_with_config(client, cm),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
+        .map_err(StoreError::Unavailable)?;
+        Self::start(Conn::Single(conn), config).await
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
+    /// every primary.
+    pub async fn connect_cluster(nodes: &[String], config: StoreConfig) -> Result<Self, StoreError> {
+        let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+            .connection_timeout(config.connect_timeout)
+            .response_timeout(config.call_timeout)
+            .retries(3)
+            .build()
+            .map_err(|e| StoreError::Misconfigured(format!("cluster nodes {nodes:?}: {e}")))?;
+        let conn = tokio::time::timeout(config.connect_timeout * 2, client.get_async_connection())
+            .await
+            .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
+            .map_err(StoreError::Unavailable)?;
+        Self::start(Conn::Cluster(conn), config).await
+    }
+
+    async fn start(conn: Conn, config: StoreConfig) -> Result<Self, StoreError> {
+        let store = Self {
+            conn,
+            loader: Arc::new(Loader {
+                generation: AtomicU64::new(0),
+                loads: AtomicU64::new(0),
+                lock: tokio::sync::Mutex::new(()),
+            }),
+            config,
+        };
+        store.reload(0).await?;
+        Ok(store)
+    }
+
+    /// How many times the library was loaded (once at connect, then once per loss).
+    pub fn library_loads(&self) -> u64 {
+        self.loader.loads.load(Ordering::Relaxed)
+    }
+
+    /// Loads the library unless another caller already did since `seen` generation.
+    async fn reload(&self, seen: u64) -> Result<(), StoreError> {
+        let _one_at_a_time = self.loader.lock.lock().await;
+        if self.loader.generation.load(Ordering::Acquire) != seen {
+            return Ok(());
+        }
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg("REPLACE").arg(LIBRARY);
+        self.conn.query(&cmd).await.map_err(classify)?;
+        self.loader.loads.fetch_add(1, Ordering::Relaxed);
+        self.loader.generation.fetch_add(1, Ordering::Release);
+        tracing::info!(loads = self.library_loads(), "leasehold function library loaded");
+        Ok(())
+    }
+
+    /// Runs one request on the bucket at `key`, within the call timeout.
+    pub async fn call(
+        &self,
+        key: &BucketKey,
+        params: &BucketParams,
+        req: &Request,
+    ) -> Result<Reply, StoreError> {
+        validate(params, req)?;
+        let cmd = fcall(key, params, req);
+        let limit = self.config.call_timeout;
+        tokio::time::timeout(limit, async {
+            let seen = self.loader.generation.load(Ordering::Acquire);
+            match self.conn.query(&cmd).await {
+                Err(e) if is_missing_library(&e) => {
+                    self.reload(seen).await?;
+                    parse(self.conn.query(&cmd).await)
+                }
+                other => parse(other),
+            }
+        })
+        .await
+        .map_err(|_| StoreError::Timeout(limit))?
+    }
+
+    /// Reads `maxmemory-policy`; bucket keys must not be evicted (a lost bucket resets
+    /// its budget), so anything but `noeviction` or a `volatile-*` policy is a warning.
+    pub async fn maxmemory_policy(&self) -> Result<String, StoreError> {
+        let mut cmd = redis::cmd("CONFIG");
+        cmd.arg("GET").arg("maxmemory-policy");
+        let v = self.conn.query(&cmd).await.map_err(classify)?;
+        let found = match v {
+            Value::Array(items) => items.get(1).cloned(),
+            Value::Map(pairs) => pairs.into_iter().next().map(|(_, v)| v),
+            _ => None,
+        };
+        match found {
+            Some(v) => redis::from_redis_value::<String>(v)
+                .map_err(|e| StoreError::Misconfigured(format!("maxmemory-policy: {e}"))),
+            None => Err(StoreError::Misconfigured(
+                "CONFIG GET maxmemory-policy returned nothing".into(),
+            )),
+        }
+    }
+}
+
+/// Builds the `FCALL` for `req` (argument order documented in `lua/leasehold.lua`).
+pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
+    let function = match req.op {
+        Op::Acquire { .. } => "lh_acquire",
+        Op::Release { .. } => "lh_release",
+        Op::Exact { .. } => "lh_exact",
+    };
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg(function)
+        .arg(1)
+        .arg(key.as_str())
+        .arg(p.capacity)
+        .arg(p.rate.tokens())
+        .arg(p.rate.period_us())
+        .arg(p.lease_ttl_us)
+        .arg(p.grace_us)
+        .arg(p.max_outstanding)
+        .arg(req.agent.to_string())
+        .arg(req.seq);
+    match req.op {
+        Op::Acquire {
+            held,
+            want,
+            min,
+            demand,
+        } => cmd.arg(held).arg(want).arg(min).arg(demand),
+        Op::Release { returned } => cmd.arg(returned),
+        Op::Exact { cost } => cmd.arg(cost),
+    };
+    cmd
+}
+
+fn is_missing_library(e: &RedisError) -> bool {
+    e.to_string().contains("Function not found")
+}
+
+fn classify(e: RedisError) -> StoreError {
+    if let Some(code) = e.code()
+        && code.starts_with("LH_")
+    {
+        let detail = e.detail().unwrap_or_default();
+        // Redis appends " script: NAME, on @user_function:LINE." to errors from functions.
+        let message = detail.split(" script: ").next().unwrap_or(detail).to_owned();
+        return StoreError::Refused {
+            code: code.to_owned(),
+            message,
+        };
+    }
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(e.code(), Some("LOADING" | "CLUSTERDOWN" | "TRYAGAIN" | "MASTERDOWN"))
+    {
+        return StoreError::Unavailable(e);
+    }
+    StoreError::Misconfigured(e.to_string())
+}
+
+fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
+    let v = v.map_err(classify)?;
+    let nums: Vec<u64> = redis::from_redis_value(v.clone())
+        .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
+    match nums[..] {
+        [granted, ttl_us, remaining, retry_us, now_us] => Ok(Reply {
+            granted,
+            ttl_us,
+            remaining,
+            retry_us,
+            now_us,
+        }),
+        _ => Err(StoreError::Misconfigured(format!("unexpected reply {nums:?}"))),
+    }
+}

@@ -1,0 +1,246 @@
+//! The Lua functions against the reference model, on a real Redis.
+//!
+//! Random operation sequences (acquire, release, exact, replayed and stale sequence
+//! numbers, pauses long enough for leases, records and keys to expire, rule parameters
+//! changing under a live bucket) run against Redis and against the model fed the server
+//! time each reply reports. The replies must be identical, and after every call the hash
+//! Redis holds and its expiry time must equal the model's, field for field.
+//! Seed: `LEASEHOLD_SEED` (printed on every run); steps per rule: `LEASEHOLD_DIFF_STEPS`.
+
+mod support;
+
+use std::time::Duration;
+
+use gateway_agent::StoreError;
+use lease_core::key::BucketKey;
+use lease_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request};
+use lease_core::rule::{BucketParams, RuleName};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use redis_harness::RedisServer;
+use support::{field, hash, params, runtime, server, store};
+
+fn seed() -> u64 {
+    let seed = std::env::var("LEASEHOLD_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    println!("LEASEHOLD_SEED={seed}");
+    seed
+}
+
+fn steps() -> usize {
+    std::env::var("LEASEHOLD_DIFF_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(250)
+}
+
+struct Case {
+    name: &'static str,
+    /// Parameter sets used at random on the same key (more than one: rules changing).
+    params: Vec<BucketParams>,
+    /// Longest pause between calls, ms.
+    max_pause_ms: u64,
+}
+
+fn check_same(server: &RedisServer, key: &BucketKey, model: &GlobalBucket, ctx: &str) {
+    let redis = hash(server, key.as_str());
+    assert_eq!(redis, model.fields(), "hash differs {ctx}");
+    if let Some(s) = model.state() {
+        let at: i64 = server
+            .cmd(&["PEXPIRETIME", key.as_str()])
+            .expect("PEXPIRETIME");
+        assert_eq!(at, s.expire_at_ms as i64, "key expiry differs {ctx}");
+    }
+}
+
+async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
+    let st = store(&server.url()).await;
+    let rule = RuleName::new(case.name).expect("rule name");
+    let key = BucketKey::new(&rule, format!("subject-{}", rng.random::<u32>())).expect("key");
+    let mut model = GlobalBucket::new();
+    let agents: Vec<AgentId> = (0..3).map(|_| AgentId(rng.random())).collect();
+    let mut seqs = [0u64; 3];
+    // A retry re-sends the original command: same request, same rule parameters.
+    let mut last: [Option<(Request, BucketParams)>; 3] = [None; 3];
+    let mut last_now = 0;
+    let (mut replays, mut stales, mut denials) = (0, 0, 0);
+    for step in 0..steps() {
+        let i = rng.random_range(0..agents.len());
+        let roll = rng.random_range(0..100);
+        let (req, p) = match (roll, last[i]) {
+            (0..8, Some(prev)) => prev,
+            (8..12, Some((prev, p))) if prev.seq > 1 => (
+                Request {
+                    seq: prev.seq - 1,
+                    ..prev
+                },
+                p,
+            ),
+            _ => {
+                let p = case.params[rng.random_range(0..case.params.len())];
+                seqs[i] += 1;
+                let cap = p.capacity;
+                let op = match rng.random_range(0..10) {
+                    0..5 => {
+                        let want = rng.random_range(1..=cap);
+                        Op::Acquire {
+                            held: rng.random_range(0..=cap / 2 + 2),
+                            want,
+                            min: rng.random_range(1..=want),
+                            demand: rng.random_range(0..1_000_000),
+                        }
+                    }
+                    5..7 => Op::Release {
+                        returned: rng.random_range(0..=cap),
+                    },
+                    _ => Op::Exact {
+                        cost: rng.random_range(1..=cap.min(10)),
+                    },
+                };
+                (
+                    Request {
+                        agent: agents[i],
+                        seq: seqs[i],
+                        op,
+                    },
+                    p,
+                )
+            }
+        };
+        let ctx = format!("in case {} step {step}: {req:?} with {p:?}", case.name);
+        match st.call(&key, &p, &req).await {
+            Ok(reply) => {
+                let expected = model
+                    .apply(&p, reply.now_us, &req)
+                    .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
+                assert_eq!(reply, expected, "reply differs {ctx}");
+                if last[i].is_some_and(|(prev, _)| prev.seq >= req.seq) {
+                    replays += 1;
+                }
+                if reply.granted == 0 && !matches!(req.op, Op::Release { .. }) {
+                    denials += 1;
+                    assert!(reply.retry_us > 0, "denial without retry time {ctx}");
+                }
+                last_now = last_now.max(reply.now_us);
+            }
+            Err(StoreError::Refused { code, message }) => {
+                assert_eq!(code, "LH_STALE", "{message} {ctx}");
+                let model_says = model.apply(&p, last_now, &req);
+                assert!(
+                    matches!(model_says, Err(ProtocolError::StaleSequence { .. })),
+                    "Redis said stale, model said {model_says:?} {ctx}"
+                );
+                stales += 1;
+            }
+            Err(e) => panic!("store error {e} {ctx}"),
+        }
+        if last[i].is_none_or(|(prev, _)| req.seq > prev.seq) {
+            last[i] = Some((req, p));
+        }
+        check_same(server, &key, &model, &ctx);
+        if rng.random_range(0..10) == 0 {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..=case.max_pause_ms))).await;
+        }
+    }
+    println!(
+        "case {}: {} steps, {replays} replays, {stales} stale, {denials} denials, tok={} out={}",
+        case.name,
+        steps(),
+        field(server, key.as_str(), "tok"),
+        field(server, key.as_str(), "out")
+    );
+}
+
+#[test]
+fn differential_lua_matches_model() {
+    let mut rng = StdRng::seed_from_u64(seed());
+    let server = server();
+    let cases = [
+        Case {
+            name: "fast-small",
+            params: vec![params(5, "1000/s", "30ms", "10ms", None)],
+            max_pause_ms: 80,
+        },
+        Case {
+            name: "fractional",
+            params: vec![params(50, "7/100ms", "200ms", "50ms", None)],
+            max_pause_ms: 300,
+        },
+        Case {
+            name: "relaxed",
+            params: vec![params(20, "3/s", "100ms", "20ms", Some(8))],
+            max_pause_ms: 150,
+        },
+        Case {
+            name: "large-numbers",
+            params: vec![params(1_000_000, "1000000/s", "50ms", "10ms", None)],
+            max_pause_ms: 60,
+        },
+        Case {
+            name: "rule-changes",
+            params: vec![
+                params(30, "10/s", "80ms", "20ms", None),
+                params(12, "1/7ms", "40ms", "5ms", None),
+                params(30, "10/s", "80ms", "20ms", Some(5)),
+            ],
+            max_pause_ms: 100,
+        },
+    ];
+    runtime().block_on(async {
+        for case in &cases {
+            run_case(&server, case, &mut rng).await;
+        }
+    });
+}
+
+/// The Lua refuses bad arguments itself, not only the Rust client: a misconfigured or
+/// foreign caller gets an error that names the argument, and nothing is written.
+#[test]
+fn lua_refuses_bad_arguments_and_writes_nothing() {
+    let server = server();
+    runtime().block_on(async {
+        // Loads the library.
+        let _store = store(&server.url()).await;
+    });
+    let base = ["10", "1", "1000000", "1000000", "100000", "0"];
+    let cases: &[(&str, &[&str], &str)] = &[
+        ("lh_exact", &["00ab", "1", "11"], "LH_CAPACITY 11 tokens requested"),
+        ("lh_exact", &["00ab", "1", "0"], "LH_ARG invalid argument cost = 0"),
+        ("lh_exact", &["00ab", "1", "1.5"], "LH_ARG invalid argument cost = 1.5"),
+        ("lh_exact", &["00ab", "-1", "1"], "LH_ARG invalid argument seq = -1"),
+        ("lh_exact", &["{x}", "1", "1"], "LH_ARG invalid argument agent"),
+        ("lh_acquire", &["00ab", "1", "0", "5", "6", "0"], "LH_ARG invalid argument want = 5"),
+        ("lh_acquire", &["00ab", "1", "0", "20", "11", "0"], "LH_CAPACITY 11"),
+        ("lh_acquire", &["00ab", "1", "99999999999999", "1", "1", "0"], "LH_ARG invalid argument held"),
+        ("lh_release", &["00ab", "1", "x"], "LH_ARG invalid argument returned = x"),
+    ];
+    let mut conn = server.connection().expect("connection");
+    for (f, tail, want) in cases {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(*f).arg(1).arg("lh:{t|bad}");
+        for a in base.iter().chain(tail.iter()) {
+            cmd.arg(*a);
+        }
+        let err = cmd
+            .query::<redis::Value>(&mut conn)
+            .expect_err("bad arguments must be refused");
+        let text = format!("{} {}", err.code().unwrap_or_default(), err.detail().unwrap_or_default());
+        assert!(text.starts_with(want), "{f} {tail:?}: got {text:?}, want {want:?}");
+    }
+    let mut cmd = redis::cmd("FCALL");
+    cmd.arg("lh_exact").arg(1).arg("lh:{t|bad}");
+    for a in ["0", "1", "1000000", "1000000", "100000", "0", "00ab", "1", "1"] {
+        cmd.arg(a);
+    }
+    let err = cmd.query::<redis::Value>(&mut conn).expect_err("capacity 0");
+    let text = err.detail().unwrap_or_default();
+    assert!(text.contains("invalid bucket parameters"), "{text}");
+    let exists: i64 = server.cmd(&["EXISTS", "lh:{t|bad}"]).expect("EXISTS");
+    assert_eq!(exists, 0, "a refused call wrote the key");
+}

@@ -1,4 +1,5 @@
 //! The protocol on a 6-node Redis Cluster (3 primaries, 3 replicas).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -49,29 +50,66 @@ fn i7_cluster_buckets_land_on_their_slots_whatever_the_subject() {
         for (i, s) in subjects.iter().enumerate() {
             let k = BucketKey::new(&rule, s).expect("key");
             assert!(keys.insert(k.clone()), "two subjects share a key: {k}");
-            let slot: u16 = c.nodes[0].cmd(&["CLUSTER", "KEYSLOT", k.as_str()]).expect("KEYSLOT");
-            assert_eq!(slot, k.slot(), "Redis places {k} elsewhere than its tag says");
+            let slot: u16 = c.nodes[0]
+                .cmd(&["CLUSTER", "KEYSLOT", k.as_str()])
+                .expect("KEYSLOT");
+            assert_eq!(
+                slot,
+                k.slot(),
+                "Redis places {k} elsewhere than its tag says"
+            );
             let req = Request {
                 agent: AgentId(i as u64 + 1),
                 seq: 1,
-                op: Op::Acquire { held: 0, want: 3, min: 1, demand: 0 },
+                op: Op::Acquire {
+                    held: 0,
+                    want: 3,
+                    min: 1,
+                    demand: 0,
+                },
             };
             let r = st.call(&k, &p, &req).await.expect("acquire on the cluster");
             assert_eq!(r.granted, 3, "{k} did not start full: it shares state");
             let owner = c.owner(slot).expect("owner");
-            let exists: i64 = c.node(owner.port).expect("node").cmd(&["EXISTS", k.as_str()]).expect("EXISTS");
+            let exists: i64 = c
+                .node(owner.port)
+                .expect("node")
+                .cmd(&["EXISTS", k.as_str()])
+                .expect("EXISTS");
             assert_eq!(exists, 1, "{k} is not on the primary of slot {slot}");
             *per_shard.entry(owner.port).or_default() += 1;
         }
     });
-    let primaries: Vec<_> = c.topology().expect("topology").into_iter().filter(|n| n.primary).collect();
+    let primaries: Vec<_> = c
+        .topology()
+        .expect("topology")
+        .into_iter()
+        .filter(|n| n.primary)
+        .collect();
     let total: i64 = primaries
         .iter()
-        .map(|n| c.node(n.port).expect("node").cmd::<i64>(&["DBSIZE"]).expect("DBSIZE"))
+        .map(|n| {
+            c.node(n.port)
+                .expect("node")
+                .cmd::<i64>(&["DBSIZE"])
+                .expect("DBSIZE")
+        })
         .sum();
-    assert_eq!(total as usize, subjects.len(), "calls created keys other than their own");
-    assert_eq!(per_shard.len(), 3, "40 buckets should spread over the 3 shards: {per_shard:?}");
-    println!("{} buckets over 3 shards: {:?} (port -> buckets)", subjects.len(), per_shard);
+    assert_eq!(
+        total as usize,
+        subjects.len(),
+        "calls created keys other than their own"
+    );
+    assert_eq!(
+        per_shard.len(),
+        3,
+        "40 buckets should spread over the 3 shards: {per_shard:?}"
+    );
+    println!(
+        "{} buckets over 3 shards: {:?} (port -> buckets)",
+        subjects.len(),
+        per_shard
+    );
 }
 
 /// A resharding moves a bucket's slot to another primary: the next call gets MOVED, the
@@ -89,9 +127,18 @@ fn cluster_follows_moved_after_resharding() {
         let mut seq = 0;
         let mut step = |op| {
             seq += 1;
-            Request { agent: AgentId(0xC1), seq, op }
+            Request {
+                agent: AgentId(0xC1),
+                seq,
+                op,
+            }
         };
-        let req = step(Op::Acquire { held: 0, want: 8, min: 1, demand: 0 });
+        let req = step(Op::Acquire {
+            held: 0,
+            want: 8,
+            min: 1,
+            demand: 0,
+        });
         let r = st.call(&k, &p, &req).await.expect("before");
         assert_eq!(r, model.apply(&p, r.now_us, &req).expect("model"));
         let before = c.owner(k.slot()).expect("owner");
@@ -99,16 +146,33 @@ fn cluster_follows_moved_after_resharding() {
         assert_ne!(before.id, after.id);
         for op in [
             Op::Exact { cost: 2 },
-            Op::Acquire { held: 5, want: 4, min: 1, demand: 0 },
+            Op::Acquire {
+                held: 5,
+                want: 4,
+                min: 1,
+                demand: 0,
+            },
             Op::Release { returned: 9 },
         ] {
             let req = step(op);
             let r = st.call(&k, &p, &req).await.expect("after MOVED");
-            assert_eq!(r, model.apply(&p, r.now_us, &req).expect("model"), "state lost in the move");
+            assert_eq!(
+                r,
+                model.apply(&p, r.now_us, &req).expect("model"),
+                "state lost in the move"
+            );
         }
-        let exists: i64 = c.node(after.port).expect("node").cmd(&["EXISTS", k.as_str()]).expect("EXISTS");
+        let exists: i64 = c
+            .node(after.port)
+            .expect("node")
+            .cmd(&["EXISTS", k.as_str()])
+            .expect("EXISTS");
         assert_eq!(exists, 1);
-        println!("slot {} moved from :{} to :{}; 3 calls followed MOVED, replies equal to the model",
-                 k.slot(), before.port, after.port);
+        println!(
+            "slot {} moved from :{} to :{}; 3 calls followed MOVED, replies equal to the model",
+            k.slot(),
+            before.port,
+            after.port
+        );
     });
 }

@@ -3,6 +3,7 @@
 //! the hash. Checked: the bucket never goes negative and `tok + out <= B` at every sample
 //! (I1); each agent spends no more than it was granted (I3) and only before its deadline
 //! (I4); and in total, admitted <= B + r * elapsed. Duration: `LEASEHOLD_HAMMER_SECS`.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -40,7 +41,14 @@ async fn call(store: &RedisStore, key: &BucketKey, p: &BucketParams, req: Reques
     }
 }
 
-async fn agent(store: RedisStore, key: BucketKey, p: BucketParams, start: Instant, run_for: Duration, n: u64) -> Tally {
+async fn agent(
+    store: RedisStore,
+    key: BucketKey,
+    p: BucketParams,
+    start: Instant,
+    run_for: Duration,
+    n: u64,
+) -> Tally {
     let id = AgentId(0xA000 + n);
     let lease = LocalLease::new();
     let clock = || start.elapsed().as_nanos() as u64;
@@ -48,14 +56,21 @@ async fn agent(store: RedisStore, key: BucketKey, p: BucketParams, start: Instan
     let mut t = Tally::default();
     let mut i = n;
     while start.elapsed() < run_for {
-        i = i.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        i = i
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         seq += 1;
         match (i >> 33) % 10 {
             0..7 => {
                 let sent = clock();
                 let held = lease.declare(sent);
                 let want = 1 + (i >> 40) % 12;
-                let op = Op::Acquire { held, want, min: 1, demand: want * 1000 };
+                let op = Op::Acquire {
+                    held,
+                    want,
+                    min: 1,
+                    demand: want * 1000,
+                };
                 let r = call(&store, &key, &p, Request { agent: id, seq, op }).await;
                 lease.grant(r.granted, sent + r.ttl_us * 1000 - MARGIN_NS);
                 t.granted += r.granted;
@@ -70,19 +85,42 @@ async fn agent(store: RedisStore, key: BucketKey, p: BucketParams, start: Instan
             }
             7..9 => {
                 let returned = lease.take_all();
-                let r = call(&store, &key, &p, Request { agent: id, seq, op: Op::Release { returned } }).await;
+                let r = call(
+                    &store,
+                    &key,
+                    &p,
+                    Request {
+                        agent: id,
+                        seq,
+                        op: Op::Release { returned },
+                    },
+                )
+                .await;
                 assert!(r.granted <= returned);
                 t.credited += r.granted;
             }
             _ => {
-                let r = call(&store, &key, &p, Request { agent: id, seq, op: Op::Exact { cost: 1 } }).await;
+                let r = call(
+                    &store,
+                    &key,
+                    &p,
+                    Request {
+                        agent: id,
+                        seq,
+                        op: Op::Exact { cost: 1 },
+                    },
+                )
+                .await;
                 t.exact += r.granted;
             }
         }
         t.calls += 1;
     }
     // I3: every token granted was spent, credited back, or is still held (never more).
-    assert!(t.spent + t.credited + lease.held() <= t.granted, "I3: agent {n} overspent: {t:?}");
+    assert!(
+        t.spent + t.credited + lease.held() <= t.granted,
+        "I3: agent {n} overspent: {t:?}"
+    );
     t
 }
 
@@ -111,7 +149,10 @@ fn i1_i3_i4_sixteen_agents_hammer_one_key() {
                     .query(&mut c)
                     .expect("HMGET");
                 let (tok, out) = (tok.unwrap_or(200), out.unwrap_or(0));
-                assert!(tok >= 0 && out >= 0, "bucket went negative: tok {tok} out {out}");
+                assert!(
+                    tok >= 0 && out >= 0,
+                    "bucket went negative: tok {tok} out {out}"
+                );
                 assert!(tok + out <= 200, "I1: tok {tok} + out {out} > B");
                 samples += 1;
                 std::thread::sleep(Duration::from_millis(5));
@@ -152,7 +193,18 @@ fn i1_i3_i4_sixteen_agents_hammer_one_key() {
         spent + exact,
         granted - credited + exact,
     );
-    assert!(spent + exact <= bound, "admitted {} > {bound}", spent + exact);
-    assert!(granted - credited + exact <= bound, "net debit {} > {bound}", granted - credited + exact);
-    assert!(granted > 0 && exact > 0 && credited > 0, "every path was exercised");
+    assert!(
+        spent + exact <= bound,
+        "admitted {} > {bound}",
+        spent + exact
+    );
+    assert!(
+        granted - credited + exact <= bound,
+        "net debit {} > {bound}",
+        granted - credited + exact
+    );
+    assert!(
+        granted > 0 && exact > 0 && credited > 0,
+        "every path was exercised"
+    );
 }

@@ -6,6 +6,7 @@
 //! time each reply reports. The replies must be identical, and after every call the hash
 //! Redis holds and its expiry time must equal the model's, field for field.
 //! Seed: `LEASEHOLD_SEED` (printed on every run); steps per rule: `LEASEHOLD_DIFF_STEPS`.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -145,7 +146,10 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
         }
         check_same(server, &key, &model, &ctx);
         if rng.random_range(0..10) == 0 {
-            tokio::time::sleep(Duration::from_millis(rng.random_range(0..=case.max_pause_ms))).await;
+            tokio::time::sleep(Duration::from_millis(
+                rng.random_range(0..=case.max_pause_ms),
+            ))
+            .await;
         }
     }
     println!(
@@ -210,15 +214,51 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
     });
     let base = ["10", "1", "1000000", "1000000", "100000", "0"];
     let cases: &[(&str, &[&str], &str)] = &[
-        ("lh_exact", &["00ab", "1", "11"], "LH_CAPACITY 11 tokens requested"),
-        ("lh_exact", &["00ab", "1", "0"], "LH_ARG invalid argument cost = 0"),
-        ("lh_exact", &["00ab", "1", "1.5"], "LH_ARG invalid argument cost = 1.5"),
-        ("lh_exact", &["00ab", "-1", "1"], "LH_ARG invalid argument seq = -1"),
-        ("lh_exact", &["{x}", "1", "1"], "LH_ARG invalid argument agent"),
-        ("lh_acquire", &["00ab", "1", "0", "5", "6", "0"], "LH_ARG invalid argument want = 5"),
-        ("lh_acquire", &["00ab", "1", "0", "20", "11", "0"], "LH_CAPACITY 11"),
-        ("lh_acquire", &["00ab", "1", "99999999999999", "1", "1", "0"], "LH_ARG invalid argument held"),
-        ("lh_release", &["00ab", "1", "x"], "LH_ARG invalid argument returned = x"),
+        (
+            "lh_exact",
+            &["00ab", "1", "11"],
+            "LH_CAPACITY 11 tokens requested",
+        ),
+        (
+            "lh_exact",
+            &["00ab", "1", "0"],
+            "LH_ARG invalid argument cost = 0",
+        ),
+        (
+            "lh_exact",
+            &["00ab", "1", "1.5"],
+            "LH_ARG invalid argument cost = 1.5",
+        ),
+        (
+            "lh_exact",
+            &["00ab", "-1", "1"],
+            "LH_ARG invalid argument seq = -1",
+        ),
+        (
+            "lh_exact",
+            &["{x}", "1", "1"],
+            "LH_ARG invalid argument agent",
+        ),
+        (
+            "lh_acquire",
+            &["00ab", "1", "0", "5", "6", "0"],
+            "LH_ARG invalid argument want = 5",
+        ),
+        (
+            "lh_acquire",
+            &["00ab", "1", "0", "20", "11", "0"],
+            "LH_CAPACITY 11",
+        ),
+        (
+            "lh_acquire",
+            &["00ab", "1", "99999999999999", "1", "1", "0"],
+            "LH_ARG invalid argument held",
+        ),
+        (
+            "lh_release",
+            &["00ab", "1", "x"],
+            "LH_ARG invalid argument returned = x",
+        ),
     ];
     let mut conn = server.connection().expect("connection");
     for (f, tail, want) in cases {
@@ -230,15 +270,26 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
         let err = cmd
             .query::<redis::Value>(&mut conn)
             .expect_err("bad arguments must be refused");
-        let text = format!("{} {}", err.code().unwrap_or_default(), err.detail().unwrap_or_default());
-        assert!(text.starts_with(want), "{f} {tail:?}: got {text:?}, want {want:?}");
+        let text = format!(
+            "{} {}",
+            err.code().unwrap_or_default(),
+            err.detail().unwrap_or_default()
+        );
+        assert!(
+            text.starts_with(want),
+            "{f} {tail:?}: got {text:?}, want {want:?}"
+        );
     }
     let mut cmd = redis::cmd("FCALL");
     cmd.arg("lh_exact").arg(1).arg("lh:{t|bad}");
-    for a in ["0", "1", "1000000", "1000000", "100000", "0", "00ab", "1", "1"] {
+    for a in [
+        "0", "1", "1000000", "1000000", "100000", "0", "00ab", "1", "1",
+    ] {
         cmd.arg(a);
     }
-    let err = cmd.query::<redis::Value>(&mut conn).expect_err("capacity 0");
+    let err = cmd
+        .query::<redis::Value>(&mut conn)
+        .expect_err("capacity 0");
     let text = err.detail().unwrap_or_default();
     assert!(text.contains("invalid bucket parameters"), "{text}");
     let exists: i64 = server.cmd(&["EXISTS", "lh:{t|bad}"]).expect("EXISTS");

@@ -2,6 +2,7 @@
 //! what they hold on their next acquire, so `outstanding` on the promoted replica
 //! recovers exactly; the overshoot the lost writes leave is measured, and must be at most
 //! the grants made in the lag window.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -40,7 +41,12 @@ fn i8_failover_redeclare_recovers_outstanding_and_overshoot_is_bounded() {
     let start = std::time::Instant::now();
     let now_ns = || start.elapsed().as_nanos() as u64;
     let mut agents: Vec<Agent> = (0..4)
-        .map(|i| Agent { id: AgentId(0xF0 + i), seq: 0, lease: LocalLease::new(), admitted: 0 })
+        .map(|i| Agent {
+            id: AgentId(0xF0 + i),
+            seq: 0,
+            lease: LocalLease::new(),
+            admitted: 0,
+        })
         .collect();
     runtime().block_on(async {
         let primary = store(&pair.primary.url()).await;

@@ -2,6 +2,7 @@
 //! `(agent, seq)`, is applied once and answered with the first reply. The reply is lost
 //! for real: a TCP proxy between client and Redis swallows it, then the connection
 //! breaks, and the client reconnects and retries.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -65,26 +66,45 @@ fn i2_retried_acquire_after_lost_reply_debits_once() {
         let acquire = Request {
             agent,
             seq: 1,
-            op: Op::Acquire { held: 0, want: 30, min: 1, demand: 0 },
+            op: Op::Acquire {
+                held: 0,
+                want: 30,
+                min: 1,
+                demand: 0,
+            },
         };
         let (reply, after_first) = lose_then_retry(&server, &proxy, &st, &k, &p, acquire).await;
         assert_eq!(reply.granted, 30, "the retry replays the grant");
-        assert_eq!(hash(&server, k.as_str()), after_first, "the retry changed the bucket");
+        assert_eq!(
+            hash(&server, k.as_str()),
+            after_first,
+            "the retry changed the bucket"
+        );
         assert_eq!(field(&server, k.as_str(), "out"), 30, "debited once");
         assert!(field(&server, k.as_str(), "tok") <= 70 + 1);
 
         // The same holds for exact and release.
-        let exact = Request { agent, seq: 2, op: Op::Exact { cost: 5 } };
+        let exact = Request {
+            agent,
+            seq: 2,
+            op: Op::Exact { cost: 5 },
+        };
         let (reply, after_first) = lose_then_retry(&server, &proxy, &st, &k, &p, exact).await;
         assert_eq!(reply.granted, 5);
         assert_eq!(hash(&server, k.as_str()), after_first);
-        let release = Request { agent, seq: 3, op: Op::Release { returned: 30 } };
+        let release = Request {
+            agent,
+            seq: 3,
+            op: Op::Release { returned: 30 },
+        };
         let (reply, after_first) = lose_then_retry(&server, &proxy, &st, &k, &p, release).await;
         assert_eq!(reply.granted, 30, "credited once");
         assert_eq!(hash(&server, k.as_str()), after_first);
         assert_eq!(field(&server, k.as_str(), "out"), 0);
-        println!("lost replies: acquire 30, exact 5, release 30 each applied exactly once; tok now {}",
-                 field(&server, k.as_str(), "tok"));
+        println!(
+            "lost replies: acquire 30, exact 5, release 30 each applied exactly once; tok now {}",
+            field(&server, k.as_str(), "tok")
+        );
     });
 }
 
@@ -98,7 +118,12 @@ fn i2_same_seq_twice_replays_and_changes_nothing() {
         let req = Request {
             agent: AgentId(7),
             seq: 41,
-            op: Op::Acquire { held: 0, want: 4, min: 1, demand: 0 },
+            op: Op::Acquire {
+                held: 0,
+                want: 4,
+                min: 1,
+                demand: 0,
+            },
         };
         let first = st.call(&k, &p, &req).await.expect("first");
         let before = hash(&server, k.as_str());
@@ -110,7 +135,10 @@ fn i2_same_seq_twice_replays_and_changes_nothing() {
         match st.call(&k, &p, &stale).await {
             Err(StoreError::Refused { code, message }) => {
                 assert_eq!(code, "LH_STALE");
-                assert!(message.contains("40") && message.contains("41"), "{message}");
+                assert!(
+                    message.contains("40") && message.contains("41"),
+                    "{message}"
+                );
             }
             other => panic!("a stale sequence must be refused, got {other:?}"),
         }

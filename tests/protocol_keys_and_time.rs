@@ -1,5 +1,6 @@
 //! Keys, clocks and the function library on a real Redis: I4, I5, I6, I7, and the
 //! single-flight reload of a lost library.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 mod support;
 
@@ -19,7 +20,11 @@ fn rule() -> RuleName {
 }
 
 fn exact(agent: u64, seq: u64, cost: u64) -> Request {
-    Request { agent: AgentId(agent), seq, op: Op::Exact { cost } }
+    Request {
+        agent: AgentId(agent),
+        seq,
+        op: Op::Exact { cost },
+    }
 }
 
 fn server_time_us(server: &RedisServer) -> u64 {
@@ -38,13 +43,21 @@ fn i5_stored_time_ahead_of_the_server_creates_no_tokens() {
         let k = BucketKey::new(&rule(), "clock").expect("key");
         st.call(&k, &p, &exact(1, 1, 10)).await.expect("drain");
         let ahead = server_time_us(&server) + 3_600_000_000;
-        let _: i64 = server.cmd(&["HSET", k.as_str(), "ts", &ahead.to_string()]).expect("HSET");
+        let _: i64 = server
+            .cmd(&["HSET", k.as_str(), "ts", &ahead.to_string()])
+            .expect("HSET");
         tokio::time::sleep(Duration::from_millis(300)).await; // 30 tokens' worth of refill
         let r = st.call(&k, &p, &exact(1, 2, 1)).await.expect("call");
         assert_eq!(r.granted, 0, "tokens were created by a clock stepping back");
-        assert_eq!(r.now_us, ahead, "time must not move back: now = max(now, last)");
+        assert_eq!(
+            r.now_us, ahead,
+            "time must not move back: now = max(now, last)"
+        );
         assert_eq!(field(&server, k.as_str(), "tok"), 0);
-        println!("stored time 1h ahead: after 300ms of wall time, granted {} and now_us == stored ts", r.granted);
+        println!(
+            "stored time 1h ahead: after 300ms of wall time, granted {} and now_us == stored ts",
+            r.granted
+        );
     });
 }
 
@@ -61,13 +74,26 @@ fn i6_key_expires_only_when_full_and_leaseless() {
         let req = Request {
             agent: AgentId(3),
             seq: 1,
-            op: Op::Acquire { held: 0, want: 10, min: 1, demand: 0 },
+            op: Op::Acquire {
+                held: 0,
+                want: 10,
+                min: 1,
+                demand: 0,
+            },
         };
         let r = st.call(&k, &p, &req).await.expect("acquire");
         assert_eq!(r.granted, 10);
-        let at_ms: u64 = server.cmd(&["PEXPIRETIME", k.as_str()]).expect("PEXPIRETIME");
-        assert!(at_ms * 1000 >= r.now_us + 500_000, "key would expire before it is full again");
-        assert!(at_ms * 1000 <= r.now_us + 502_000, "key lives longer than needed");
+        let at_ms: u64 = server
+            .cmd(&["PEXPIRETIME", k.as_str()])
+            .expect("PEXPIRETIME");
+        assert!(
+            at_ms * 1000 >= r.now_us + 500_000,
+            "key would expire before it is full again"
+        );
+        assert!(
+            at_ms * 1000 <= r.now_us + 502_000,
+            "key lives longer than needed"
+        );
         tokio::time::sleep(Duration::from_millis(400)).await;
         let exists: i64 = server.cmd(&["EXISTS", k.as_str()]).expect("EXISTS");
         assert_eq!(exists, 1, "deleted while its lease or refill was pending");
@@ -97,7 +123,12 @@ fn i4_local_lease_ends_before_the_store_forgets_it() {
         let req = Request {
             agent: AgentId(0xD),
             seq: 1,
-            op: Op::Acquire { held: lease.declare(sent), want: 5, min: 1, demand: 0 },
+            op: Op::Acquire {
+                held: lease.declare(sent),
+                want: 5,
+                min: 1,
+                demand: 0,
+            },
         };
         let r: Reply = st.call(&k, &p, &req).await.expect("acquire");
         lease.grant(r.granted, sent + r.ttl_us * 1000 - 10_000_000);
@@ -108,8 +139,14 @@ fn i4_local_lease_ends_before_the_store_forgets_it() {
         assert_eq!(lease.try_spend(1, clock()), Spend::Expired);
         let drop_us = field(&server, k.as_str(), &format!("{}:x", AgentId(0xD)));
         let now_us = server_time_us(&server);
-        assert!(drop_us > now_us, "the store forgot the lease before the agent stopped spending");
-        println!("local lease ended {}µs before the store drops the record", drop_us - now_us);
+        assert!(
+            drop_us > now_us,
+            "the store forgot the lease before the agent stopped spending"
+        );
+        println!(
+            "local lease ended {}µs before the store drops the record",
+            drop_us - now_us
+        );
     });
 }
 
@@ -140,7 +177,12 @@ fn i7_each_call_touches_exactly_its_own_key() {
             let req = Request {
                 agent: AgentId(i as u64 + 1),
                 seq: 1,
-                op: Op::Acquire { held: 0, want: 2, min: 1, demand: 0 },
+                op: Op::Acquire {
+                    held: 0,
+                    want: 2,
+                    min: 1,
+                    demand: 0,
+                },
             };
             let r = st.call(&k, &p, &req).await.expect("call");
             assert_eq!(r.granted, 2, "each subject has its own full bucket");
@@ -150,13 +192,23 @@ fn i7_each_call_touches_exactly_its_own_key() {
     assert_eq!(n as usize, subjects.len());
     for line in LIBRARY.lines().filter(|l| l.contains("redis.call(")) {
         let args = line.split("redis.call(").nth(1).unwrap_or_default();
-        let target = args.split(',').nth(1).map(|a| a.trim().trim_end_matches(')'));
+        let target = args
+            .split(',')
+            .nth(1)
+            .map(|a| a.trim().trim_end_matches(')'));
         let ok = args.starts_with("'TIME')") || target == Some("key");
-        assert!(ok, "a redis.call that does not target the call's one key: {line}");
+        assert!(
+            ok,
+            "a redis.call that does not target the call's one key: {line}"
+        );
     }
     // ... and `key` is only ever bound to KEYS[1].
     for line in LIBRARY.lines().filter(|l| l.contains(" key =")) {
-        assert_eq!(line.trim(), "local key = keys[1]", "key bound to something else");
+        assert_eq!(
+            line.trim(),
+            "local key = keys[1]",
+            "key bound to something else"
+        );
     }
 }
 
@@ -177,7 +229,9 @@ fn function_flush_under_load_reloads_once() {
                 let (st, k) = (st.clone(), k.clone());
                 tokio::spawn(async move {
                     for seq in 1..=20 {
-                        st.call(&k, &p, &exact(100 + i, seq, 1)).await.expect("call after flush");
+                        st.call(&k, &p, &exact(100 + i, seq, 1))
+                            .await
+                            .expect("call after flush");
                     }
                 })
             })
@@ -185,8 +239,15 @@ fn function_flush_under_load_reloads_once() {
         for t in tasks {
             t.await.expect("task");
         }
-        assert_eq!(st.library_loads(), 2, "the library must be reloaded once, not by every caller");
-        println!("32 concurrent callers after FUNCTION FLUSH: 640 calls ok, library loads {}", st.library_loads());
+        assert_eq!(
+            st.library_loads(),
+            2,
+            "the library must be reloaded once, not by every caller"
+        );
+        println!(
+            "32 concurrent callers after FUNCTION FLUSH: 640 calls ok, library loads {}",
+            st.library_loads()
+        );
     });
 }
 
@@ -229,13 +290,19 @@ fn unreachable_or_malformed_redis_is_reported() {
         let e = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), support::config())
             .await
             .expect_err("nothing listens there");
-        assert!(matches!(e, StoreError::Unavailable(_) | StoreError::Timeout(_)), "{e}");
+        assert!(
+            matches!(e, StoreError::Unavailable(_) | StoreError::Timeout(_)),
+            "{e}"
+        );
         assert!(started.elapsed() < Duration::from_secs(6));
-        let e = RedisStore::connect("http://nope", support::config()).await.expect_err("bad url");
+        let e = RedisStore::connect("http://nope", support::config())
+            .await
+            .expect_err("bad url");
         assert!(e.to_string().contains("redis url"), "{e}");
     });
     // A store whose eviction policy may drop bucket keys is detectable.
-    let server = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]).unwrap_or_else(|e| panic!("{e}"));
+    let server = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"])
+        .unwrap_or_else(|e| panic!("{e}"));
     runtime().block_on(async {
         let st = store(&server.url()).await;
         assert_eq!(st.maxmemory_policy().await.expect("policy"), "allkeys-lru");
@@ -250,7 +317,10 @@ fn cost_above_capacity_is_refused_locally() {
     runtime().block_on(async {
         let st = store(&server.url()).await;
         let k = BucketKey::new(&rule(), "big").expect("key");
-        let e = st.call(&k, &p, &exact(1, 1, 11)).await.expect_err("11 > 10");
+        let e = st
+            .call(&k, &p, &exact(1, 1, 11))
+            .await
+            .expect_err("11 > 10");
         assert!(e.to_string().contains("at most 10"), "{e}");
         let exists: i64 = server.cmd(&["EXISTS", k.as_str()]).expect("EXISTS");
         assert_eq!(exists, 0);

@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, clippy::expect_used)]
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -9,7 +9,13 @@ use lease_core::rule::{BucketParams, Rule, RuleSpec};
 use redis_harness::RedisServer;
 
 /// A rule's bucket parameters from its spec fields.
-pub fn params(capacity: u64, rate: &str, ttl: &str, grace: &str, relaxed: Option<u64>) -> BucketParams {
+pub fn params(
+    capacity: u64,
+    rate: &str,
+    ttl: &str,
+    grace: &str,
+    relaxed: Option<u64>,
+) -> BucketParams {
     let spec = RuleSpec {
         capacity,
         rate: rate.into(),
@@ -41,7 +47,9 @@ pub fn server() -> RedisServer {
 
 /// A store on `url` with test timeouts.
 pub async fn store(url: &str) -> RedisStore {
-    RedisStore::connect(url, config()).await.unwrap_or_else(|e| panic!("connect {url}: {e}"))
+    RedisStore::connect(url, config())
+        .await
+        .unwrap_or_else(|e| panic!("connect {url}: {e}"))
 }
 
 /// Timeouts for tests: short enough to see faults, long enough for a loaded CI machine.
@@ -55,7 +63,10 @@ pub fn config() -> StoreConfig {
 /// The hash of a bucket as Redis holds it.
 pub fn hash(server: &RedisServer, key: &str) -> BTreeMap<String, String> {
     let mut c = server.connection().expect("connection");
-    redis::cmd("HGETALL").arg(key).query(&mut c).expect("HGETALL")
+    redis::cmd("HGETALL")
+        .arg(key)
+        .query(&mut c)
+        .expect("HGETALL")
 }
 
 /// One field of a bucket as a number.

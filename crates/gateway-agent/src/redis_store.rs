@@ -123,9 +123,8 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to one Redis (`redis://host:port`) and loads the library.
     pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| {
-            StoreError::Misconfigured(format!("redis url {url:?}: {e}"))
-        })?;
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::Misconfigured(format!("redis url {url:?}: {e}")))?;
         let cm = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             .set_response_timeout(Some(config.call_timeout))
@@ -142,7 +141,10 @@ impl RedisStore {
 
     /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
     /// every primary.
-    pub async fn connect_cluster(nodes: &[String], config: StoreConfig) -> Result<Self, StoreError> {
+    pub async fn connect_cluster(
+        nodes: &[String],
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
         let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.call_timeout)
@@ -186,7 +188,10 @@ impl RedisStore {
         self.conn.query(&cmd).await.map_err(classify)?;
         self.loader.loads.fetch_add(1, Ordering::Relaxed);
         self.loader.generation.fetch_add(1, Ordering::Release);
-        tracing::info!(loads = self.library_loads(), "leasehold function library loaded");
+        tracing::info!(
+            loads = self.library_loads(),
+            "leasehold function library loaded"
+        );
         Ok(())
     }
 
@@ -277,7 +282,11 @@ fn classify(e: RedisError) -> StoreError {
     {
         let detail = e.detail().unwrap_or_default();
         // Redis appends " script: NAME, on @user_function:LINE." to errors from functions.
-        let message = detail.split(" script: ").next().unwrap_or(detail).to_owned();
+        let message = detail
+            .split(" script: ")
+            .next()
+            .unwrap_or(detail)
+            .to_owned();
         return StoreError::Refused {
             code: code.to_owned(),
             message,
@@ -287,7 +296,10 @@ fn classify(e: RedisError) -> StoreError {
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
-        || matches!(e.code(), Some("LOADING" | "CLUSTERDOWN" | "TRYAGAIN" | "MASTERDOWN"))
+        || matches!(
+            e.code(),
+            Some("LOADING" | "CLUSTERDOWN" | "TRYAGAIN" | "MASTERDOWN")
+        )
     {
         return StoreError::Unavailable(e);
     }
@@ -306,6 +318,8 @@ fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
             retry_us,
             now_us,
         }),
-        _ => Err(StoreError::Misconfigured(format!("unexpected reply {nums:?}"))),
+        _ => Err(StoreError::Misconfigured(format!(
+            "unexpected reply {nums:?}"
+        ))),
     }
 }

@@ -97,9 +97,21 @@ mod tests {
     fn refills_exactly_and_stops_at_cap() {
         let r = rate(10, 1_000_000); // one token per 100ms
         let l = Level::default().refill(100, r, 250_000);
-        assert_eq!(l, Level { tokens: 2, carry: 50_000 });
+        assert_eq!(
+            l,
+            Level {
+                tokens: 2,
+                carry: 50_000
+            }
+        );
         let l = l.refill(100, r, 50_000);
-        assert_eq!(l, Level { tokens: 3, carry: 0 });
+        assert_eq!(
+            l,
+            Level {
+                tokens: 3,
+                carry: 0
+            }
+        );
         assert_eq!(l.refill(5, r, 10_000_000), Level::full(5));
         assert_eq!(Level::full(7).refill(5, r, 0), Level::full(5));
     }
@@ -107,12 +119,22 @@ mod tests {
     #[test]
     fn time_until_is_exact_and_positive() {
         let r = rate(3, 1_000_000);
-        let l = Level { tokens: 0, carry: 0 };
+        let l = Level {
+            tokens: 0,
+            carry: 0,
+        };
         // 1 token takes 1/3 s = 333_333.3 µs -> rounded up.
         assert_eq!(l.time_until(1, r), 333_334);
         assert_eq!(l.refill(10, r, 333_334).tokens, 1);
         assert_eq!(l.refill(10, r, 333_333).tokens, 0);
-        assert_eq!(Level { tokens: 4, carry: 0 }.time_until(4, r), 0);
+        assert_eq!(
+            Level {
+                tokens: 4,
+                carry: 0
+            }
+            .time_until(4, r),
+            0
+        );
         assert_eq!(retry_after_secs(1), 1);
         assert_eq!(retry_after_secs(1_000_001), 2);
     }

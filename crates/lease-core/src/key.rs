@@ -40,15 +40,24 @@ impl BucketKey {
     }
 
     /// The key of sub-bucket `part` of a split bucket: same subject, its own tag and slot.
-    pub fn part(rule: &RuleName, subject: impl AsRef<[u8]>, part: u16) -> Result<Self, SubjectError> {
+    pub fn part(
+        rule: &RuleName,
+        subject: impl AsRef<[u8]>,
+        part: u16,
+    ) -> Result<Self, SubjectError> {
         Self::with_suffix(rule, subject.as_ref(), Some(part))
     }
 
-    fn with_suffix(rule: &RuleName, subject: &[u8], part: Option<u16>) -> Result<Self, SubjectError> {
+    fn with_suffix(
+        rule: &RuleName,
+        subject: &[u8],
+        part: Option<u16>,
+    ) -> Result<Self, SubjectError> {
         if subject.is_empty() {
             return Err(SubjectError::Empty);
         }
-        let mut key = String::with_capacity(8 + rule.as_str().len() + subject.len().min(MAX_INLINE));
+        let mut key =
+            String::with_capacity(8 + rule.as_str().len() + subject.len().min(MAX_INLINE));
         key.push_str("lh:{");
         // Rule names are [A-Za-z0-9._-]: nothing in them needs escaping.
         key.push_str(rule.as_str());
@@ -95,7 +104,12 @@ impl fmt::Display for BucketKey {
 fn escape_into(out: &mut String, subject: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for &b in subject {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':' | b'@' | b'/' | b'+' | b'=') {
+        if b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.' | b'_' | b'~' | b':' | b'@' | b'/' | b'+' | b'='
+            )
+        {
             out.push(b as char);
         } else {
             out.push('%');
@@ -204,7 +218,12 @@ mod tests {
         assert_ne!(ka, kb);
         // A subject exactly at the inline limit is not hashed.
         let edge = "x".repeat(MAX_INLINE);
-        assert!(!BucketKey::new(&rule(), &edge).unwrap().as_str().contains('#'));
+        assert!(
+            !BucketKey::new(&rule(), &edge)
+                .unwrap()
+                .as_str()
+                .contains('#')
+        );
         assert_eq!(BucketKey::new(&rule(), ""), Err(SubjectError::Empty));
     }
 

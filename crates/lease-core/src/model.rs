@@ -214,7 +214,10 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             check("held", held, MAX_HELD)?;
             check("demand", demand, MAX_EXACT)?;
             if min == 0 {
-                return Err(ProtocolError::InvalidArgument { what: "min", value: 0 });
+                return Err(ProtocolError::InvalidArgument {
+                    what: "min",
+                    value: 0,
+                });
             }
             if min > p.capacity {
                 return Err(ProtocolError::CapacityExceeded {
@@ -223,13 +226,19 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
                 });
             }
             if want < min || want > p.capacity {
-                return Err(ProtocolError::InvalidArgument { what: "want", value: want });
+                return Err(ProtocolError::InvalidArgument {
+                    what: "want",
+                    value: want,
+                });
             }
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
         Op::Exact { cost } => {
             if cost == 0 {
-                return Err(ProtocolError::InvalidArgument { what: "cost", value: 0 });
+                return Err(ProtocolError::InvalidArgument {
+                    what: "cost",
+                    value: 0,
+                });
             }
             if cost > p.capacity {
                 return Err(ProtocolError::CapacityExceeded {
@@ -361,7 +370,11 @@ impl GlobalBucket {
                 } else {
                     tok.min(p.max_outstanding.saturating_sub(s.outstanding))
                 };
-                let g = if want.min(avail) >= min { want.min(avail) } else { 0 };
+                let g = if want.min(avail) >= min {
+                    want.min(avail)
+                } else {
+                    0
+                };
                 s.level = s.level.take(g);
                 s.outstanding += g;
                 let retry_us = if g > 0 {
@@ -426,7 +439,10 @@ impl GlobalBucket {
                 };
                 record = AgentRecord {
                     held: prior_held,
-                    drop_us: prior.as_ref().map_or(0, |r| r.drop_us).max(now + p.grace_us),
+                    drop_us: prior
+                        .as_ref()
+                        .map_or(0, |r| r.drop_us)
+                        .max(now + p.grace_us),
                     seq: req.seq,
                     reply,
                     demand: prior.as_ref().map_or(0, |r| r.demand),
@@ -434,7 +450,11 @@ impl GlobalBucket {
             }
         }
         let x = record.drop_us;
-        s.next_drop_us = if s.next_drop_us == 0 { x } else { s.next_drop_us.min(x) };
+        s.next_drop_us = if s.next_drop_us == 0 {
+            x
+        } else {
+            s.next_drop_us.min(x)
+        };
         s.last_drop_us = s.last_drop_us.max(x);
         s.agents.insert(req.agent, record);
         let life = s.last_drop_us.saturating_sub(now) + s.level.time_until(p.capacity, p.rate);
@@ -553,7 +573,12 @@ mod tests {
         let mut b = GlobalBucket::new();
         b.apply(&p, T0, &acquire(1, 1, 0, 2)).unwrap();
         let mut req = acquire(2, 1, 0, 2);
-        req.op = Op::Acquire { held: 0, want: 2, min: 2, demand: 0 };
+        req.op = Op::Acquire {
+            held: 0,
+            want: 2,
+            min: 2,
+            demand: 0,
+        };
         let r = b.apply(&p, T0 + 250_000, &req).unwrap();
         assert_eq!(r.granted, 0);
         // Agent 1's 2 tokens are outstanding; 2 tokens at 1/s need 2 s from empty.
@@ -614,7 +639,9 @@ mod tests {
         let p = params(10, "10/s");
         let mut b = GlobalBucket::new();
         b.apply(&p, T0, &acquire(1, 1, 0, 10)).unwrap();
-        let r = b.apply(&p, T0 - 3_600_000_000, &acquire(2, 1, 0, 1)).unwrap();
+        let r = b
+            .apply(&p, T0 - 3_600_000_000, &acquire(2, 1, 0, 1))
+            .unwrap();
         assert_eq!((r.granted, r.now_us), (0, T0));
     }
 

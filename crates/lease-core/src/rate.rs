@@ -69,8 +69,7 @@ impl Rate {
         let period_us = period_us as u64;
         let tokens = tokens.get();
         // tokens / period_us > MAX/1e6  <=>  tokens * 1e6 > MAX * period_us
-        if u128::from(tokens) * 1_000_000 > u128::from(MAX_TOKENS_PER_SEC) * u128::from(period_us)
-        {
+        if u128::from(tokens) * 1_000_000 > u128::from(MAX_TOKENS_PER_SEC) * u128::from(period_us) {
             return Err(RateError::Absurd { tokens, period_us });
         }
         let g = gcd(tokens, period_us);
@@ -161,11 +160,26 @@ mod tests {
     #[test]
     fn refuses_nonsense_with_a_named_reason() {
         assert!(matches!("0/s".parse::<Rate>(), Err(RateError::Zero { .. })));
-        assert!(matches!("ten/s".parse::<Rate>(), Err(RateError::Syntax { .. })));
-        assert!(matches!("10".parse::<Rate>(), Err(RateError::Syntax { .. })));
-        assert!(matches!("1/0s".parse::<Rate>(), Err(RateError::Period { .. })));
-        assert!(matches!("1/100d".parse::<Rate>(), Err(RateError::Period { .. })));
-        assert!(matches!("2000000000/s".parse::<Rate>(), Err(RateError::Absurd { .. })));
+        assert!(matches!(
+            "ten/s".parse::<Rate>(),
+            Err(RateError::Syntax { .. })
+        ));
+        assert!(matches!(
+            "10".parse::<Rate>(),
+            Err(RateError::Syntax { .. })
+        ));
+        assert!(matches!(
+            "1/0s".parse::<Rate>(),
+            Err(RateError::Period { .. })
+        ));
+        assert!(matches!(
+            "1/100d".parse::<Rate>(),
+            Err(RateError::Period { .. })
+        ));
+        assert!(matches!(
+            "2000000000/s".parse::<Rate>(),
+            Err(RateError::Absurd { .. })
+        ));
         let msg = "0/s".parse::<Rate>().unwrap_err().to_string();
         assert!(msg.contains("at least one token"), "{msg}");
     }

@@ -46,7 +46,7 @@ impl RuleName {
 
 impl fmt::Display for RuleName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.pad(&self.0)
     }
 }
 
@@ -230,8 +230,8 @@ impl Rule {
             source,
         })?;
         // Keeps every product of the bucket arithmetic exact in Lua doubles.
-        let bound = u128::from(capacity.get()) * u128::from(rate.period_us())
-            + u128::from(rate.tokens());
+        let bound =
+            u128::from(capacity.get()) * u128::from(rate.period_us()) + u128::from(rate.tokens());
         if bound > u128::from(MAX_BUCKET_UNITS) {
             return Err(RuleError::Range {
                 rule: rule(),
@@ -326,9 +326,7 @@ impl Rule {
                 Mode::Strict
             }
             "relaxed" => {
-                let v = spec
-                    .max_outstanding
-                    .unwrap_or((capacity.get() / 4).max(1));
+                let v = spec.max_outstanding.unwrap_or((capacity.get() / 4).max(1));
                 if v > MAX_EXACT / 2 {
                     return Err(range("max_outstanding", v, "must stay below 2^52".into()));
                 }
@@ -465,11 +463,17 @@ mod tests {
 
     #[test]
     fn errors_name_the_field_and_value() {
-        let e = Rule::from_spec("a", &spec(0, "1/s")).unwrap_err().to_string();
+        let e = Rule::from_spec("a", &spec(0, "1/s"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("capacity") && e.contains("rule a"), "{e}");
-        let e = Rule::from_spec("a", &spec(10, "0/s")).unwrap_err().to_string();
+        let e = Rule::from_spec("a", &spec(10, "0/s"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rate"), "{e}");
-        let e = Rule::from_spec("a b", &spec(10, "1/s")).unwrap_err().to_string();
+        let e = Rule::from_spec("a b", &spec(10, "1/s"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\"a b\""), "{e}");
         let mut s = spec(10, "1/s");
         s.lease_max = Some(11);

@@ -24,7 +24,12 @@ pub const DEFAULT_HORIZON: Duration = Duration::from_millis(200);
 /// over `horizon`, for a request that needs at least `needed` tokens now (0 when
 /// prefetching). The result always satisfies `1 <= min <= want <= lease_max` unless
 /// `needed` exceeds `lease_max`, in which case both are `needed` (capped at B).
-pub fn lease_request(rule: &Rule, demand_milli: u64, horizon: Duration, needed: u64) -> LeaseRequest {
+pub fn lease_request(
+    rule: &Rule,
+    demand_milli: u64,
+    horizon: Duration,
+    needed: u64,
+) -> LeaseRequest {
     let cap = rule.capacity().get();
     let max = rule.lease_max().get();
     let horizon_us = horizon.as_micros().min(u128::from(u64::MAX)) as u64;
@@ -47,11 +52,29 @@ mod tests {
     fn covers_the_horizon_within_bounds() {
         let rule = Rule::new("r", 1000, "100/s").unwrap(); // lease_max = 125
         let h = DEFAULT_HORIZON;
-        assert_eq!(lease_request(&rule, 0, h, 0), LeaseRequest { want: 1, min: 1 });
+        assert_eq!(
+            lease_request(&rule, 0, h, 0),
+            LeaseRequest { want: 1, min: 1 }
+        );
         // 200 tokens/s for 200 ms -> 40.
-        assert_eq!(lease_request(&rule, 200_000, h, 1), LeaseRequest { want: 40, min: 1 });
+        assert_eq!(
+            lease_request(&rule, 200_000, h, 1),
+            LeaseRequest { want: 40, min: 1 }
+        );
         assert_eq!(lease_request(&rule, u64::MAX, h, 1).want, 125);
-        assert_eq!(lease_request(&rule, 0, h, 500), LeaseRequest { want: 500, min: 500 });
-        assert_eq!(lease_request(&rule, 0, h, 5000), LeaseRequest { want: 1000, min: 1000 });
+        assert_eq!(
+            lease_request(&rule, 0, h, 500),
+            LeaseRequest {
+                want: 500,
+                min: 500
+            }
+        );
+        assert_eq!(
+            lease_request(&rule, 0, h, 5000),
+            LeaseRequest {
+                want: 1000,
+                min: 1000
+            }
+        );
     }
 }

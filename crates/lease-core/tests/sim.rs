@@ -5,6 +5,7 @@
 //! number or abandoned, while time advances, jumps, and the server clock steps back.
 //! After every step the invariants are checked; at the end, every window of the run is
 //! checked against `B + r * W`. Case count: `PROPTEST_CASES` (default 256).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 use std::num::NonZeroU64;
 
@@ -231,7 +232,11 @@ impl Sim {
             && server_now / 1000 > s.expire_at_ms
         {
             let v = self.bucket.view_at(&self.p, s.expire_at_ms * 1000);
-            assert_eq!(v.level, Level::full(self.p.capacity), "I6: key expires before full");
+            assert_eq!(
+                v.level,
+                Level::full(self.p.capacity),
+                "I6: key expires before full"
+            );
             assert_eq!(v.agents, 0, "I6: key expires with live agent records");
         }
     }
@@ -240,20 +245,23 @@ impl Sim {
         let Some(s) = self.bucket.state() else {
             return;
         };
-        let (b, held_sum): (u64, u64) = (
-            self.p.capacity,
-            s.agents.values().map(|r| r.held).sum(),
-        );
+        let (b, held_sum): (u64, u64) = (self.p.capacity, s.agents.values().map(|r| r.held).sum());
         assert_eq!(s.outstanding, held_sum, "outstanding is the sum of held");
         assert!(s.level.carry < s.period_us);
         if self.p.max_outstanding == 0 {
-            assert!(s.level.tokens + s.outstanding <= b, "I1: tokens + outstanding > B");
+            assert!(
+                s.level.tokens + s.outstanding <= b,
+                "I1: tokens + outstanding > B"
+            );
             if s.level.tokens + s.outstanding == b {
                 assert_eq!(s.level.carry, 0, "I1: a full bucket carries nothing");
             }
         } else {
             assert!(s.level.tokens <= b);
-            assert!(s.outstanding <= self.p.max_outstanding, "relaxed cap exceeded");
+            assert!(
+                s.outstanding <= self.p.max_outstanding,
+                "relaxed cap exceeded"
+            );
         }
         // I1/I4: every token an agent can spend is counted by a record the store will
         // keep at least until the agent's deadline.
@@ -264,20 +272,34 @@ impl Sim {
             if held == 0 || now_ns >= a.lease.deadline_ns() {
                 continue;
             }
-            let r = s.agents.get(&a.id).expect("I1: spendable tokens without a record");
-            assert!(r.held >= held, "I1: record holds {} < agent {}", r.held, held);
+            let r = s
+                .agents
+                .get(&a.id)
+                .expect("I1: spendable tokens without a record");
+            assert!(
+                r.held >= held,
+                "I1: record holds {} < agent {}",
+                r.held,
+                held
+            );
             let remaining_us = a.lease.deadline_ns() / 1000 - self.t;
             assert!(
                 r.drop_us >= server_now + remaining_us,
                 "I4: record dropped before the agent's lease expires"
             );
-            assert!(server_now / 1000 <= s.expire_at_ms, "I6: key expires under a lease");
+            assert!(
+                server_now / 1000 <= s.expire_at_ms,
+                "I6: key expires under a lease"
+            );
         }
     }
 
     /// Every window [t_i, t_j] of the run admitted at most B + slack + r * (t_j - t_i).
     fn check_windows(&self, slack: u64) {
-        let (n, p) = (self.p.rate.tokens() as i128, self.p.rate.period_us() as i128);
+        let (n, p) = (
+            self.p.rate.tokens() as i128,
+            self.p.rate.period_us() as i128,
+        );
         let b = (self.p.capacity + slack) as i128;
         let log = &self.admitted;
         for i in 0..log.len() {
@@ -404,6 +426,11 @@ fn i5_step_back_an_hour() {
     sim.step(Action::Advance(500_000));
     sim.step(Action::Send(0, Kind::Exact { cost: 1 }));
     sim.step(Action::Process(0));
-    let r = sim.agents[0].inflight.as_ref().unwrap().delivered_reply.unwrap();
+    let r = sim.agents[0]
+        .inflight
+        .as_ref()
+        .unwrap()
+        .delivered_reply
+        .unwrap();
     assert_eq!((r.granted, r.now_us), (0, T0));
 }

@@ -103,7 +103,9 @@ impl RedisServer {
             let mut server = Self {
                 child: None,
                 port: free_port(cluster)?,
-                dir: tempfile::Builder::new().prefix("leasehold-redis-").tempdir()?,
+                dir: tempfile::Builder::new()
+                    .prefix("leasehold-redis-")
+                    .tempdir()?,
                 args: extra.iter().map(|s| s.to_string()).collect(),
             };
             server.spawn()?;
@@ -252,8 +254,13 @@ impl ReplicaPair {
         let primary = RedisServer::start()?;
         let link = FaultProxy::start(primary.addr())?;
         let link_port = link.port().to_string();
-        let replica =
-            RedisServer::start_with(&["--replicaof", "127.0.0.1", &link_port, "--repl-timeout", "60"])?;
+        let replica = RedisServer::start_with(&[
+            "--replicaof",
+            "127.0.0.1",
+            &link_port,
+            "--repl-timeout",
+            "60",
+        ])?;
         let pair = Self {
             primary,
             replica,
@@ -392,7 +399,9 @@ impl Cluster {
 
     /// The node list as the first node sees it.
     pub fn topology(&self) -> Result<Vec<NodeInfo>> {
-        Ok(Self::parse_nodes(&self.nodes[0].cmd::<String>(&["CLUSTER", "NODES"])?))
+        Ok(Self::parse_nodes(
+            &self.nodes[0].cmd::<String>(&["CLUSTER", "NODES"])?,
+        ))
     }
 
     fn parse_nodes(text: &str) -> Vec<NodeInfo> {
@@ -525,7 +534,8 @@ impl FaultProxy {
                 match listener.accept() {
                     Ok((client, _)) => {
                         let _ = client.set_nonblocking(false);
-                        let Ok(server) = TcpStream::connect_timeout(&upstream, Duration::from_secs(2))
+                        let Ok(server) =
+                            TcpStream::connect_timeout(&upstream, Duration::from_secs(2))
                         else {
                             let _ = client.shutdown(Shutdown::Both);
                             continue;

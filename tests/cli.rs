@@ -1,0 +1,54 @@
+//! The `leasehold` binary.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::process::Command;
+
+fn leasehold(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(args)
+        .output()
+        .expect("run leasehold");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_accepts_the_example_file() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("api.write") && stdout.contains("3 rule(s) ok"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn check_config_names_what_is_wrong() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        ("[rules.a]\ncapacity = 10\nrate = \"0/s\"\n", "rule a: rate"),
+        (
+            "[rules.a]\ncapacity = 10\nrate = \"1/s\"\nlease_max = 11\n",
+            "lease_max = 11",
+        ),
+        (
+            "[rules.\"a b\"]\ncapacity = 10\nrate = \"1/s\"\n",
+            "\"a b\"",
+        ),
+        ("[rules.a]\ncapacity = 10\n", "rate"),
+        ("not toml at all [", "rules file"),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&path, text).expect("write");
+        let (ok, _, stderr) = leasehold(&["check-config", path.to_str().expect("utf-8 path")]);
+        assert!(!ok, "accepted {text:?}");
+        assert!(stderr.contains(want), "for {text:?}: {stderr}");
+    }
+    let (ok, _, stderr) = leasehold(&["check-config", "/nonexistent.toml"]);
+    assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
+}

@@ -201,6 +201,20 @@ fn check(what: &'static str, value: u64, max: u64) -> Result<(), ProtocolError> 
     }
 }
 
+/// Tokens a request needs now: at least one, and never more than the bucket can hold.
+fn check_amount(what: &'static str, value: u64, capacity: u64) -> Result<(), ProtocolError> {
+    if value == 0 {
+        return Err(ProtocolError::InvalidArgument { what, value });
+    }
+    if value > capacity {
+        return Err(ProtocolError::CapacityExceeded {
+            requested: value,
+            capacity,
+        });
+    }
+    Ok(())
+}
+
 /// Validates what the Lua validates, in the same order.
 pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
     check("seq", req.seq, MAX_EXACT)?;
@@ -213,18 +227,7 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
         } => {
             check("held", held, MAX_HELD)?;
             check("demand", demand, MAX_EXACT)?;
-            if min == 0 {
-                return Err(ProtocolError::InvalidArgument {
-                    what: "min",
-                    value: 0,
-                });
-            }
-            if min > p.capacity {
-                return Err(ProtocolError::CapacityExceeded {
-                    requested: min,
-                    capacity: p.capacity,
-                });
-            }
+            check_amount("min", min, p.capacity)?;
             if want < min || want > p.capacity {
                 return Err(ProtocolError::InvalidArgument {
                     what: "want",
@@ -233,20 +236,7 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             }
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
-        Op::Exact { cost } => {
-            if cost == 0 {
-                return Err(ProtocolError::InvalidArgument {
-                    what: "cost",
-                    value: 0,
-                });
-            }
-            if cost > p.capacity {
-                return Err(ProtocolError::CapacityExceeded {
-                    requested: cost,
-                    capacity: p.capacity,
-                });
-            }
-        }
+        Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
     }
     Ok(())
 }

@@ -365,7 +365,8 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Waits until every node says `cluster_state:ok` and sees three primaries with slots.
+    /// Waits until every node says `cluster_state:ok` and sees three primaries with slots
+    /// and three replicas.
     pub fn wait_ok(&self, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         loop {
@@ -373,11 +374,15 @@ impl Cluster {
             for n in &self.nodes {
                 let info: String = n.cmd(&["CLUSTER", "INFO"])?;
                 ok &= info.contains("cluster_state:ok");
-                ok &= Self::parse_nodes(&n.cmd::<String>(&["CLUSTER", "NODES"])?)
+                // Roles converge after slots do: until every node sees three replicas, a
+                // replica may still look like an empty primary to its peers.
+                let view = Self::parse_nodes(&n.cmd::<String>(&["CLUSTER", "NODES"])?);
+                ok &= view
                     .iter()
                     .filter(|i| i.primary && !i.slots.is_empty())
                     .count()
                     == 3;
+                ok &= view.iter().filter(|i| !i.primary).count() == 3;
             }
             if ok {
                 return Ok(());
@@ -470,7 +475,11 @@ impl Cluster {
             args.extend(keys.iter().map(String::as_str));
             let _: String = s.cmd(&args)?;
         }
-        for n in self.topology()?.iter().filter(|n| n.primary) {
+        for n in self
+            .topology()?
+            .iter()
+            .filter(|n| n.primary && !n.slots.is_empty())
+        {
             let _: String = self
                 .require(n.port)?
                 .cmd(&["CLUSTER", "SETSLOT", &slot_s, "NODE", &dst.id])?;

@@ -14,6 +14,7 @@ use crate::sync::{AtomicU64, Ordering};
 pub struct LocalLease {
     tokens: AtomicU64,
     deadline_ns: AtomicU64,
+    epoch: AtomicU64,
 }
 
 /// The outcome of [`LocalLease::try_spend`].
@@ -45,6 +46,7 @@ impl LocalLease {
         Self {
             tokens: AtomicU64::new(0),
             deadline_ns: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
         }
     }
 
@@ -85,6 +87,7 @@ impl LocalLease {
     /// is live, else 0 after forfeiting the expired tokens (they may no longer be spent,
     /// and the store may already have forgotten them).
     pub fn declare(&self, now_ns: u64) -> u64 {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         if now_ns >= self.deadline_ns() {
             self.tokens.swap(0, Ordering::AcqRel);
             0
@@ -106,7 +109,27 @@ impl LocalLease {
     /// Empties the lease and returns what it held, for a release: each token is either
     /// spent before this or returned by it, never both.
     pub fn take_all(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         self.tokens.swap(0, Ordering::AcqRel)
+    }
+
+    /// Counts the reports of this lease to the store ([`LocalLease::declare`] and
+    /// [`LocalLease::take_all`]); read it before a spend to refund that spend later.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Gives back `n` tokens of a spend that turned out not to be needed, if no report to
+    /// the store happened since `epoch` (read before the spend): the store's view of this
+    /// lease then still covers them. Otherwise the tokens are dropped, which only
+    /// under-admits. The caller must hold whatever serializes reports (the agent's
+    /// per-key I/O lock), so no report can slip between the check and the add.
+    pub fn refund(&self, n: u64, epoch: u64) -> bool {
+        if self.epoch() != epoch {
+            return false;
+        }
+        self.tokens.fetch_add(n, Ordering::AcqRel);
+        true
     }
 }
 
@@ -125,6 +148,24 @@ mod tests {
         assert_eq!(l.try_spend(1, 100), Spend::Expired);
         assert_eq!(l.declare(100), 0);
         assert_eq!(l.held(), 0);
+    }
+
+    #[test]
+    fn refund_only_when_no_report_happened_since() {
+        let l = LocalLease::new();
+        l.grant(5, 100);
+        let e = l.epoch();
+        assert_eq!(l.try_spend(2, 1), Spend::Spent { left: 3 });
+        assert!(l.refund(2, e));
+        assert_eq!(l.held(), 5);
+        let e = l.epoch();
+        assert_eq!(l.try_spend(2, 1), Spend::Spent { left: 3 });
+        assert_eq!(l.declare(1), 3);
+        assert!(
+            !l.refund(2, e),
+            "a declare reported 3; refunding would hide 2 tokens"
+        );
+        assert_eq!(l.held(), 3);
     }
 
     /// I3: many threads spending and one returning never take more than was granted.

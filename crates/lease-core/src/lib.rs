@@ -29,5 +29,5 @@ pub use key::{BucketKey, SubjectError};
 pub use lease::{LocalLease, Spend};
 pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request};
 pub use rate::{MAX_EXACT, Rate, RateError};
-pub use rule::{BucketParams, FailurePolicy, Mode, Rule, RuleError, RuleName, RuleSpec};
+pub use rule::{BucketParams, FailurePolicy, Leasing, Mode, Rule, RuleError, RuleName, RuleSpec};
 pub use sizing::{LeaseRequest, lease_request};

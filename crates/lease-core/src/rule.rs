@@ -64,6 +64,18 @@ pub enum Mode {
     },
 }
 
+/// Whether an agent leases tokens for a key or asks the store on every decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leasing {
+    /// Per-request calls while a key is cold; leases once its local rate passes the
+    /// agent's threshold; back to per-request when it idles. The default.
+    Auto,
+    /// Always lease.
+    Lease,
+    /// Never lease: one exact call per decision.
+    Exact,
+}
+
 /// What an agent decides while the global store is unreachable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailurePolicy {
@@ -168,6 +180,8 @@ pub struct RuleSpec {
     pub emergency_rate: Option<String>,
     /// How long a decision may wait for the store (default `"50ms"`).
     pub timeout: Option<String>,
+    /// `"auto"` (default), `"lease"` or `"exact"`.
+    pub leasing: Option<String>,
 }
 
 /// A validated rule.
@@ -183,6 +197,7 @@ pub struct Rule {
     mode: Mode,
     failure: FailurePolicy,
     timeout: Duration,
+    leasing: Leasing,
 }
 
 /// The parameters of a rule that the global bucket needs, as integers; what the Lua
@@ -361,6 +376,12 @@ impl Rule {
                 ));
             }
         };
+        let leasing = match spec.leasing.as_deref().unwrap_or("auto") {
+            "auto" => Leasing::Auto,
+            "lease" => Leasing::Lease,
+            "exact" => Leasing::Exact,
+            other => return Err(choice("leasing", other, "auto, lease, exact")),
+        };
         if spec.emergency_rate.is_some() && !matches!(failure, FailurePolicy::LocalEmergency { .. })
         {
             return Err(RuleError::Choice {
@@ -381,6 +402,7 @@ impl Rule {
             mode,
             failure,
             timeout,
+            leasing,
         })
     }
 
@@ -423,6 +445,10 @@ impl Rule {
     /// How long a decision may wait for the store.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+    /// Lease or per-request calls.
+    pub fn leasing(&self) -> Leasing {
+        self.leasing
     }
 
     /// The integers the global bucket works with.

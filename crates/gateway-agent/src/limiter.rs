@@ -1,0 +1,1167 @@
+//! The `Limiter`: what a gateway calls on every request.
+//!
+//! **Hot path.** `check` looks the key up in a lock-free map (by borrowed rule and
+//! subject bytes: no allocation), reads the clock, and takes the cost from the key's
+//! local lease with one compare-and-swap. No lock, no await, no tracing. When the lease
+//! falls under its low-water mark, the key is handed to the background driver, which
+//! leases more (sized from the key's measured demand) before the lease runs out.
+//!
+//! **Slow path.** A key with no usable lease takes its per-key I/O lock (so a key has at
+//! most one store call in flight, and sequence numbers reach the store in order), looks
+//! again (a refill may have landed meanwhile), then either leases (hot keys) or makes one
+//! exact call (cold keys), within the rule's timeout. An empty bucket is remembered until
+//! the time the store named (negative cache): denials in between cost no network call.
+//! Store failures follow the rule's failure policy, through per-slot-group circuit
+//! breakers, so a dead shard costs one timeout and then nothing.
+//!
+//! **Background.** Prefetches leases, returns the unspent tokens of keys that went idle
+//! (and makes them cold again), renews leases about to expire, forgets idle cold keys,
+//! publishes counters to `metrics`, and reloads the rules file when it changes.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use lease_core::bucket::Level;
+use lease_core::key::{BucketKey, SubjectError};
+use lease_core::model::{AgentId, Op, Reply};
+use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule, RuleName};
+use lease_core::{Rate, Spend, lease_request};
+use tokio::sync::{Mutex as AsyncMutex, mpsc};
+use tokio::time::{Instant, timeout_at};
+
+use crate::breaker::{BreakerConfig, Breakers, Refusal};
+use crate::counters::{RuleCounters, RuleStats};
+use crate::redis_store::{RedisStore, StoreConfig, StoreError};
+use crate::rules::{Rules, RulesError, UnknownRule};
+use crate::store::{EmbeddedStore, Store};
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The outcome of a check. Being limited is an outcome, not an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Go ahead.
+    Allowed {
+        /// Tokens left where this one came from (the local lease, or the global bucket
+        /// on the exact path); 0 when admitted without the store.
+        remaining: u64,
+        /// How it was admitted.
+        via: Admission,
+    },
+    /// The bucket is empty: answer 429. `retry_after` is when `cost` tokens can exist,
+    /// never zero.
+    Denied {
+        /// How long to wait.
+        retry_after: Duration,
+    },
+    /// The store is unreachable and the rule fails closed: answer 503.
+    Unavailable {
+        /// When the limiter will try the store again.
+        retry_after: Duration,
+    },
+}
+
+/// How an admitted request was admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// From the agent's local lease, without a network call.
+    Lease,
+    /// By one exact call to the store.
+    Exact,
+    /// Without the store, which is unreachable, because the rule fails open.
+    FailOpen,
+    /// By the local emergency limit, while the store is unreachable.
+    Emergency,
+}
+
+/// A check that can never succeed as asked. Being rate limited is not one of these.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CheckError {
+    /// No rule has this name.
+    #[error(transparent)]
+    UnknownRule(#[from] UnknownRule),
+    /// The cost is larger than the rule's capacity: no wait would ever admit it.
+    #[error("cost {cost} exceeds the capacity {capacity} of rule {rule}: it can never be admitted")]
+    CostExceedsCapacity {
+        /// The rule.
+        rule: String,
+        /// The cost asked.
+        cost: u64,
+        /// Capacity B.
+        capacity: u64,
+    },
+    /// A cost of zero.
+    #[error("cost must be at least 1")]
+    ZeroCost,
+    /// The subject cannot name a bucket.
+    #[error(transparent)]
+    Subject(#[from] SubjectError),
+}
+
+/// Why a limiter could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// No rules were given.
+    #[error("no rules: call .rules(..) or .rules_file(..)")]
+    NoRules,
+    /// No store was named.
+    #[error("no store: call .redis(url), .cluster(nodes) or .embedded()")]
+    NoStore,
+    /// The rules file was refused.
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+    /// The store could not be reached or set up.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The Prometheus exporter could not start.
+    #[error("prometheus exporter: {0}")]
+    Prometheus(String),
+    /// `build` was called outside a tokio runtime.
+    #[error("Limiter::build must run inside a tokio runtime")]
+    NoRuntime,
+}
+
+/// Tuning of the agent. The defaults suit a gateway doing thousands of decisions per
+/// second per hot key.
+#[derive(Clone, Debug)]
+pub struct LimiterConfig {
+    /// A cold key (auto leasing) becomes leased above this many tokens per second here.
+    pub hot_above_per_sec: u64,
+    /// A leased key whose lease saw no spending for this long returns its tokens and
+    /// becomes cold again (capped at half the lease lifetime).
+    pub idle_after: Duration,
+    /// A cold key with no activity for this long is forgotten (memory released).
+    pub forget_after: Duration,
+    /// A lease covers about this much of the key's local demand.
+    pub horizon: Duration,
+    /// A lease stops being spent this long before the store would let it expire
+    /// (capped at a quarter of the lease lifetime), covering clock rate differences.
+    pub margin: Duration,
+    /// Callers queued per key in `check_wait`.
+    pub max_waiters: usize,
+    /// How often the background task sweeps keys.
+    pub sweep_every: Duration,
+    /// Circuit breakers and bulkheads.
+    pub breaker: BreakerConfig,
+    /// Redis connection settings.
+    pub store: StoreConfig,
+}
+
+impl Default for LimiterConfig {
+    fn default() -> Self {
+        Self {
+            hot_above_per_sec: 20,
+            idle_after: Duration::from_secs(2),
+            forget_after: Duration::from_secs(30),
+            horizon: lease_core::sizing::DEFAULT_HORIZON,
+            margin: Duration::from_millis(50),
+            max_waiters: 1024,
+            sweep_every: Duration::from_millis(100),
+            breaker: BreakerConfig::default(),
+            store: StoreConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Target {
+    Redis(String),
+    Cluster(Vec<String>),
+    Embedded,
+    Store(Store),
+}
+
+/// Builds a [`Limiter`].
+#[derive(Debug, Default)]
+pub struct LimiterBuilder {
+    target: Option<Target>,
+    rules: Option<Rules>,
+    rules_file: Option<PathBuf>,
+    watch: Option<Duration>,
+    config: LimiterConfig,
+    prometheus: Option<std::net::SocketAddr>,
+    agent: Option<u64>,
+}
+
+impl LimiterBuilder {
+    /// Buckets in one Redis (`redis://host:port`).
+    pub fn redis(mut self, url: impl Into<String>) -> Self {
+        self.target = Some(Target::Redis(url.into()));
+        self
+    }
+    /// Buckets in a Redis Cluster, reached through any of `nodes`.
+    pub fn cluster<S: Into<String>>(mut self, nodes: impl IntoIterator<Item = S>) -> Self {
+        self.target = Some(Target::Cluster(nodes.into_iter().map(Into::into).collect()));
+        self
+    }
+    /// Buckets in this process (single-process gateways, demos, tests).
+    pub fn embedded(mut self) -> Self {
+        self.target = Some(Target::Embedded);
+        self
+    }
+    /// An already connected store (several limiters sharing one store).
+    pub fn store(mut self, store: Store) -> Self {
+        self.target = Some(Target::Store(store));
+        self
+    }
+    /// Rules built in code.
+    pub fn rules(mut self, rules: Rules) -> Self {
+        self.rules = Some(rules);
+        self
+    }
+    /// Rules from a TOML file, which [`Limiter::reload_rules`] reads again.
+    pub fn rules_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.rules_file = Some(path.into());
+        self
+    }
+    /// Reload the rules file by itself when it changes, checking every `interval`.
+    pub fn watch_rules(mut self, interval: Duration) -> Self {
+        self.watch = Some(interval);
+        self
+    }
+    /// Tuning.
+    pub fn config(mut self, config: LimiterConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Serve Prometheus metrics on `addr` (keep it on loopback unless fronted).
+    pub fn prometheus(mut self, addr: std::net::SocketAddr) -> Self {
+        self.prometheus = Some(addr);
+        self
+    }
+    /// A fixed agent id instead of a random one (ids must be unique per live process).
+    pub fn agent_id(mut self, id: u64) -> Self {
+        self.agent = Some(id);
+        self
+    }
+
+    /// Connects, loads the rules and starts the background task.
+    pub async fn build(self) -> Result<Limiter, BuildError> {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
+        let rules = match (&self.rules_file, self.rules) {
+            (Some(path), _) => Rules::from_file(path)?,
+            (None, Some(rules)) => rules,
+            (None, None) => return Err(BuildError::NoRules),
+        };
+        let store = match self.target.ok_or(BuildError::NoStore)? {
+            Target::Redis(url) => {
+                Store::Redis(RedisStore::connect(&url, self.config.store.clone()).await?)
+            }
+            Target::Cluster(nodes) => {
+                Store::Redis(RedisStore::connect_cluster(&nodes, self.config.store.clone()).await?)
+            }
+            Target::Embedded => Store::Embedded(EmbeddedStore::new()),
+            Target::Store(store) => store,
+        };
+        if let Store::Redis(r) = &store {
+            warn_on_eviction(r).await;
+        }
+        if let Some(addr) = self.prometheus {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .with_http_listener(addr)
+                .install()
+                .map_err(|e| BuildError::Prometheus(e.to_string()))?;
+        }
+        let (tx, rx) = mpsc::channel(4096);
+        let clock = quanta::Clock::new();
+        let inner = Arc::new(Inner {
+            agent: AgentId(self.agent.unwrap_or_else(rand::random)),
+            seq: AtomicU64::new(0),
+            store,
+            rules: ArcSwap::from_pointee(RuleTable::new(&rules, None)),
+            rules_file: self.rules_file,
+            rules_mtime: parking_lot::Mutex::new(None),
+            keys: papaya::HashMap::builder()
+                .hasher(foldhash::fast::RandomState::default())
+                .build(),
+            base: clock.raw(),
+            clock,
+            breakers: Breakers::new(self.config.breaker),
+            prefetch: tx,
+            config: self.config,
+        });
+        inner.note_rules_mtime();
+        handle.spawn(background(Arc::downgrade(&inner), rx, self.watch));
+        Ok(Limiter { inner })
+    }
+}
+
+async fn warn_on_eviction(store: &RedisStore) {
+    match store.maxmemory_policy().await {
+        Ok(policy) if policy == "noeviction" || policy.starts_with("volatile-") => {
+            metrics::gauge!("leasehold_store_may_evict_buckets").set(0.0);
+        }
+        Ok(policy) => {
+            metrics::gauge!("leasehold_store_may_evict_buckets").set(1.0);
+            tracing::warn!(
+                %policy,
+                "Redis maxmemory-policy may evict bucket keys, which resets their budgets; \
+                 use noeviction or a volatile-* policy"
+            );
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read Redis maxmemory-policy"),
+    }
+}
+
+struct RuleEntry {
+    rule: Rule,
+    params: BucketParams,
+    name: Arc<str>,
+    counters: Arc<RuleCounters>,
+}
+
+struct RuleTable {
+    by_name: FastMap<Box<str>, Arc<RuleEntry>>,
+}
+
+impl RuleTable {
+    fn new(rules: &Rules, old: Option<&RuleTable>) -> Self {
+        let mut by_name = FastMap::default();
+        for rule in rules.iter() {
+            let name = rule.name().as_str();
+            let counters = old
+                .and_then(|t| t.by_name.get(name))
+                .map_or_else(Default::default, |e| e.counters.clone());
+            by_name.insert(
+                name.into(),
+                Arc::new(RuleEntry {
+                    params: rule.bucket_params(),
+                    rule: rule.clone(),
+                    name: name.into(),
+                    counters,
+                }),
+            );
+        }
+        Self { by_name }
+    }
+
+    fn get(&self, name: &str) -> Result<&Arc<RuleEntry>, UnknownRule> {
+        self.by_name.get(name).ok_or_else(|| UnknownRule {
+            name: name.chars().take(80).collect(),
+            known: {
+                let mut names: Vec<&str> = self.by_name.keys().map(AsRef::as_ref).collect();
+                names.sort_unstable();
+                names.join(", ")
+            },
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct KeyId {
+    rule: Box<str>,
+    subject: Box<[u8]>,
+}
+
+#[derive(Hash)]
+struct KeyRef<'a> {
+    rule: &'a str,
+    subject: &'a [u8],
+}
+
+impl papaya::Equivalent<KeyId> for KeyRef<'_> {
+    fn equivalent(&self, key: &KeyId) -> bool {
+        self.rule == &*key.rule && self.subject == &*key.subject
+    }
+}
+
+/// Store-side bookkeeping of a key, touched only under its I/O lock.
+#[derive(Debug, Default)]
+struct Io {
+    grant_ns: u64,
+    held_after_grant: u64,
+    demand_milli: u64,
+    cold_window_ns: u64,
+    cold_tokens: u64,
+    seen_held: u64,
+    seen_at_ns: u64,
+}
+
+#[derive(Debug)]
+struct Emergency {
+    level: Level,
+    rate: Rate,
+    cap: u64,
+    at_ns: u64,
+}
+
+struct KeyState {
+    rule: Box<str>,
+    bucket: BucketKey,
+    group: usize,
+    lease: lease_core::LocalLease,
+    hot: AtomicBool,
+    deny_until_ns: AtomicU64,
+    low_water: AtomicU64,
+    prefetching: AtomicBool,
+    share_milli: AtomicU64,
+    last_io_ns: AtomicU64,
+    io: Arc<AsyncMutex<Io>>,
+    queue: AsyncMutex<()>,
+    waiters: AtomicUsize,
+    in_emergency: AtomicBool,
+    emergency: parking_lot::Mutex<Option<Emergency>>,
+}
+
+struct Inner {
+    agent: AgentId,
+    seq: AtomicU64,
+    store: Store,
+    rules: ArcSwap<RuleTable>,
+    rules_file: Option<PathBuf>,
+    rules_mtime: parking_lot::Mutex<Option<SystemTime>>,
+    keys: papaya::HashMap<KeyId, Arc<KeyState>, foldhash::fast::RandomState>,
+    clock: quanta::Clock,
+    base: u64,
+    breakers: Breakers,
+    prefetch: mpsc::Sender<Arc<KeyState>>,
+    config: LimiterConfig,
+}
+
+impl Inner {
+    fn note_rules_mtime(&self) {
+        if let Some(path) = &self.rules_file {
+            *self.rules_mtime.lock() = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+        }
+    }
+}
+
+/// A rate limiter shared by every request of a gateway. Cloning it is cheap and every
+/// clone shares the same leases and counters.
+#[derive(Clone)]
+pub struct Limiter {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("agent", &self.inner.agent)
+            .field("keys", &self.inner.keys.len())
+            .finish()
+    }
+}
+
+enum Fast {
+    Done(Decision),
+    Slow(Arc<KeyState>, Arc<RuleEntry>),
+}
+
+fn denied(wait_ns: u64) -> Decision {
+    Decision::Denied {
+        retry_after: Duration::from_nanos(wait_ns.max(1)),
+    }
+}
+
+impl Limiter {
+    /// Starts building a limiter.
+    pub fn builder() -> LimiterBuilder {
+        LimiterBuilder::default()
+    }
+
+    /// This agent's id, as the store sees it.
+    pub fn agent_id(&self) -> AgentId {
+        self.inner.agent
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        self.inner
+            .clock
+            .delta_as_nanos(self.inner.base, self.inner.clock.raw())
+    }
+
+    /// Decides whether `subject` may spend `cost` tokens of `rule`. Returns without
+    /// awaiting anything when the key's local lease covers the cost.
+    pub async fn check(
+        &self,
+        subject: impl AsRef<[u8]>,
+        rule: &str,
+        cost: u64,
+    ) -> Result<Decision, CheckError> {
+        match self.fast(subject.as_ref(), rule, cost)? {
+            Fast::Done(d) => Ok(d),
+            Fast::Slow(ks, entry) => Ok(self.slow(ks, entry, cost).await),
+        }
+    }
+
+    /// Like [`Limiter::check`], but never waits: `None` when only the store could decide.
+    pub fn try_check(
+        &self,
+        subject: impl AsRef<[u8]>,
+        rule: &str,
+        cost: u64,
+    ) -> Result<Option<Decision>, CheckError> {
+        Ok(match self.fast(subject.as_ref(), rule, cost)? {
+            Fast::Done(d) => Some(d),
+            Fast::Slow(..) => None,
+        })
+    }
+
+    /// Checks several rules for one request (for example tenant, endpoint and global):
+    /// admitted only if every rule admits. When one denies, the tokens already taken from
+    /// the others are given back to their leases. The first denial or refusal is
+    /// returned.
+    pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
+        let mut taken: Vec<(Arc<KeyState>, u64, u64)> = Vec::with_capacity(checks.len());
+        for &(subject, rule, cost) in checks {
+            let before = self.key(rule, subject);
+            let epoch = before.as_ref().map(|ks| ks.lease.epoch());
+            match self.check(subject, rule, cost).await {
+                Ok(Decision::Allowed {
+                    via: Admission::Lease,
+                    ..
+                }) => {
+                    if let (Some(ks), Some(epoch)) = (before, epoch) {
+                        taken.push((ks, cost, epoch));
+                    }
+                }
+                Ok(Decision::Allowed { .. }) => {}
+                other => {
+                    // Tokens spent from local leases go back to them when the store's
+                    // view still covers them. Exact and degraded admissions stay spent.
+                    for (ks, cost, epoch) in taken {
+                        let _io = ks.io.lock().await;
+                        ks.lease.refund(cost, epoch);
+                    }
+                    return other;
+                }
+            }
+        }
+        Ok(Decision::Allowed {
+            remaining: 0,
+            via: Admission::Lease,
+        })
+    }
+
+    /// Like [`Limiter::check`], but when the bucket is empty waits (FIFO with the other
+    /// waiters of the key, at most `max_wait`) for the tokens to arrive instead of
+    /// denying. Waits longer than `max_wait`, or a full queue, give the denial at once.
+    pub async fn check_wait(
+        &self,
+        subject: impl AsRef<[u8]>,
+        rule: &str,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Decision, CheckError> {
+        let subject = subject.as_ref();
+        let deadline = Instant::now() + max_wait;
+        let first = self.check(subject, rule, cost).await?;
+        let Decision::Denied { retry_after } = first else {
+            return Ok(first);
+        };
+        let Some(ks) = self.key(rule, subject) else {
+            return Ok(first);
+        };
+        if retry_after > max_wait
+            || ks.waiters.fetch_add(1, Ordering::AcqRel) >= self.inner.config.max_waiters
+        {
+            if retry_after <= max_wait {
+                ks.waiters.fetch_sub(1, Ordering::AcqRel);
+            }
+            return Ok(first);
+        }
+        struct Leave<'a>(&'a AtomicUsize);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let _leave = Leave(&ks.waiters);
+        let Ok(_turn) = timeout_at(deadline, ks.queue.lock()).await else {
+            return self.check(subject, rule, cost).await;
+        };
+        loop {
+            match self.check(subject, rule, cost).await? {
+                Decision::Denied { retry_after } if Instant::now() + retry_after <= deadline => {
+                    tokio::time::sleep(retry_after).await;
+                }
+                d => return Ok(d),
+            }
+        }
+    }
+
+    fn key(&self, rule: &str, subject: &[u8]) -> Option<Arc<KeyState>> {
+        let guard = self.inner.keys.guard();
+        self.inner
+            .keys
+            .get(&KeyRef { rule, subject }, &guard)
+            .cloned()
+    }
+
+    #[inline]
+    fn fast(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Fast, CheckError> {
+        let rules = self.inner.rules.load();
+        let entry = rules.get(rule)?;
+        let capacity = entry.params.capacity;
+        if cost == 0 {
+            return Err(CheckError::ZeroCost);
+        }
+        if cost > capacity {
+            return Err(CheckError::CostExceedsCapacity {
+                rule: rule.to_owned(),
+                cost,
+                capacity,
+            });
+        }
+        if subject.is_empty() {
+            return Err(SubjectError::Empty.into());
+        }
+        let now = self.now_ns();
+        let keys = &self.inner.keys;
+        let guard = keys.guard();
+        if let Some(ks) = keys.get(&KeyRef { rule, subject }, &guard) {
+            if ks.hot.load(Ordering::Relaxed)
+                && let Spend::Spent { left } = ks.lease.try_spend(cost, now)
+            {
+                if left < ks.low_water.load(Ordering::Relaxed) {
+                    self.request_prefetch(ks);
+                }
+                entry.counters.admitted_lease.incr();
+                return Ok(Fast::Done(Decision::Allowed {
+                    remaining: left,
+                    via: Admission::Lease,
+                }));
+            }
+            let until = ks.deny_until_ns.load(Ordering::Relaxed);
+            if now < until {
+                entry.counters.denied.incr();
+                return Ok(Fast::Done(denied(until - now)));
+            }
+            return Ok(Fast::Slow(ks.clone(), entry.clone()));
+        }
+        let name = RuleName::new(rule).map_err(|_| UnknownRule {
+            name: rule.to_owned(),
+            known: String::new(),
+        })?;
+        let bucket = BucketKey::new(&name, subject)?;
+        let ks = keys.get_or_insert_with(
+            KeyId {
+                rule: rule.into(),
+                subject: subject.into(),
+            },
+            || {
+                Arc::new(KeyState {
+                    rule: rule.into(),
+                    group: Breakers::group(bucket.slot()),
+                    bucket,
+                    lease: lease_core::LocalLease::new(),
+                    hot: AtomicBool::new(entry.rule.leasing() == Leasing::Lease),
+                    deny_until_ns: AtomicU64::new(0),
+                    low_water: AtomicU64::new(1),
+                    prefetching: AtomicBool::new(false),
+                    share_milli: AtomicU64::new(0),
+                    last_io_ns: AtomicU64::new(now),
+                    io: Arc::new(AsyncMutex::new(Io::default())),
+                    queue: AsyncMutex::new(()),
+                    waiters: AtomicUsize::new(0),
+                    in_emergency: AtomicBool::new(false),
+                    emergency: parking_lot::Mutex::new(None),
+                })
+            },
+            &guard,
+        );
+        Ok(Fast::Slow(ks.clone(), entry.clone()))
+    }
+
+    fn request_prefetch(&self, ks: &Arc<KeyState>) {
+        if !ks.prefetching.swap(true, Ordering::AcqRel)
+            && self.inner.prefetch.try_send(ks.clone()).is_err()
+        {
+            ks.prefetching.store(false, Ordering::Release);
+        }
+    }
+
+    fn is_hot(ks: &KeyState, entry: &RuleEntry) -> bool {
+        match entry.rule.leasing() {
+            Leasing::Lease => true,
+            Leasing::Exact => false,
+            Leasing::Auto => ks.hot.load(Ordering::Acquire),
+        }
+    }
+
+    async fn slow(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, cost: u64) -> Decision {
+        let deadline = Instant::now() + entry.rule.timeout();
+        if self.inner.breakers.is_open(ks.group, self.now_ns()) {
+            return self.degraded(&ks, &entry, cost);
+        }
+        let Ok(mut io) = timeout_at(deadline, ks.io.lock()).await else {
+            entry.counters.store_errors.incr();
+            return self.degraded(&ks, &entry, cost);
+        };
+        let hot = Self::is_hot(&ks, &entry);
+        // Look again: a refill or a denial may have landed while we waited for the lock.
+        let now = self.now_ns();
+        if hot && let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
+            entry.counters.admitted_lease.incr();
+            return Decision::Allowed {
+                remaining: left,
+                via: Admission::Lease,
+            };
+        }
+        let until = ks.deny_until_ns.load(Ordering::Acquire);
+        if now < until {
+            entry.counters.denied.incr();
+            return denied(until - now);
+        }
+        ks.last_io_ns.store(now, Ordering::Relaxed);
+        let outcome = if hot {
+            timeout_at(deadline, self.lease_and_spend(&ks, &mut io, &entry, cost)).await
+        } else {
+            timeout_at(deadline, self.exact(&ks, &mut io, &entry, cost)).await
+        };
+        match outcome {
+            Ok(Ok(d)) => {
+                if ks.in_emergency.swap(false, Ordering::AcqRel) {
+                    *ks.emergency.lock() = None;
+                }
+                d
+            }
+            Ok(Err(CallError::Refused(why))) => {
+                if why == Refusal::Saturated {
+                    entry.counters.store_errors.incr();
+                }
+                self.degraded(&ks, &entry, cost)
+            }
+            Ok(Err(CallError::Store(e))) => {
+                tracing::debug!(error = %e, key = %ks.bucket, "store failed; the failure policy decides");
+                self.degraded(&ks, &entry, cost)
+            }
+            Err(_) => {
+                self.inner.breakers.failure(ks.group, self.now_ns());
+                entry.counters.store_errors.incr();
+                self.degraded(&ks, &entry, cost)
+            }
+        }
+    }
+
+    async fn lease_and_spend(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+        cost: u64,
+    ) -> Result<Decision, CallError> {
+        // Two rounds at most: other callers may spend the grant before we do.
+        for _ in 0..2 {
+            let reply = self.acquire(ks, io, entry, cost).await?;
+            let now = self.now_ns();
+            if let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
+                entry.counters.admitted_lease.incr();
+                return Ok(Decision::Allowed {
+                    remaining: left,
+                    via: Admission::Lease,
+                });
+            }
+            if reply.granted == 0 {
+                break;
+            }
+        }
+        entry.counters.denied.incr();
+        let now = self.now_ns();
+        let until = ks.deny_until_ns.load(Ordering::Acquire);
+        Ok(denied(if now < until {
+            until - now
+        } else {
+            Level::default().time_until(cost, entry.params.rate) * 1000
+        }))
+    }
+
+    async fn exact(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+        cost: u64,
+    ) -> Result<Decision, CallError> {
+        let reply = self.call(ks, entry, Op::Exact { cost }).await?;
+        let now = self.now_ns();
+        // Promotion: a cold key used faster than the threshold starts leasing.
+        if now.saturating_sub(io.cold_window_ns) >= 1_000_000_000 {
+            io.cold_window_ns = now;
+            io.cold_tokens = 0;
+        }
+        io.cold_tokens += cost;
+        if entry.rule.leasing() == Leasing::Auto
+            && io.cold_tokens > self.inner.config.hot_above_per_sec
+        {
+            let elapsed_ms = (now - io.cold_window_ns).max(1_000_000) / 1_000_000;
+            io.demand_milli = io.cold_tokens * 1_000_000 / elapsed_ms;
+            ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
+            ks.hot.store(true, Ordering::Release);
+        }
+        if reply.granted == cost {
+            entry.counters.admitted_exact.incr();
+            Ok(Decision::Allowed {
+                remaining: reply.remaining,
+                via: Admission::Exact,
+            })
+        } else {
+            let wait = reply.retry_us.max(1) * 1000;
+            ks.deny_until_ns.store(now + wait, Ordering::Release);
+            entry.counters.denied.incr();
+            Ok(denied(wait))
+        }
+    }
+
+    /// Leases for `ks`: declares what is held, asks for about `horizon` of demand (at
+    /// least `needed`), and installs the grant with a deadline measured from the moment
+    /// the request was sent.
+    async fn acquire(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+        needed: u64,
+    ) -> Result<Reply, CallError> {
+        let sent = self.now_ns();
+        let held = ks.lease.declare(sent);
+        if io.grant_ns != 0 && sent > io.grant_ns {
+            let consumed = io.held_after_grant.saturating_sub(held);
+            let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(sent - io.grant_ns);
+            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
+            io.demand_milli = io.demand_milli / 2 + rate / 2;
+        }
+        let want = lease_request(
+            &entry.rule,
+            io.demand_milli,
+            self.inner.config.horizon,
+            needed,
+        );
+        let reply = self
+            .call(
+                ks,
+                entry,
+                Op::Acquire {
+                    held,
+                    want: want.want,
+                    min: want.min,
+                    demand: io.demand_milli,
+                },
+            )
+            .await?;
+        let ttl_ns = reply.ttl_us * 1000;
+        let margin = (self.inner.config.margin.as_nanos() as u64).min(ttl_ns / 4);
+        ks.lease.grant(reply.granted, sent + ttl_ns - margin);
+        let now = self.now_ns();
+        io.grant_ns = now;
+        io.held_after_grant = ks.lease.held();
+        io.seen_held = io.held_after_grant;
+        io.seen_at_ns = now;
+        ks.low_water
+            .store(needed.max(want.want / 4).max(1), Ordering::Relaxed);
+        ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
+        if reply.granted == 0 {
+            ks.deny_until_ns
+                .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);
+        } else {
+            ks.deny_until_ns.store(0, Ordering::Release);
+            entry.counters.lease_grants.incr();
+            entry.counters.lease_tokens_granted.add(reply.granted);
+        }
+        Ok(reply)
+    }
+
+    async fn release(&self, ks: &KeyState, entry: &RuleEntry) -> Result<(), CallError> {
+        let now = self.now_ns();
+        let expired = now >= ks.lease.deadline_ns();
+        let returned = ks.lease.take_all();
+        // An expired lease is forfeited: the store may already have dropped the record.
+        if returned == 0 || expired {
+            return Ok(());
+        }
+        let reply = self.call(ks, entry, Op::Release { returned }).await?;
+        entry.counters.lease_returns.incr();
+        entry.counters.lease_tokens_returned.add(reply.granted);
+        Ok(())
+    }
+
+    /// One store call through the key's breaker. Retries of a call whose outcome is
+    /// unknown reuse its sequence number, so the store applies it at most once (I2).
+    async fn call(&self, ks: &KeyState, entry: &RuleEntry, op: Op) -> Result<Reply, CallError> {
+        let breakers = &self.inner.breakers;
+        let _permit = breakers
+            .enter(ks.group, self.now_ns())
+            .map_err(CallError::Refused)?;
+        let req = lease_core::Request {
+            agent: self.inner.agent,
+            seq: self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            op,
+        };
+        let first = Instant::now();
+        let replay_window = Duration::from_micros(entry.params.grace_us) / 2;
+        let mut attempt = 0;
+        loop {
+            entry.counters.store_calls.incr();
+            match self.inner.store.call(&ks.bucket, &entry.params, &req).await {
+                Ok(reply) => {
+                    breakers.success(ks.group);
+                    return Ok(reply);
+                }
+                Err(e) if e.is_retryable() && attempt < 2 && first.elapsed() < replay_window => {
+                    attempt += 1;
+                }
+                Err(e) => {
+                    entry.counters.store_errors.incr();
+                    if e.is_retryable() {
+                        breakers.failure(ks.group, self.now_ns());
+                    } else {
+                        tracing::error!(error = %e, key = %ks.bucket, "store refused a request");
+                    }
+                    return Err(CallError::Store(e));
+                }
+            }
+        }
+    }
+
+    /// The decision while the store cannot be used, by the rule's failure policy.
+    fn degraded(&self, ks: &KeyState, entry: &RuleEntry, cost: u64) -> Decision {
+        let c = &entry.counters;
+        let now = self.now_ns();
+        match entry.rule.failure_policy() {
+            FailurePolicy::FailOpen => {
+                c.admitted_fail_open.incr();
+                Decision::Allowed {
+                    remaining: 0,
+                    via: Admission::FailOpen,
+                }
+            }
+            FailurePolicy::FailClosed => {
+                c.unavailable.incr();
+                Decision::Unavailable {
+                    retry_after: self.inner.breakers.retry_in(ks.group, now),
+                }
+            }
+            FailurePolicy::LocalEmergency { rate } => {
+                let mut slot = ks.emergency.lock();
+                let e = slot.get_or_insert_with(|| {
+                    c.emergency_activations.incr();
+                    ks.in_emergency.store(true, Ordering::Release);
+                    let rate = rate.unwrap_or_else(|| derived_share(ks, &entry.rule));
+                    let cap = entry.rule.lease_max().get().min(1_000_000);
+                    Emergency {
+                        level: Level::full(cap),
+                        rate,
+                        cap,
+                        at_ns: now,
+                    }
+                });
+                let dt_us = now.saturating_sub(e.at_ns) / 1000;
+                e.level = e.level.refill(e.cap, e.rate, dt_us);
+                e.at_ns = now;
+                if e.level.tokens >= cost {
+                    e.level = e.level.take(cost);
+                    c.admitted_emergency.incr();
+                    Decision::Allowed {
+                        remaining: e.level.tokens,
+                        via: Admission::Emergency,
+                    }
+                } else {
+                    c.denied.incr();
+                    denied(e.level.time_until(cost.min(e.cap), e.rate) * 1000)
+                }
+            }
+        }
+    }
+
+    /// Reads the rules file again. A file that fails validation is refused and the rules
+    /// in force stay; keys of removed rules answer `UnknownRule` from then on.
+    pub fn reload_rules(&self) -> Result<usize, RulesError> {
+        let Some(path) = &self.inner.rules_file else {
+            return Ok(self.inner.rules.load().by_name.len());
+        };
+        self.inner.note_rules_mtime();
+        let rules = Rules::from_file(path)?;
+        let table = RuleTable::new(&rules, Some(&self.inner.rules.load()));
+        let n = table.by_name.len();
+        self.inner.rules.store(Arc::new(table));
+        tracing::info!(rules = n, path = %path.display(), "rules reloaded");
+        Ok(n)
+    }
+
+    /// Replaces the rules with ones built in code.
+    pub fn set_rules(&self, rules: &Rules) {
+        let table = RuleTable::new(rules, Some(&self.inner.rules.load()));
+        self.inner.rules.store(Arc::new(table));
+    }
+
+    /// Counters of one rule.
+    pub fn stats(&self, rule: &str) -> Result<RuleStats, UnknownRule> {
+        Ok(self.inner.rules.load().get(rule)?.counters.stats())
+    }
+
+    /// Keys held in memory.
+    pub fn keys_in_memory(&self) -> usize {
+        self.inner.keys.len()
+    }
+
+    /// Returns every unspent leased token to the store (graceful shutdown).
+    pub async fn shutdown(&self) {
+        let keys: Vec<Arc<KeyState>> = {
+            let guard = self.inner.keys.guard();
+            self.inner
+                .keys
+                .iter(&guard)
+                .map(|(_, v)| v.clone())
+                .collect()
+        };
+        let rules = self.inner.rules.load_full();
+        for ks in keys {
+            if let Ok(entry) = rules.get(&ks.rule) {
+                let _io = ks.io.lock().await;
+                let _ = self.release(&ks, entry).await;
+            }
+        }
+    }
+
+    /// The rule parameters the store receives for `rule`.
+    pub fn bucket_params(&self, rule: &str) -> Result<BucketParams, UnknownRule> {
+        Ok(self.inner.rules.load().get(rule)?.params)
+    }
+}
+
+/// Why a store call did not happen or failed.
+#[derive(Debug)]
+enum CallError {
+    Refused(Refusal),
+    Store(StoreError),
+}
+
+/// The emergency rate of a key: this agent's recently measured demand for it (its share),
+/// never above the rule's rate; the rule's rate when nothing was measured.
+fn derived_share(ks: &KeyState, rule: &Rule) -> Rate {
+    let milli = ks.share_milli.load(Ordering::Relaxed);
+    let rule_rate = rule.rate();
+    if milli == 0 {
+        return rule_rate;
+    }
+    let per_1000s = std::num::NonZeroU64::new(milli).unwrap_or(std::num::NonZeroU64::MIN);
+    match Rate::new(per_1000s, Duration::from_secs(1000)) {
+        Ok(r) if r.per_sec_f64() < rule_rate.per_sec_f64() => r,
+        _ => rule_rate,
+    }
+}
+
+async fn background(
+    inner: Weak<Inner>,
+    mut prefetch: mpsc::Receiver<Arc<KeyState>>,
+    watch: Option<Duration>,
+) {
+    let Some(sweep_every) = inner.upgrade().map(|i| i.config.sweep_every) else {
+        return;
+    };
+    let mut sweep = tokio::time::interval(sweep_every);
+    let mut publish = tokio::time::interval(Duration::from_secs(1));
+    let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
+    let watching = watch.period() < Duration::from_secs(3600);
+    loop {
+        tokio::select! {
+            ks = prefetch.recv() => {
+                let Some(ks) = ks else { return };
+                let Some(inner) = inner.upgrade() else { return };
+                tokio::spawn(refill(Limiter { inner }, ks));
+            }
+            _ = sweep.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                Limiter { inner }.sweep();
+            }
+            _ = publish.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                for e in inner.rules.load().by_name.values() {
+                    e.counters.publish(&e.name);
+                }
+                metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
+                metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
+            }
+            _ = watch.tick(), if watching => {
+                let Some(inner) = inner.upgrade() else { return };
+                let changed = inner.rules_file.as_ref().is_some_and(|p| {
+                    std::fs::metadata(p).and_then(|m| m.modified()).ok() != *inner.rules_mtime.lock()
+                });
+                if changed && let Err(e) = (Limiter { inner }).reload_rules() {
+                    tracing::error!(error = %e, "rules file refused; the rules in force stay");
+                }
+            }
+        }
+    }
+}
+
+async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
+    let rules = limiter.inner.rules.load_full();
+    if let Ok(entry) = rules.get(&ks.rule) {
+        let mut io = ks.io.lock().await;
+        if ks.hot.load(Ordering::Acquire) && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
+        {
+            let _ = limiter.acquire(&ks, &mut io, entry, 0).await;
+        }
+    }
+    ks.prefetching.store(false, Ordering::Release);
+}
+
+impl Limiter {
+    /// Returns the tokens of idle leases and demotes their keys, renews live leases close
+    /// to expiry, and forgets cold keys idle for long.
+    fn sweep(&self) {
+        let inner = &self.inner;
+        let now = self.now_ns();
+        let rules = inner.rules.load_full();
+        let guard = inner.keys.guard();
+        let mut forget = Vec::new();
+        for (id, ks) in inner.keys.iter(&guard) {
+            let Ok(entry) = rules.get(&ks.rule) else {
+                forget.push(id.clone());
+                continue;
+            };
+            let Ok(mut io) = ks.io.clone().try_lock_owned() else {
+                continue;
+            };
+            let held = ks.lease.held();
+            if held != io.seen_held {
+                io.seen_held = held;
+                io.seen_at_ns = now;
+            }
+            let ttl_ns = entry.params.lease_ttl_us * 1000;
+            let idle_after = (inner.config.idle_after.as_nanos() as u64).min(ttl_ns / 2);
+            let last_io = ks.last_io_ns.load(Ordering::Relaxed);
+            let idle = now.saturating_sub(io.seen_at_ns) >= idle_after
+                && now.saturating_sub(last_io) >= idle_after;
+            let deadline = ks.lease.deadline_ns();
+            if ks.hot.load(Ordering::Acquire) || held > 0 {
+                if idle && held > 0 {
+                    if entry.rule.leasing() == Leasing::Auto {
+                        ks.hot.store(false, Ordering::Release);
+                    }
+                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                    tokio::spawn(async move {
+                        let _io = io;
+                        let _ = this.release(&ks, &entry).await;
+                    });
+                } else if idle && entry.rule.leasing() == Leasing::Auto {
+                    ks.hot.store(false, Ordering::Release);
+                } else if !idle && held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
+                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                    tokio::spawn(async move {
+                        let mut io = io;
+                        let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                    });
+                }
+            } else if now.saturating_sub(last_io) >= inner.config.forget_after.as_nanos() as u64
+                && ks.waiters.load(Ordering::Acquire) == 0
+            {
+                forget.push(id.clone());
+            }
+        }
+        for id in forget {
+            inner.keys.remove(&id, &guard);
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! Where the global buckets live: Redis (one node or a cluster), or an in-process store
+//! that runs the reference model behind the same interface, for single-process use and
+//! demos.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use lease_core::key::BucketKey;
+use lease_core::model::{GlobalBucket, Reply, Request, validate};
+use lease_core::rule::BucketParams;
+use parking_lot::Mutex;
+
+use crate::redis_store::{RedisStore, StoreError};
+
+/// A global bucket store.
+#[derive(Clone, Debug)]
+pub enum Store {
+    /// Redis or Redis Cluster through the `leasehold` function library.
+    Redis(RedisStore),
+    /// The reference model in this process.
+    Embedded(EmbeddedStore),
+}
+
+impl Store {
+    /// Runs one request on the bucket at `key`.
+    pub async fn call(
+        &self,
+        key: &BucketKey,
+        params: &BucketParams,
+        req: &Request,
+    ) -> Result<Reply, StoreError> {
+        match self {
+            Self::Redis(s) => s.call(key, params, req).await,
+            Self::Embedded(s) => s.call(key, params, req),
+        }
+    }
+
+    /// Times the library was loaded (Redis), 0 for the embedded store.
+    pub fn library_loads(&self) -> u64 {
+        match self {
+            Self::Redis(s) => s.library_loads(),
+            Self::Embedded(_) => 0,
+        }
+    }
+}
+
+const SHARDS: usize = 64;
+
+type Shard = Mutex<HashMap<BucketKey, GlobalBucket>>;
+
+/// The reference model of every bucket, in memory, with the wall clock as server time.
+/// Expired buckets are dropped as the model says Redis would drop them.
+#[derive(Clone, Debug)]
+pub struct EmbeddedStore {
+    shards: Arc<[Shard]>,
+    hasher: foldhash::fast::RandomState,
+    calls: Arc<AtomicU64>,
+}
+
+impl Default for EmbeddedStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EmbeddedStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: foldhash::fast::RandomState::default(),
+            calls: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Runs one request, atomically with respect to every other request on the bucket.
+    pub fn call(
+        &self,
+        key: &BucketKey,
+        params: &BucketParams,
+        req: &Request,
+    ) -> Result<Reply, StoreError> {
+        validate(params, req)?;
+        let now_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let mut h = self.hasher.build_hasher();
+        key.hash(&mut h);
+        let mut shard = self.shards[(h.finish() as usize) % SHARDS].lock();
+        let n = self.calls.fetch_add(1, Ordering::Relaxed);
+        if n % 4096 == 0 {
+            // Keys Redis would have expired: full, leaseless buckets, safe to forget (I6).
+            shard.retain(|_, b| b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms));
+        }
+        let reply = match shard.get_mut(key) {
+            Some(bucket) => bucket.apply(params, now_us, req),
+            None => {
+                let mut bucket = GlobalBucket::new();
+                let reply = bucket.apply(params, now_us, req);
+                shard.insert(key.clone(), bucket);
+                reply
+            }
+        };
+        Ok(reply?)
+    }
+
+    /// Calls served so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Buckets held (including expired ones not yet swept).
+    pub fn buckets(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+}

@@ -1,0 +1,99 @@
+//! An API gateway in front of nothing: answers 200 to admitted requests, 429 with
+//! `Retry-After` to denied ones, 503 when the limiter is unreachable and the rule fails
+//! closed.
+//!
+//! ```sh
+//! cargo run --release --example gateway -- --listen 127.0.0.1:8080 \
+//!     --redis redis://127.0.0.1:6379 --config examples/limits.toml --rule api.write
+//! curl -H 'x-api-key: tenant-42' http://127.0.0.1:8080/
+//! ```
+//!
+//! The subject is the `x-api-key` header: identity must come from authenticated data (in
+//! a real gateway, the key is validated first). Requests without it are limited by client
+//! address under `--ip-rule`, if given, else refused with 401.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use axum::routing::any;
+use clap::Parser;
+use leasehold::agent::Limiter;
+use leasehold::agent::http::{Check, RateLimitLayer};
+
+#[derive(Parser)]
+struct Args {
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// `redis://HOST:PORT`, or `embedded` for an in-process store.
+    #[arg(long, default_value = "embedded")]
+    redis: String,
+    /// Rules file (TOML); reloaded when it changes.
+    #[arg(long)]
+    config: PathBuf,
+    /// The rule applied per API key.
+    #[arg(long, default_value = "api.write")]
+    rule: String,
+    /// The rule applied per client address to requests without an API key.
+    #[arg(long)]
+    ip_rule: Option<String>,
+    /// Serve Prometheus metrics here.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let mut builder = Limiter::builder()
+        .rules_file(&args.config)
+        .watch_rules(Duration::from_secs(1));
+    builder = if args.redis == "embedded" {
+        builder.embedded()
+    } else {
+        builder.redis(&args.redis)
+    };
+    if let Some(addr) = args.metrics {
+        builder = builder.prometheus(addr);
+    }
+    let limiter = builder.build().await?;
+    let (rule, ip_rule) = (args.rule.clone(), args.ip_rule.clone());
+    let layer = RateLimitLayer::new(limiter.clone(), move |headers, ext| {
+        if let Some(key) = headers.get("x-api-key") {
+            return Some(Check {
+                rule: rule.clone(),
+                subject: key.as_bytes().to_vec(),
+                cost: 1,
+            });
+        }
+        let ip_rule = ip_rule.as_ref()?;
+        let ConnectInfo(peer) = ext.get::<ConnectInfo<SocketAddr>>()?;
+        Some(Check {
+            rule: ip_rule.clone(),
+            subject: peer.ip().to_string().into_bytes(),
+            cost: 1,
+        })
+    });
+    let app = Router::new()
+        .route("/", any(|| async { "ok\n" }))
+        .route("/{*path}", any(|| async { "ok\n" }))
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    println!("listening on {}", listener.local_addr()?);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await?;
+    limiter.shutdown().await;
+    Ok(())
+}

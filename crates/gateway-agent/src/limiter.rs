@@ -702,6 +702,9 @@ impl Limiter {
         // Look again: a refill or a denial may have landed while we waited for the lock.
         let now = self.now_ns();
         if hot && let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
+            if left < ks.low_water.load(Ordering::Relaxed) {
+                self.request_prefetch(&ks);
+            }
             entry.counters.admitted_lease.incr();
             return Decision::Allowed {
                 remaining: left,
@@ -719,6 +722,15 @@ impl Limiter {
         } else {
             timeout_at(deadline, self.exact(&ks, &mut io, &entry, cost)).await
         };
+        drop(io);
+        if let Ok(Ok(Decision::Allowed {
+            remaining,
+            via: Admission::Lease,
+        })) = outcome
+            && remaining < ks.low_water.load(Ordering::Relaxed)
+        {
+            self.request_prefetch(&ks);
+        }
         match outcome {
             Ok(Ok(d)) => {
                 if ks.in_emergency.swap(false, Ordering::AcqRel) {

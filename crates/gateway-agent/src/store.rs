@@ -3,7 +3,7 @@
 //! demos.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -87,11 +87,9 @@ impl EmbeddedStore {
         let now_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        let mut shard = self.shards[(h.finish() as usize) % SHARDS].lock();
+        let mut shard = self.shards[(self.hasher.hash_one(key) as usize) % SHARDS].lock();
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
-        if n % 4096 == 0 {
+        if n.is_multiple_of(4096) {
             // Keys Redis would have expired: full, leaseless buckets, safe to forget (I6).
             shard.retain(|_, b| b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms));
         }

@@ -22,8 +22,10 @@ pub const DEFAULT_HORIZON: Duration = Duration::from_millis(200);
 
 /// Sizes a lease for `demand_milli` (thousandths of a token per second, measured locally)
 /// over `horizon`, for a request that needs at least `needed` tokens now (0 when
-/// prefetching). The result always satisfies `1 <= min <= want <= lease_max` unless
-/// `needed` exceeds `lease_max`, in which case both are `needed` (capped at B).
+/// prefetching). A request waiting for tokens takes any grant that covers it (`min =
+/// needed`); a prefetch waits for a quarter of its lease (`min = want / 4`), so agents of
+/// a saturated key collect tokens in batches instead of calling the store for each one.
+/// The result satisfies `1 <= min <= want <= max(lease_max, needed)`, all capped at B.
 pub fn lease_request(
     rule: &Rule,
     demand_milli: u64,
@@ -37,6 +39,12 @@ pub fn lease_request(
     let want = u64::try_from(covered)
         .unwrap_or(u64::MAX)
         .clamp(rule.lease_min().get(), max);
+    if needed == 0 {
+        return LeaseRequest {
+            want,
+            min: (want / 4).max(1),
+        };
+    }
     let min = needed.clamp(1, cap);
     LeaseRequest {
         want: want.max(min),

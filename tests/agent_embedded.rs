@@ -1,0 +1,276 @@
+//! The Limiter's behaviour on the embedded store: hot path without the store, negative
+//! cache, promotion and demotion, multi-rule refunds, waiting, errors and reloads.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::time::Duration;
+
+use gateway_agent::{Admission, CheckError, Decision, Limiter, LimiterConfig, Rules};
+
+fn rules(text: &str) -> Rules {
+    Rules::from_toml(text).expect("rules")
+}
+
+async fn limiter(text: &str) -> Limiter {
+    Limiter::builder()
+        .embedded()
+        .rules(rules(text))
+        .config(LimiterConfig {
+            hot_above_per_sec: 5,
+            idle_after: Duration::from_millis(300),
+            forget_after: Duration::from_millis(600),
+            sweep_every: Duration::from_millis(20),
+            ..LimiterConfig::default()
+        })
+        .build()
+        .await
+        .expect("limiter")
+}
+
+const LEASED: &str = r#"
+[rules.api]
+capacity = 1000
+rate = "100/s"
+leasing = "lease"
+lease_max = 100
+"#;
+
+#[tokio::test]
+async fn leased_key_decides_without_the_store_in_steady_state() {
+    let l = limiter(LEASED).await;
+    assert!(matches!(
+        l.check("t", "api", 1).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let calls = l.stats("api").unwrap().store_calls;
+    let mut fast = 0;
+    for _ in 0..50 {
+        if let Some(Decision::Allowed {
+            via: Admission::Lease,
+            ..
+        }) = l.try_check("t", "api", 1).unwrap()
+        {
+            fast += 1;
+        }
+    }
+    assert_eq!(fast, 50, "a live lease answers without waiting");
+    let s = l.stats("api").unwrap();
+    assert!(
+        s.store_calls - calls <= 1,
+        "at most one prefetch for 50 decisions: {s:?}"
+    );
+}
+
+#[tokio::test]
+async fn empty_bucket_is_remembered_until_the_refill_time() {
+    let l = limiter("[rules.api]\ncapacity = 3\nrate = \"1/10s\"\nleasing = \"exact\"\n").await;
+    for _ in 0..3 {
+        assert!(matches!(
+            l.check("t", "api", 1).await.unwrap(),
+            Decision::Allowed {
+                via: Admission::Exact,
+                ..
+            }
+        ));
+    }
+    let Decision::Denied { retry_after } = l.check("t", "api", 1).await.unwrap() else {
+        panic!("the bucket is empty")
+    };
+    assert!(
+        retry_after > Duration::from_secs(9) && retry_after <= Duration::from_secs(10),
+        "{retry_after:?}"
+    );
+    let calls = l.stats("api").unwrap().store_calls;
+    for _ in 0..100 {
+        let d = l
+            .try_check("t", "api", 1)
+            .unwrap()
+            .expect("negative cache answers at once");
+        assert!(matches!(d, Decision::Denied { retry_after } if retry_after > Duration::ZERO));
+    }
+    assert_eq!(
+        l.stats("api").unwrap().store_calls,
+        calls,
+        "denials cost no store call"
+    );
+}
+
+#[tokio::test]
+async fn errors_name_what_is_wrong() {
+    let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/s\"\n").await;
+    assert!(matches!(
+        l.check("t", "api", 11).await,
+        Err(CheckError::CostExceedsCapacity {
+            cost: 11,
+            capacity: 10,
+            ..
+        })
+    ));
+    let e = l.check("t", "nope", 1).await.unwrap_err().to_string();
+    assert!(e.contains("\"nope\"") && e.contains("api"), "{e}");
+    assert!(matches!(
+        l.check("", "api", 1).await,
+        Err(CheckError::Subject(_))
+    ));
+    assert!(matches!(
+        l.check("t", "api", 0).await,
+        Err(CheckError::ZeroCost)
+    ));
+    // Hostile subjects are just subjects.
+    let big = vec![b'{'; 1 << 20];
+    assert!(matches!(
+        l.check(&big, "api", 1).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+    assert!(matches!(
+        l.check(b"\0}{x", "api", 1).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+}
+
+#[tokio::test]
+async fn cold_keys_are_promoted_then_demoted_and_forgotten() {
+    let l = limiter("[rules.api]\ncapacity = 1000\nrate = \"1000/s\"\nlease_ttl = \"2s\"\n").await;
+    for _ in 0..10 {
+        l.check("warm", "api", 1).await.unwrap();
+    }
+    let s = l.stats("api").unwrap();
+    assert!(s.admitted_exact >= 5, "cold at first: {s:?}");
+    for _ in 0..200 {
+        l.check("warm", "api", 1).await.unwrap();
+    }
+    let s = l.stats("api").unwrap();
+    assert!(s.admitted_lease > 150, "promoted to leasing: {s:?}");
+    assert!(s.lease_grants >= 1);
+    // Idle: the lease goes back, the key goes cold, then it is forgotten.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let s = l.stats("api").unwrap();
+    assert!(s.lease_returns >= 1, "idle lease returned: {s:?}");
+    assert_eq!(l.keys_in_memory(), 0, "idle cold key forgotten");
+}
+
+#[tokio::test]
+async fn multi_rule_denial_refunds_the_other_leases() {
+    // The tenant bucket is exactly one lease of 50 and barely refills.
+    let l = limiter(
+        "[rules.tenant]\ncapacity = 50\nrate = \"1/100s\"\nleasing = \"lease\"\nlease_min = 50\nlease_max = 50\n\
+         [rules.endpoint]\ncapacity = 1\nrate = \"1/100s\"\nleasing = \"exact\"\n",
+    )
+    .await;
+    assert!(matches!(
+        l.check("t", "tenant", 10).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+    let checks: [(&[u8], &str, u64); 2] = [(b"t", "tenant", 10), (b"e", "endpoint", 1)];
+    assert!(matches!(
+        l.check_all(&checks).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+    // The endpoint bucket is now empty: the tenant's 10 tokens must come back.
+    assert!(matches!(
+        l.check_all(&checks).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+    let mut spent = 0;
+    while let Some(Decision::Allowed {
+        via: Admission::Lease,
+        ..
+    }) = l.try_check("t", "tenant", 1).unwrap()
+    {
+        spent += 1;
+    }
+    assert_eq!(l.stats("tenant").unwrap().lease_tokens_granted, 50);
+    assert_eq!(
+        spent, 30,
+        "50 leased - 10 - 10 admitted; the denied request's 10 came back"
+    );
+}
+
+#[tokio::test]
+async fn check_wait_queues_until_tokens_arrive() {
+    let l = limiter("[rules.api]\ncapacity = 2\nrate = \"10/s\"\nleasing = \"exact\"\n").await;
+    let start = tokio::time::Instant::now();
+    let mut admitted = 0;
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let l = l.clone();
+            tokio::spawn(async move { l.check_wait("t", "api", 1, Duration::from_secs(2)).await })
+        })
+        .collect();
+    for t in tasks {
+        if let Decision::Allowed { .. } = t.await.unwrap().unwrap() {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 6, "everyone waited for a token");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(350),
+        "4 refills at 10/s take 400ms, took {took:?}"
+    );
+    // A wait longer than allowed is a plain denial.
+    let d = l
+        .check_wait("t", "api", 2, Duration::from_millis(1))
+        .await
+        .unwrap();
+    assert!(matches!(d, Decision::Denied { .. }));
+}
+
+#[tokio::test]
+async fn a_bad_rules_file_is_refused_and_the_old_rules_stay() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.toml");
+    std::fs::write(&path, "[rules.api]\ncapacity = 5\nrate = \"1/s\"\n").unwrap();
+    let l = Limiter::builder()
+        .embedded()
+        .rules_file(&path)
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(l.bucket_params("api").unwrap().capacity, 5);
+    std::fs::write(&path, "[rules.api]\ncapacity = 0\nrate = \"1/s\"\n").unwrap();
+    let e = l.reload_rules().unwrap_err().to_string();
+    assert!(e.contains("capacity"), "{e}");
+    assert_eq!(
+        l.bucket_params("api").unwrap().capacity,
+        5,
+        "old rules stay in force"
+    );
+    std::fs::write(
+        &path,
+        "[rules.api]\ncapacity = 7\nrate = \"1/s\"\n[rules.new]\ncapacity = 1\nrate = \"1/s\"\n",
+    )
+    .unwrap();
+    assert_eq!(l.reload_rules().unwrap(), 2);
+    assert_eq!(l.bucket_params("api").unwrap().capacity, 7);
+    assert!(matches!(
+        l.check("t", "new", 1).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
+}
+
+#[tokio::test]
+async fn watched_rules_file_reloads_by_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.toml");
+    std::fs::write(&path, "[rules.api]\ncapacity = 5\nrate = \"1/s\"\n").unwrap();
+    let l = Limiter::builder()
+        .embedded()
+        .rules_file(&path)
+        .watch_rules(Duration::from_millis(20))
+        .build()
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    std::fs::write(&path, "[rules.api]\ncapacity = 9\nrate = \"1/s\"\n").unwrap();
+    let f = std::fs::File::options().append(true).open(&path).unwrap();
+    f.set_modified(std::time::SystemTime::now() + Duration::from_secs(1))
+        .unwrap();
+    for _ in 0..100 {
+        if l.bucket_params("api").unwrap().capacity == 9 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the watched rules file was not reloaded");
+}

@@ -41,6 +41,13 @@ use crate::store::{EmbeddedStore, Store};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// One decision in this many (per thread) is timed for `leasehold_decision_seconds`.
+pub const SAMPLE_EVERY: u64 = 64;
+
+thread_local! {
+    static SAMPLE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// The outcome of a check. Being limited is an outcome, not an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
@@ -351,21 +358,50 @@ impl RuleTable {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// A key of the agent's map: rule name and subject in one allocation (one pointer to
+/// follow on a lookup), hashed in the same two pieces as the borrowed [`KeyRef`].
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct KeyId {
-    rule: Box<str>,
-    subject: Box<[u8]>,
+    bytes: Box<[u8]>,
+    rule_len: usize,
 }
 
-#[derive(Hash)]
+impl KeyId {
+    fn new(rule: &str, subject: &[u8]) -> Self {
+        let mut bytes = Vec::with_capacity(rule.len() + subject.len());
+        bytes.extend_from_slice(rule.as_bytes());
+        bytes.extend_from_slice(subject);
+        Self {
+            bytes: bytes.into_boxed_slice(),
+            rule_len: rule.len(),
+        }
+    }
+}
+
+impl std::hash::Hash for KeyId {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        let (rule, subject) = self.bytes.split_at(self.rule_len);
+        h.write(rule);
+        h.write(subject);
+    }
+}
+
 struct KeyRef<'a> {
     rule: &'a str,
     subject: &'a [u8],
 }
 
+impl std::hash::Hash for KeyRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write(self.rule.as_bytes());
+        h.write(self.subject);
+    }
+}
+
 impl papaya::Equivalent<KeyId> for KeyRef<'_> {
     fn equivalent(&self, key: &KeyId) -> bool {
-        self.rule == &*key.rule && self.subject == &*key.subject
+        let (rule, subject) = key.bytes.split_at(key.rule_len);
+        self.rule.as_bytes() == rule && self.subject == subject
     }
 }
 
@@ -389,15 +425,22 @@ struct Emergency {
     at_ns: u64,
 }
 
+/// One key's state. The fields the hot path reads come first and fit one cache line
+/// (the struct is aligned to it), so a decision touches one line of its key.
+#[repr(C, align(64))]
 struct KeyState {
+    lease: lease_core::LocalLease,
+    /// The rule's capacity, so the hot path needs no rule lookup; 0 once the rule is
+    /// removed, which sends checks to the full path and its `UnknownRule`.
+    capacity: AtomicU64,
+    low_water: AtomicU64,
+    counters: Arc<RuleCounters>,
+    hot: AtomicBool,
+    prefetching: AtomicBool,
     rule: Box<str>,
     bucket: BucketKey,
     group: usize,
-    lease: lease_core::LocalLease,
-    hot: AtomicBool,
     deny_until_ns: AtomicU64,
-    low_water: AtomicU64,
-    prefetching: AtomicBool,
     share_milli: AtomicU64,
     last_io_ns: AtomicU64,
     io: Arc<AsyncMutex<Io>>,
@@ -488,9 +531,32 @@ impl Limiter {
         rule: &str,
         cost: u64,
     ) -> Result<Decision, CheckError> {
-        match self.fast(subject.as_ref(), rule, cost)? {
-            Fast::Done(d) => Ok(d),
-            Fast::Slow(ks, entry) => Ok(self.slow(ks, entry, cost).await),
+        let started = self.sample_start();
+        let d = match self.fast(subject.as_ref(), rule, cost)? {
+            Fast::Done(d) => d,
+            Fast::Slow(ks, entry) => self.slow(ks, entry, cost).await,
+        };
+        self.sample_end(started);
+        Ok(d)
+    }
+
+    /// One decision in [`SAMPLE_EVERY`] per thread is timed, so the histogram costs the
+    /// hot path a thread-local increment.
+    #[inline]
+    fn sample_start(&self) -> Option<u64> {
+        let n = SAMPLE.with(|c| {
+            let n = c.get().wrapping_add(1);
+            c.set(n);
+            n
+        });
+        n.is_multiple_of(SAMPLE_EVERY)
+            .then(|| self.inner.clock.raw())
+    }
+
+    fn sample_end(&self, started: Option<u64>) {
+        if let Some(t0) = started {
+            let ns = self.inner.clock.delta_as_nanos(t0, self.inner.clock.raw());
+            metrics::histogram!("leasehold_decision_seconds").record(ns as f64 / 1e9);
         }
     }
 
@@ -501,10 +567,13 @@ impl Limiter {
         rule: &str,
         cost: u64,
     ) -> Result<Option<Decision>, CheckError> {
-        Ok(match self.fast(subject.as_ref(), rule, cost)? {
+        let started = self.sample_start();
+        let d = match self.fast(subject.as_ref(), rule, cost)? {
             Fast::Done(d) => Some(d),
             Fast::Slow(..) => None,
-        })
+        };
+        self.sample_end(started);
+        Ok(d)
     }
 
     /// Checks several rules for one request (for example tenant, endpoint and global):
@@ -600,6 +669,36 @@ impl Limiter {
 
     #[inline]
     fn fast(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Fast, CheckError> {
+        let keys = &self.inner.keys;
+        let guard = keys.guard();
+        let key = KeyRef { rule, subject };
+        // The hot path: a live key whose lease covers the cost.
+        if let Some(ks) = keys.get(&key, &guard)
+            && cost != 0
+            && cost <= ks.capacity.load(Ordering::Relaxed)
+            && ks.hot.load(Ordering::Relaxed)
+            && let Spend::Spent { left } = ks.lease.try_spend(cost, self.now_ns())
+        {
+            if left < ks.low_water.load(Ordering::Relaxed) {
+                self.request_prefetch(ks);
+            }
+            ks.counters.admitted_lease.incr();
+            return Ok(Fast::Done(Decision::Allowed {
+                remaining: left,
+                via: Admission::Lease,
+            }));
+        }
+        self.full(subject, rule, cost, &guard)
+    }
+
+    /// Everything the hot path does not cover: validation, new keys, the negative cache.
+    fn full(
+        &self,
+        subject: &[u8],
+        rule: &str,
+        cost: u64,
+        guard: &impl papaya::Guard,
+    ) -> Result<Fast, CheckError> {
         let rules = self.inner.rules.load();
         let entry = rules.get(rule)?;
         let capacity = entry.params.capacity;
@@ -618,8 +717,7 @@ impl Limiter {
         }
         let now = self.now_ns();
         let keys = &self.inner.keys;
-        let guard = keys.guard();
-        if let Some(ks) = keys.get(&KeyRef { rule, subject }, &guard) {
+        if let Some(ks) = keys.get(&KeyRef { rule, subject }, guard) {
             if ks.hot.load(Ordering::Relaxed)
                 && let Spend::Spent { left } = ks.lease.try_spend(cost, now)
             {
@@ -645,13 +743,12 @@ impl Limiter {
         })?;
         let bucket = BucketKey::new(&name, subject)?;
         let ks = keys.get_or_insert_with(
-            KeyId {
-                rule: rule.into(),
-                subject: subject.into(),
-            },
+            KeyId::new(rule, subject),
             || {
                 Arc::new(KeyState {
                     rule: rule.into(),
+                    capacity: AtomicU64::new(capacity),
+                    counters: entry.counters.clone(),
                     group: Breakers::group(bucket.slot()),
                     bucket,
                     lease: lease_core::LocalLease::new(),
@@ -668,7 +765,7 @@ impl Limiter {
                     emergency: parking_lot::Mutex::new(None),
                 })
             },
-            &guard,
+            guard,
         );
         Ok(Fast::Slow(ks.clone(), entry.clone()))
     }
@@ -993,17 +1090,21 @@ impl Limiter {
         };
         self.inner.note_rules_mtime();
         let rules = Rules::from_file(path)?;
-        let table = RuleTable::new(&rules, Some(&self.inner.rules.load()));
-        let n = table.by_name.len();
-        self.inner.rules.store(Arc::new(table));
+        let n = rules.len();
+        self.set_rules(&rules);
         tracing::info!(rules = n, path = %path.display(), "rules reloaded");
         Ok(n)
     }
 
     /// Replaces the rules with ones built in code.
     pub fn set_rules(&self, rules: &Rules) {
-        let table = RuleTable::new(rules, Some(&self.inner.rules.load()));
-        self.inner.rules.store(Arc::new(table));
+        let table = Arc::new(RuleTable::new(rules, Some(&self.inner.rules.load())));
+        self.inner.rules.store(table.clone());
+        let guard = self.inner.keys.guard();
+        for (_, ks) in self.inner.keys.iter(&guard) {
+            let capacity = table.get(&ks.rule).map_or(0, |e| e.params.capacity);
+            ks.capacity.store(capacity, Ordering::Relaxed);
+        }
     }
 
     /// Counters of one rule.

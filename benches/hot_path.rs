@@ -1,0 +1,109 @@
+//! The hot path: a decision on a key whose local lease covers it, against governor's keyed
+//! limiter (local only, no global budget) in the same group, with 1 and 2 threads over
+//! 10 000 keys. Each thread walks the keys round-robin.
+//!
+//! `cargo bench --bench hot_path`; compare the two lines of each group: absolute times
+//! on a shared 2-core machine prove little.
+#![allow(missing_docs, clippy::expect_used, clippy::unwrap_used)]
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use governor::{Quota, RateLimiter};
+use leasehold::agent::{Decision, Limiter, Rules};
+
+const KEYS: usize = 10_000;
+
+fn keys() -> Arc<Vec<String>> {
+    Arc::new((0..KEYS).map(|i| format!("tenant-{i}")).collect())
+}
+
+fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
+    rt.block_on(async {
+        let rules = Rules::from_toml(
+            "[rules.bench]\ncapacity = 1000000000\nrate = \"1000000000/s\"\nleasing = \"lease\"\n\
+             lease_min = 10000000\nlease_max = 10000000\nlease_ttl = \"1h\"\n",
+        )
+        .unwrap();
+        let l = Limiter::builder()
+            .embedded()
+            .rules(rules)
+            .build()
+            .await
+            .unwrap();
+        for k in keys {
+            assert!(matches!(
+                l.check(k, "bench", 1).await.unwrap(),
+                Decision::Allowed { .. }
+            ));
+        }
+        l
+    })
+}
+
+/// Runs `op(thread, i)` `iters` times on each of `threads` threads; returns the wall time
+/// divided among the threads' operations as criterion expects (time per `iters`).
+fn threaded(threads: usize, iters: u64, op: impl Fn(usize, u64) + Sync) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let op = &op;
+            s.spawn(move || {
+                for i in 0..iters {
+                    op(t, i);
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+fn hot_path(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let keys = keys();
+    let ours = leasehold_limiter(&rt, &keys);
+    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap());
+    let governor = RateLimiter::keyed(quota);
+    for k in keys.iter() {
+        let _ = governor.check_key(k);
+    }
+    for threads in [1usize, 2] {
+        let mut g = c.benchmark_group(format!("decision/{threads}-thread"));
+        g.throughput(criterion::Throughput::Elements(1));
+        g.bench_function("leasehold check (leased key)", |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    let k = &keys[(i as usize * 7 + t * 4999) % KEYS];
+                    let d = ours.try_check(k, "bench", 1).unwrap();
+                    black_box(matches!(d, Some(Decision::Allowed { .. })));
+                })
+            })
+        });
+        g.bench_function("governor check_key", |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    let k = &keys[(i as usize * 7 + t * 4999) % KEYS];
+                    black_box(governor.check_key(k).is_ok());
+                })
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(30);
+    targets = hot_path
+}
+criterion_main!(benches);

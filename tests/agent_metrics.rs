@@ -1,0 +1,53 @@
+//! The Prometheus exporter (its own test binary: a process has one metrics recorder).
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::time::Duration;
+
+use gateway_agent::{Limiter, Rules};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test]
+async fn prometheus_exporter_serves_decision_counters_on_loopback() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let l = Limiter::builder()
+        .embedded()
+        .rules(
+            Rules::from_toml("[rules.api]\ncapacity = 5\nrate = \"1/s\"\nleasing = \"exact\"\n")
+                .unwrap(),
+        )
+        .prometheus(addr)
+        .build()
+        .await
+        .unwrap();
+    for _ in 0..200 {
+        l.check("t", "api", 1).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1300)).await; // one publish tick
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    assert!(
+        body.contains("leasehold_decisions_total{rule=\"api\",outcome=\"admitted_exact\"} 5"),
+        "{body}"
+    );
+    assert!(
+        body.contains("leasehold_decisions_total{rule=\"api\",outcome=\"denied\"} 195"),
+        "{body}"
+    );
+    assert!(
+        body.contains("leasehold_decision_seconds"),
+        "sampled decision times: {body}"
+    );
+    assert!(
+        body.contains("leasehold_store_calls_total{rule=\"api\"}"),
+        "{body}"
+    );
+}

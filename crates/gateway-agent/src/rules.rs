@@ -10,6 +10,12 @@
 //!
 //! Every rule is validated when the file is read; one bad rule refuses the whole file,
 //! with an error naming the rule, the field and the value.
+//!
+//! Environment variables override fields of rules in the file:
+//! `LEASEHOLD_RULES__<RULE>__<FIELD>=<value>`, where `<RULE>` is the rule's name in any
+//! case with `.` and `-` written as `_` (`LEASEHOLD_RULES__API_WRITE__CAPACITY=200`). A
+//! variable that names no rule of the file, names two, or names an unknown field is an
+//! error: an override that silently did nothing would be worse.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -42,6 +48,14 @@ pub enum RulesError {
         /// The rule's problem.
         source: RuleError,
     },
+    /// An environment override that does not apply.
+    #[error("environment override {var}: {why}")]
+    Override {
+        /// The variable.
+        var: String,
+        /// Why it does not apply.
+        why: String,
+    },
     /// The file defines no rule: almost certainly the wrong file.
     #[error("rules file {path} defines no [rules.NAME] table")]
     Empty {
@@ -68,23 +82,37 @@ struct RulesFile {
 }
 
 impl Rules {
-    /// Reads and validates a TOML rules file.
+    /// Reads and validates a TOML rules file, with the process's `LEASEHOLD_RULES__*`
+    /// environment overrides applied.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RulesError> {
         let path = path.as_ref();
         let shown = path.display().to_string();
         let source = config::File::from(path).format(config::FileFormat::Toml);
-        Self::load(source, &shown)
+        Self::load(source, &shown, std::env::vars())
     }
 
-    /// Parses and validates rules from TOML text.
+    /// Parses and validates rules from TOML text (no environment overrides).
     pub fn from_toml(text: &str) -> Result<Self, RulesError> {
+        Self::from_toml_with_env(text, std::iter::empty())
+    }
+
+    /// Parses rules from TOML text with the overrides among `vars` (name, value) applied.
+    pub fn from_toml_with_env(
+        text: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, RulesError> {
         Self::load(
             config::File::from_str(text, config::FileFormat::Toml),
             "<inline>",
+            vars,
         )
     }
 
-    fn load<S>(source: S, shown: &str) -> Result<Self, RulesError>
+    fn load<S>(
+        source: S,
+        shown: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, RulesError>
     where
         S: config::Source + Send + Sync + 'static,
     {
@@ -92,12 +120,13 @@ impl Rules {
             path: shown.to_owned(),
             source,
         };
-        let file: RulesFile = config::Config::builder()
+        let mut file: RulesFile = config::Config::builder()
             .add_source(source)
             .build()
             .map_err(read)?
             .try_deserialize()
             .map_err(read)?;
+        apply_overrides(&mut file.rules, vars)?;
         if file.rules.is_empty() {
             return Err(RulesError::Empty {
                 path: shown.to_owned(),
@@ -148,6 +177,58 @@ impl Rules {
     }
 }
 
+const ENV_PREFIX: &str = "LEASEHOLD_RULES__";
+
+fn env_name(rule: &str) -> String {
+    rule.to_ascii_uppercase().replace(['.', '-'], "_")
+}
+
+/// Applies `LEASEHOLD_RULES__<RULE>__<FIELD>` overrides; the `config` crate does the typed
+/// merge, so `"200"` becomes a number where the field wants one.
+fn apply_overrides(
+    rules: &mut BTreeMap<String, RuleSpec>,
+    vars: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), RulesError> {
+    for (var, value) in vars {
+        let Some(rest) = var.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        let err = |why: String| RulesError::Override {
+            var: var.clone(),
+            why,
+        };
+        let (rule, field) = rest
+            .rsplit_once("__")
+            .ok_or_else(|| err("expected LEASEHOLD_RULES__<RULE>__<FIELD>".into()))?;
+        let matches: Vec<String> = rules
+            .keys()
+            .filter(|name| env_name(name) == rule.to_ascii_uppercase())
+            .cloned()
+            .collect();
+        let name = match matches.as_slice() {
+            [one] => one.clone(),
+            [] => {
+                let known: Vec<String> = rules.keys().map(|n| env_name(n)).collect();
+                return Err(err(format!(
+                    "no rule {rule} in the file (rules: {})",
+                    known.join(", ")
+                )));
+            }
+            many => return Err(err(format!("matches several rules: {}", many.join(", ")))),
+        };
+        let field = field.to_ascii_lowercase();
+        let spec = &rules[&name];
+        let merged: RuleSpec = config::Config::builder()
+            .add_source(config::Config::try_from(spec).map_err(|e| err(e.to_string()))?)
+            .set_override(field.as_str(), value.as_str())
+            .and_then(|b| b.build())
+            .and_then(config::Config::try_deserialize)
+            .map_err(|e| err(format!("field {field}: {e}")))?;
+        rules.insert(name, merged);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +254,50 @@ mod tests {
             e.contains("\"api.read\"") && e.contains("api.write, global"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn environment_overrides_fields_of_named_rules() {
+        let text = "[rules.\"api.write\"]\ncapacity = 100\nrate = \"10/s\"\n[rules.Tenant-X]\ncapacity = 5\nrate = \"1/s\"\n";
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let rules = Rules::from_toml_with_env(
+            text,
+            env(&[
+                ("LEASEHOLD_RULES__API_WRITE__CAPACITY", "200"),
+                ("LEASEHOLD_RULES__tenant_x__RATE", "3/s"),
+                ("UNRELATED", "x"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(rules.get("api.write").unwrap().capacity().get(), 200);
+        assert_eq!(rules.get("Tenant-X").unwrap().rate().tokens(), 3);
+        assert_eq!(rules.len(), 2, "no rule is created by an override");
+        let e = Rules::from_toml_with_env(text, env(&[("LEASEHOLD_RULES__NOPE__CAPACITY", "1")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no rule NOPE") && e.contains("API_WRITE"), "{e}");
+        let e =
+            Rules::from_toml_with_env(text, env(&[("LEASEHOLD_RULES__API_WRITE__CAPACTY", "1")]))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("capacty"), "{e}");
+        let e = Rules::from_toml_with_env(
+            text,
+            env(&[("LEASEHOLD_RULES__API_WRITE__CAPACITY", "lots")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("capacity"), "{e}");
+        let e =
+            Rules::from_toml_with_env(text, env(&[("LEASEHOLD_RULES__API_WRITE__CAPACITY", "0")]))
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("rule api.write: capacity"), "{e}");
     }
 
     #[test]

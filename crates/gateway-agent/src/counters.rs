@@ -1,139 +1,140 @@
-//! Counters many threads bump on the hot path: one cache line per shard, a thread always
-//! bumps the same shard, and readers sum the shards. They are flushed to the `metrics`
-//! crate by the agent's background task, so the hot path never touches a registry.
+//! Counters many threads bump on the hot path, without an atomic read-modify-write.
+//!
+//! Each live thread owns one slot (recycled when the thread exits), and a rule's counters
+//! hold one cache line per slot with every counter of that rule. A slot has one writer,
+//! so a bump is a plain load and store; readers sum the slots. Threads beyond
+//! [`SLOTS`] share an overflow line bumped with `fetch_add`. The background task
+//! publishes the sums to the `metrics` crate, so the hot path never touches a registry.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
-const SHARDS: usize = 16;
+/// Threads with a slot of their own.
+pub const SLOTS: usize = 64;
 
-static NEXT_THREAD: AtomicUsize = AtomicUsize::new(0);
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+static FREE: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+struct Slot(usize);
+
+impl Slot {
+    fn take() -> Self {
+        let reused = FREE.lock().ok().and_then(|mut f| f.pop());
+        Self(reused.unwrap_or_else(|| NEXT.fetch_add(1, Ordering::Relaxed).min(SLOTS)))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.0 < SLOTS
+            && let Ok(mut free) = FREE.lock()
+        {
+            free.push(self.0);
+        }
+    }
+}
 
 thread_local! {
-    static SHARD: usize = NEXT_THREAD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    static SLOT: Slot = Slot::take();
 }
 
-/// A counter sharded by thread.
-#[derive(Debug, Default)]
-pub struct Sharded {
-    shards: [CachePadded<AtomicU64>; SHARDS],
-}
-
-impl Sharded {
-    /// Adds `n`.
-    #[inline]
-    pub fn add(&self, n: u64) {
-        let i = SHARD.with(|s| *s);
-        self.shards[i].fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Adds one.
-    #[inline]
-    pub fn incr(&self) {
-        self.add(1);
-    }
-
-    /// The total.
-    pub fn get(&self) -> u64 {
-        self.shards.iter().map(|s| s.load(Ordering::Relaxed)).sum()
-    }
-}
-
-/// What happened to decisions of one rule, and the store traffic they caused.
-#[derive(Debug, Default)]
-pub struct RuleCounters {
+/// What is counted per rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum Counter {
     /// Admitted from a local lease, without a network call.
-    pub admitted_lease: Sharded,
+    AdmittedLease,
     /// Admitted by an exact per-request call.
-    pub admitted_exact: Sharded,
+    AdmittedExact,
     /// Admitted because the store was unreachable and the rule fails open.
-    pub admitted_fail_open: Sharded,
+    AdmittedFailOpen,
     /// Admitted by the local emergency limit while the store was unreachable.
-    pub admitted_emergency: Sharded,
+    AdmittedEmergency,
     /// Denied (429): the bucket is empty.
-    pub denied: Sharded,
+    Denied,
     /// Refused because the store was unreachable and the rule fails closed (503).
-    pub unavailable: Sharded,
+    Unavailable,
     /// Store calls that failed or timed out.
-    pub store_errors: Sharded,
+    StoreErrors,
     /// Times a key switched to its local emergency limit.
-    pub emergency_activations: Sharded,
+    EmergencyActivations,
     /// Store calls made (acquire, release, exact).
-    pub store_calls: Sharded,
+    StoreCalls,
     /// Tokens granted to this agent in leases.
-    pub lease_tokens_granted: Sharded,
+    LeaseTokensGranted,
     /// Tokens this agent returned.
-    pub lease_tokens_returned: Sharded,
+    LeaseTokensReturned,
     /// Acquires that granted something.
-    pub lease_grants: Sharded,
+    LeaseGrants,
     /// Releases sent.
-    pub lease_returns: Sharded,
+    LeaseReturns,
 }
 
-/// A snapshot of [`RuleCounters`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RuleStats {
-    /// See [`RuleCounters::admitted_lease`].
-    pub admitted_lease: u64,
-    /// See [`RuleCounters::admitted_exact`].
-    pub admitted_exact: u64,
-    /// See [`RuleCounters::admitted_fail_open`].
-    pub admitted_fail_open: u64,
-    /// See [`RuleCounters::admitted_emergency`].
-    pub admitted_emergency: u64,
-    /// See [`RuleCounters::denied`].
-    pub denied: u64,
-    /// See [`RuleCounters::unavailable`].
-    pub unavailable: u64,
-    /// See [`RuleCounters::store_errors`].
-    pub store_errors: u64,
-    /// See [`RuleCounters::emergency_activations`].
-    pub emergency_activations: u64,
-    /// See [`RuleCounters::store_calls`].
-    pub store_calls: u64,
-    /// See [`RuleCounters::lease_tokens_granted`].
-    pub lease_tokens_granted: u64,
-    /// See [`RuleCounters::lease_tokens_returned`].
-    pub lease_tokens_returned: u64,
-    /// See [`RuleCounters::lease_grants`].
-    pub lease_grants: u64,
-    /// See [`RuleCounters::lease_returns`].
-    pub lease_returns: u64,
+const KINDS: usize = 13;
+
+/// The counters of one rule.
+#[derive(Debug)]
+pub struct RuleCounters {
+    slots: Box<[CachePadded<[AtomicU64; KINDS]>]>,
 }
 
-impl RuleStats {
-    /// Every admission, whatever its path.
-    pub fn admitted(&self) -> u64 {
-        self.admitted_lease
-            + self.admitted_exact
-            + self.admitted_fail_open
-            + self.admitted_emergency
-    }
-
-    /// Every decision.
-    pub fn decisions(&self) -> u64 {
-        self.admitted() + self.denied + self.unavailable
+impl Default for RuleCounters {
+    fn default() -> Self {
+        Self {
+            slots: (0..=SLOTS)
+                .map(|_| CachePadded::new(std::array::from_fn(|_| AtomicU64::new(0))))
+                .collect(),
+        }
     }
 }
 
 impl RuleCounters {
+    /// Adds `n` to `counter`.
+    #[inline]
+    pub fn add(&self, counter: Counter, n: u64) {
+        let slot = SLOT.try_with(|s| s.0).unwrap_or(SLOTS);
+        let c = &self.slots[slot][counter as usize];
+        if slot < SLOTS {
+            // This thread is the slot's only writer.
+            c.store(c.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+        } else {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Adds one to `counter`.
+    #[inline]
+    pub fn incr(&self, counter: Counter) {
+        self.add(counter, 1);
+    }
+
+    /// The total of `counter`.
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| s[counter as usize].load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// A snapshot.
     pub fn stats(&self) -> RuleStats {
+        use Counter::*;
         RuleStats {
-            admitted_lease: self.admitted_lease.get(),
-            admitted_exact: self.admitted_exact.get(),
-            admitted_fail_open: self.admitted_fail_open.get(),
-            admitted_emergency: self.admitted_emergency.get(),
-            denied: self.denied.get(),
-            unavailable: self.unavailable.get(),
-            store_errors: self.store_errors.get(),
-            emergency_activations: self.emergency_activations.get(),
-            store_calls: self.store_calls.get(),
-            lease_tokens_granted: self.lease_tokens_granted.get(),
-            lease_tokens_returned: self.lease_tokens_returned.get(),
-            lease_grants: self.lease_grants.get(),
-            lease_returns: self.lease_returns.get(),
+            admitted_lease: self.get(AdmittedLease),
+            admitted_exact: self.get(AdmittedExact),
+            admitted_fail_open: self.get(AdmittedFailOpen),
+            admitted_emergency: self.get(AdmittedEmergency),
+            denied: self.get(Denied),
+            unavailable: self.get(Unavailable),
+            store_errors: self.get(StoreErrors),
+            emergency_activations: self.get(EmergencyActivations),
+            store_calls: self.get(StoreCalls),
+            lease_tokens_granted: self.get(LeaseTokensGranted),
+            lease_tokens_returned: self.get(LeaseTokensReturned),
+            lease_grants: self.get(LeaseGrants),
+            lease_returns: self.get(LeaseReturns),
         }
     }
 
@@ -172,5 +173,77 @@ impl RuleCounters {
         ] {
             metrics::counter!(name, "rule" => rule.clone()).absolute(v);
         }
+    }
+}
+
+/// A snapshot of a rule's counters; see [`Counter`] for each field.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleStats {
+    /// [`Counter::AdmittedLease`].
+    pub admitted_lease: u64,
+    /// [`Counter::AdmittedExact`].
+    pub admitted_exact: u64,
+    /// [`Counter::AdmittedFailOpen`].
+    pub admitted_fail_open: u64,
+    /// [`Counter::AdmittedEmergency`].
+    pub admitted_emergency: u64,
+    /// [`Counter::Denied`].
+    pub denied: u64,
+    /// [`Counter::Unavailable`].
+    pub unavailable: u64,
+    /// [`Counter::StoreErrors`].
+    pub store_errors: u64,
+    /// [`Counter::EmergencyActivations`].
+    pub emergency_activations: u64,
+    /// [`Counter::StoreCalls`].
+    pub store_calls: u64,
+    /// [`Counter::LeaseTokensGranted`].
+    pub lease_tokens_granted: u64,
+    /// [`Counter::LeaseTokensReturned`].
+    pub lease_tokens_returned: u64,
+    /// [`Counter::LeaseGrants`].
+    pub lease_grants: u64,
+    /// [`Counter::LeaseReturns`].
+    pub lease_returns: u64,
+}
+
+impl RuleStats {
+    /// Every admission, whatever its path.
+    pub fn admitted(&self) -> u64 {
+        self.admitted_lease
+            + self.admitted_exact
+            + self.admitted_fail_open
+            + self.admitted_emergency
+    }
+
+    /// Every decision.
+    pub fn decisions(&self) -> u64 {
+        self.admitted() + self.denied + self.unavailable
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn no_increment_is_lost_across_many_short_lived_threads() {
+        let c = Arc::new(RuleCounters::default());
+        for _ in 0..4 {
+            std::thread::scope(|s| {
+                for _ in 0..100 {
+                    let c = c.clone();
+                    s.spawn(move || {
+                        for _ in 0..1000 {
+                            c.incr(Counter::Denied);
+                        }
+                        c.add(Counter::StoreCalls, 2);
+                    });
+                }
+            });
+        }
+        assert_eq!(c.get(Counter::Denied), 400_000);
+        assert_eq!(c.get(Counter::StoreCalls), 800);
     }
 }

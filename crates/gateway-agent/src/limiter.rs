@@ -34,7 +34,7 @@ use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
 use crate::breaker::{BreakerConfig, Breakers, Refusal};
-use crate::counters::{RuleCounters, RuleStats};
+use crate::counters::{Counter, RuleCounters, RuleStats};
 use crate::redis_store::{RedisStore, StoreConfig, StoreError};
 use crate::rules::{Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
@@ -358,21 +358,22 @@ impl RuleTable {
     }
 }
 
-/// A key of the agent's map: rule name and subject in one allocation (one pointer to
-/// follow on a lookup), hashed in the same two pieces as the borrowed [`KeyRef`].
+/// A key of the agent's map: rule name and subject, stored inline in the map's node when
+/// short (no pointer to follow on a lookup), hashed in the same two pieces as the
+/// borrowed [`KeyRef`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct KeyId {
-    bytes: Box<[u8]>,
+    bytes: smallvec::SmallVec<[u8; 40]>,
     rule_len: usize,
 }
 
 impl KeyId {
     fn new(rule: &str, subject: &[u8]) -> Self {
-        let mut bytes = Vec::with_capacity(rule.len() + subject.len());
+        let mut bytes = smallvec::SmallVec::with_capacity(rule.len() + subject.len());
         bytes.extend_from_slice(rule.as_bytes());
         bytes.extend_from_slice(subject);
         Self {
-            bytes: bytes.into_boxed_slice(),
+            bytes,
             rule_len: rule.len(),
         }
     }
@@ -682,7 +683,7 @@ impl Limiter {
             if left < ks.low_water.load(Ordering::Relaxed) {
                 self.request_prefetch(ks);
             }
-            ks.counters.admitted_lease.incr();
+            ks.counters.incr(Counter::AdmittedLease);
             return Ok(Fast::Done(Decision::Allowed {
                 remaining: left,
                 via: Admission::Lease,
@@ -724,7 +725,7 @@ impl Limiter {
                 if left < ks.low_water.load(Ordering::Relaxed) {
                     self.request_prefetch(ks);
                 }
-                entry.counters.admitted_lease.incr();
+                entry.counters.incr(Counter::AdmittedLease);
                 return Ok(Fast::Done(Decision::Allowed {
                     remaining: left,
                     via: Admission::Lease,
@@ -732,7 +733,7 @@ impl Limiter {
             }
             let until = ks.deny_until_ns.load(Ordering::Relaxed);
             if now < until {
-                entry.counters.denied.incr();
+                entry.counters.incr(Counter::Denied);
                 return Ok(Fast::Done(denied(until - now)));
             }
             return Ok(Fast::Slow(ks.clone(), entry.clone()));
@@ -792,7 +793,7 @@ impl Limiter {
             return self.degraded(&ks, &entry, cost);
         }
         let Ok(mut io) = timeout_at(deadline, ks.io.lock()).await else {
-            entry.counters.store_errors.incr();
+            entry.counters.incr(Counter::StoreErrors);
             return self.degraded(&ks, &entry, cost);
         };
         let hot = Self::is_hot(&ks, &entry);
@@ -802,7 +803,7 @@ impl Limiter {
             if left < ks.low_water.load(Ordering::Relaxed) {
                 self.request_prefetch(&ks);
             }
-            entry.counters.admitted_lease.incr();
+            entry.counters.incr(Counter::AdmittedLease);
             return Decision::Allowed {
                 remaining: left,
                 via: Admission::Lease,
@@ -810,7 +811,7 @@ impl Limiter {
         }
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         if now < until {
-            entry.counters.denied.incr();
+            entry.counters.incr(Counter::Denied);
             return denied(until - now);
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
@@ -837,7 +838,7 @@ impl Limiter {
             }
             Ok(Err(CallError::Refused(why))) => {
                 if why == Refusal::Saturated {
-                    entry.counters.store_errors.incr();
+                    entry.counters.incr(Counter::StoreErrors);
                 }
                 self.degraded(&ks, &entry, cost)
             }
@@ -847,7 +848,7 @@ impl Limiter {
             }
             Err(_) => {
                 self.inner.breakers.failure(ks.group, self.now_ns());
-                entry.counters.store_errors.incr();
+                entry.counters.incr(Counter::StoreErrors);
                 self.degraded(&ks, &entry, cost)
             }
         }
@@ -865,7 +866,7 @@ impl Limiter {
             let reply = self.acquire(ks, io, entry, cost).await?;
             let now = self.now_ns();
             if let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
-                entry.counters.admitted_lease.incr();
+                entry.counters.incr(Counter::AdmittedLease);
                 return Ok(Decision::Allowed {
                     remaining: left,
                     via: Admission::Lease,
@@ -875,7 +876,7 @@ impl Limiter {
                 break;
             }
         }
-        entry.counters.denied.incr();
+        entry.counters.incr(Counter::Denied);
         let now = self.now_ns();
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         Ok(denied(if now < until {
@@ -909,7 +910,7 @@ impl Limiter {
             ks.hot.store(true, Ordering::Release);
         }
         if reply.granted == cost {
-            entry.counters.admitted_exact.incr();
+            entry.counters.incr(Counter::AdmittedExact);
             Ok(Decision::Allowed {
                 remaining: reply.remaining,
                 via: Admission::Exact,
@@ -917,7 +918,7 @@ impl Limiter {
         } else {
             let wait = reply.retry_us.max(1) * 1000;
             ks.deny_until_ns.store(now + wait, Ordering::Release);
-            entry.counters.denied.incr();
+            entry.counters.incr(Counter::Denied);
             Ok(denied(wait))
         }
     }
@@ -974,8 +975,10 @@ impl Limiter {
                 .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);
         } else {
             ks.deny_until_ns.store(0, Ordering::Release);
-            entry.counters.lease_grants.incr();
-            entry.counters.lease_tokens_granted.add(reply.granted);
+            entry.counters.incr(Counter::LeaseGrants);
+            entry
+                .counters
+                .add(Counter::LeaseTokensGranted, reply.granted);
         }
         Ok(reply)
     }
@@ -989,8 +992,10 @@ impl Limiter {
             return Ok(());
         }
         let reply = self.call(ks, entry, Op::Release { returned }).await?;
-        entry.counters.lease_returns.incr();
-        entry.counters.lease_tokens_returned.add(reply.granted);
+        entry.counters.incr(Counter::LeaseReturns);
+        entry
+            .counters
+            .add(Counter::LeaseTokensReturned, reply.granted);
         Ok(())
     }
 
@@ -1010,7 +1015,7 @@ impl Limiter {
         let replay_window = Duration::from_micros(entry.params.grace_us) / 2;
         let mut attempt = 0;
         loop {
-            entry.counters.store_calls.incr();
+            entry.counters.incr(Counter::StoreCalls);
             match self.inner.store.call(&ks.bucket, &entry.params, &req).await {
                 Ok(reply) => {
                     breakers.success(ks.group);
@@ -1020,7 +1025,7 @@ impl Limiter {
                     attempt += 1;
                 }
                 Err(e) => {
-                    entry.counters.store_errors.incr();
+                    entry.counters.incr(Counter::StoreErrors);
                     if e.is_retryable() {
                         breakers.failure(ks.group, self.now_ns());
                     } else {
@@ -1038,14 +1043,14 @@ impl Limiter {
         let now = self.now_ns();
         match entry.rule.failure_policy() {
             FailurePolicy::FailOpen => {
-                c.admitted_fail_open.incr();
+                c.incr(Counter::AdmittedFailOpen);
                 Decision::Allowed {
                     remaining: 0,
                     via: Admission::FailOpen,
                 }
             }
             FailurePolicy::FailClosed => {
-                c.unavailable.incr();
+                c.incr(Counter::Unavailable);
                 Decision::Unavailable {
                     retry_after: self.inner.breakers.retry_in(ks.group, now),
                 }
@@ -1053,7 +1058,7 @@ impl Limiter {
             FailurePolicy::LocalEmergency { rate } => {
                 let mut slot = ks.emergency.lock();
                 let e = slot.get_or_insert_with(|| {
-                    c.emergency_activations.incr();
+                    c.incr(Counter::EmergencyActivations);
                     ks.in_emergency.store(true, Ordering::Release);
                     let rate = rate.unwrap_or_else(|| derived_share(ks, &entry.rule));
                     let cap = entry.rule.lease_max().get().min(1_000_000);
@@ -1069,13 +1074,13 @@ impl Limiter {
                 e.at_ns = now;
                 if e.level.tokens >= cost {
                     e.level = e.level.take(cost);
-                    c.admitted_emergency.incr();
+                    c.incr(Counter::AdmittedEmergency);
                     Decision::Allowed {
                         remaining: e.level.tokens,
                         via: Admission::Emergency,
                     }
                 } else {
-                    c.denied.incr();
+                    c.incr(Counter::Denied);
                     denied(e.level.time_until(cost.min(e.cap), e.rate) * 1000)
                 }
             }

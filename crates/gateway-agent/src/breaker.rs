@@ -1,19 +1,22 @@
-//! Circuit breakers and bulkheads between decisions and the store.
+//! Circuit breakers and bulkheads between decisions and the store, one per shard.
 //!
-//! Keys are grouped by Redis Cluster slot range (16 groups of 1024 slots), so a slow or
-//! dead shard opens the breakers of the groups it serves and bounds their in-flight
-//! calls, while decisions for keys on other shards go on. A breaker opens after
-//! consecutive failures, lets one probe through after a cooldown (half-open), and closes
-//! on the probe's success.
+//! On Redis Cluster each primary gets its own breaker and its own bound on in-flight
+//! calls, found by slot from the cluster's slot map (read at start and refreshed by the
+//! agent's background task, so failovers and reshardings are followed): a slow or dead
+//! shard costs its own keys one timeout, then nothing, and never stalls decisions for
+//! keys on the other shards. A single Redis or the embedded store is one shard.
+//!
+//! A breaker opens after consecutive failures, lets one probe through after a cooldown
+//! (half-open), and closes on the probe's success.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+use lease_core::key::SLOTS;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-/// Slot groups.
-pub(crate) const GROUPS: usize = 16;
 
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
@@ -22,7 +25,7 @@ pub struct BreakerConfig {
     pub failures_to_open: u32,
     /// How long it stays open before a probe.
     pub cooldown: Duration,
-    /// In-flight store calls per slot group.
+    /// In-flight store calls per shard.
     pub max_in_flight: usize,
 }
 
@@ -36,12 +39,14 @@ impl Default for BreakerConfig {
     }
 }
 
+/// The breaker and bulkhead of one shard.
 #[derive(Debug)]
-struct Breaker {
+pub(crate) struct Breaker {
     failures: AtomicU32,
     open_until_ns: AtomicU64,
     probing: AtomicBool,
     in_flight: Arc<Semaphore>,
+    config: BreakerConfig,
 }
 
 /// Why a call may not go to the store now.
@@ -49,88 +54,142 @@ struct Breaker {
 pub(crate) enum Refusal {
     /// The breaker is open.
     Open,
-    /// Too many calls in flight for this group.
+    /// Too many calls in flight for this shard.
     Saturated,
 }
 
-/// Permission to call the store; a probe closes or reopens the breaker by its outcome.
+/// Permission to call the store: one of the shard's in-flight places.
 #[derive(Debug)]
 pub(crate) struct Permit {
-    _slot: OwnedSemaphorePermit,
+    _place: OwnedSemaphorePermit,
 }
 
-/// One breaker and bulkhead per slot group.
-#[derive(Debug)]
-pub(crate) struct Breakers {
-    groups: Vec<Breaker>,
-    config: BreakerConfig,
-}
-
-impl Breakers {
-    pub(crate) fn new(config: BreakerConfig) -> Self {
+impl Breaker {
+    fn new(config: BreakerConfig) -> Self {
         Self {
-            groups: (0..GROUPS)
-                .map(|_| Breaker {
-                    failures: AtomicU32::new(0),
-                    open_until_ns: AtomicU64::new(0),
-                    probing: AtomicBool::new(false),
-                    in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
-                })
-                .collect(),
+            failures: AtomicU32::new(0),
+            open_until_ns: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
         }
     }
 
-    pub(crate) fn group(slot: u16) -> usize {
-        usize::from(slot) * GROUPS / usize::from(lease_core::key::SLOTS)
-    }
-
-    /// Asks to call the store for a key in `group` at `now_ns`.
-    pub(crate) fn enter(&self, group: usize, now_ns: u64) -> Result<Permit, Refusal> {
-        let b = &self.groups[group];
-        let until = b.open_until_ns.load(Ordering::Acquire);
-        if until != 0 {
-            // Open: refuse until the cooldown ends, then let exactly one probe through.
-            if now_ns < until || b.probing.swap(true, Ordering::AcqRel) {
-                return Err(Refusal::Open);
-            }
+    /// Asks to call the store at `now_ns`.
+    pub(crate) fn enter(&self, now_ns: u64) -> Result<Permit, Refusal> {
+        let until = self.open_until_ns.load(Ordering::Acquire);
+        // Open: refuse until the cooldown ends, then let exactly one probe through.
+        if until != 0 && (now_ns < until || self.probing.swap(true, Ordering::AcqRel)) {
+            return Err(Refusal::Open);
         }
-        match b.in_flight.clone().try_acquire_owned() {
-            Ok(p) => Ok(Permit { _slot: p }),
+        match self.in_flight.clone().try_acquire_owned() {
+            Ok(p) => Ok(Permit { _place: p }),
             Err(_) => {
-                b.probing.store(false, Ordering::Release);
+                self.probing.store(false, Ordering::Release);
                 Err(Refusal::Saturated)
             }
         }
     }
 
-    pub(crate) fn success(&self, group: usize) {
-        let b = &self.groups[group];
-        b.failures.store(0, Ordering::Relaxed);
-        b.open_until_ns.store(0, Ordering::Release);
-        b.probing.store(false, Ordering::Release);
+    pub(crate) fn success(&self) {
+        self.failures.store(0, Ordering::Relaxed);
+        self.open_until_ns.store(0, Ordering::Release);
+        self.probing.store(false, Ordering::Release);
     }
 
-    pub(crate) fn failure(&self, group: usize, now_ns: u64) {
-        let b = &self.groups[group];
-        let n = b.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        let probing = b.probing.swap(false, Ordering::AcqRel);
+    pub(crate) fn failure(&self, now_ns: u64) {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
+        let probing = self.probing.swap(false, Ordering::AcqRel);
         if probing || n >= self.config.failures_to_open {
             let until = now_ns + self.config.cooldown.as_nanos() as u64;
-            b.open_until_ns.store(until.max(1), Ordering::Release);
+            self.open_until_ns.store(until.max(1), Ordering::Release);
         }
     }
 
-    /// True when the group's breaker is open at `now_ns` (no probe due yet).
-    pub(crate) fn is_open(&self, group: usize, now_ns: u64) -> bool {
-        let until = self.groups[group].open_until_ns.load(Ordering::Acquire);
+    /// True when open at `now_ns` with no probe due yet.
+    pub(crate) fn is_open(&self, now_ns: u64) -> bool {
+        let until = self.open_until_ns.load(Ordering::Acquire);
         until != 0 && now_ns < until
     }
 
-    /// How long until the group's breaker lets a probe through.
-    pub(crate) fn retry_in(&self, group: usize, now_ns: u64) -> Duration {
-        let until = self.groups[group].open_until_ns.load(Ordering::Acquire);
+    /// How long until a probe is let through.
+    pub(crate) fn retry_in(&self, now_ns: u64) -> Duration {
+        let until = self.open_until_ns.load(Ordering::Acquire);
         Duration::from_nanos(until.saturating_sub(now_ns)).max(Duration::from_millis(100))
+    }
+}
+
+/// A slot range served by one primary, named by its address.
+pub type ShardRange = (u16, u16, String);
+
+#[derive(Debug)]
+struct Topology {
+    by_slot: Vec<u16>,
+    shards: Vec<(String, Arc<Breaker>)>,
+}
+
+/// The breakers of every shard, found by slot.
+#[derive(Debug)]
+pub(crate) struct Breakers {
+    topology: ArcSwap<Topology>,
+    config: BreakerConfig,
+}
+
+impl Breakers {
+    /// One shard serving every slot.
+    pub(crate) fn new(config: BreakerConfig) -> Self {
+        Self {
+            topology: ArcSwap::from_pointee(Topology {
+                by_slot: vec![0; usize::from(SLOTS)],
+                shards: vec![("all".to_owned(), Arc::new(Breaker::new(config)))],
+            }),
+            config,
+        }
+    }
+
+    /// Installs a slot map; shards already known keep their breaker state. Slots no
+    /// range covers go to a shard of their own.
+    pub(crate) fn set_topology(&self, ranges: &[ShardRange]) {
+        let old = self.topology.load();
+        let known: HashMap<&str, &Arc<Breaker>> =
+            old.shards.iter().map(|(n, b)| (n.as_str(), b)).collect();
+        let mut shards: Vec<(String, Arc<Breaker>)> = Vec::new();
+        let mut index: HashMap<String, u16> = HashMap::new();
+        let mut shard_of = |name: &str, shards: &mut Vec<(String, Arc<Breaker>)>| {
+            *index.entry(name.to_owned()).or_insert_with(|| {
+                let b = known
+                    .get(name)
+                    .map_or_else(|| Arc::new(Breaker::new(self.config)), |b| Arc::clone(b));
+                shards.push((name.to_owned(), b));
+                (shards.len() - 1) as u16
+            })
+        };
+        let unassigned = shard_of("unassigned", &mut shards);
+        let mut by_slot = vec![unassigned; usize::from(SLOTS)];
+        for (start, end, name) in ranges {
+            let i = shard_of(name, &mut shards);
+            for slot in *start..=(*end).min(SLOTS - 1) {
+                by_slot[usize::from(slot)] = i;
+            }
+        }
+        self.topology.store(Arc::new(Topology { by_slot, shards }));
+    }
+
+    /// The breaker of the shard serving `slot`.
+    pub(crate) fn for_slot(&self, slot: u16) -> Arc<Breaker> {
+        let t = self.topology.load();
+        let i = t.by_slot[usize::from(slot % SLOTS)];
+        Arc::clone(&t.shards[usize::from(i)].1)
+    }
+
+    /// The shards known, by name.
+    pub(crate) fn shard_names(&self) -> Vec<String> {
+        self.topology
+            .load()
+            .shards
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 }
 
@@ -138,48 +197,76 @@ impl Breakers {
 mod tests {
     use super::*;
 
-    #[test]
-    fn opens_after_failures_probes_once_and_closes_on_success() {
-        let b = Breakers::new(BreakerConfig {
-            failures_to_open: 2,
+    fn config(failures_to_open: u32, max_in_flight: usize) -> BreakerConfig {
+        BreakerConfig {
+            failures_to_open,
             cooldown: Duration::from_nanos(100),
-            max_in_flight: 4,
-        });
-        assert!(b.enter(3, 0).is_ok());
-        b.failure(3, 0);
-        assert!(b.enter(3, 1).is_ok());
-        b.failure(3, 1);
-        assert_eq!(b.enter(3, 50).unwrap_err(), Refusal::Open);
-        assert!(b.enter(4, 50).is_ok(), "other groups are not affected");
-        let probe = b.enter(3, 200);
-        assert!(probe.is_ok());
-        assert_eq!(
-            b.enter(3, 200).unwrap_err(),
-            Refusal::Open,
-            "one probe at a time"
-        );
-        b.failure(3, 200);
-        assert_eq!(
-            b.enter(3, 250).unwrap_err(),
-            Refusal::Open,
-            "a failed probe reopens"
-        );
-        assert!(b.enter(3, 400).is_ok());
-        b.success(3);
-        assert!(b.enter(3, 401).is_ok());
-        assert!(b.enter(3, 401).is_ok());
+            max_in_flight,
+        }
     }
 
     #[test]
-    fn bounds_in_flight_calls_per_group() {
-        let b = Breakers::new(BreakerConfig {
-            max_in_flight: 2,
-            ..BreakerConfig::default()
-        });
-        let p1 = b.enter(0, 0).unwrap();
-        let _p2 = b.enter(0, 0).unwrap();
-        assert_eq!(b.enter(0, 0).unwrap_err(), Refusal::Saturated);
+    fn opens_after_failures_probes_once_and_closes_on_success() {
+        let b = Breaker::new(config(2, 4));
+        assert!(b.enter(0).is_ok());
+        b.failure(0);
+        assert!(b.enter(1).is_ok());
+        b.failure(1);
+        assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
+        assert!(b.enter(200).is_ok(), "a probe after the cooldown");
+        assert_eq!(
+            b.enter(200).unwrap_err(),
+            Refusal::Open,
+            "one probe at a time"
+        );
+        b.failure(200);
+        assert_eq!(
+            b.enter(250).unwrap_err(),
+            Refusal::Open,
+            "a failed probe reopens"
+        );
+        assert!(b.enter(400).is_ok());
+        b.success();
+        assert!(b.enter(401).is_ok());
+        assert!(b.enter(401).is_ok());
+    }
+
+    #[test]
+    fn bounds_in_flight_calls() {
+        let b = Breaker::new(config(3, 2));
+        let p1 = b.enter(0).unwrap();
+        let _p2 = b.enter(0).unwrap();
+        assert_eq!(b.enter(0).unwrap_err(), Refusal::Saturated);
         drop(p1);
-        assert!(b.enter(0, 0).is_ok());
+        assert!(b.enter(0).is_ok());
+    }
+
+    #[test]
+    fn shards_are_found_by_slot_and_keep_their_state_across_refreshes() {
+        let b = Breakers::new(config(1, 4));
+        let ranges = vec![
+            (0, 5460, "a:1".to_owned()),
+            (5461, 10922, "b:1".to_owned()),
+            (10923, 16383, "c:1".to_owned()),
+        ];
+        b.set_topology(&ranges);
+        b.for_slot(100).failure(0);
+        assert!(b.for_slot(5000).is_open(10), "same shard");
+        assert!(
+            !b.for_slot(6000).is_open(10),
+            "another shard is not affected"
+        );
+        // A resharding moves slots 0-99 to b; a's state stays with a.
+        let mut moved = ranges.clone();
+        moved[0].0 = 100;
+        moved.push((0, 99, "b:1".to_owned()));
+        b.set_topology(&moved);
+        assert!(b.for_slot(5000).is_open(10));
+        assert!(!b.for_slot(50).is_open(10));
+        assert_eq!(
+            b.shard_names().len(),
+            4,
+            "three primaries and the unassigned slots"
+        );
     }
 }

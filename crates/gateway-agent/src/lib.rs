@@ -5,7 +5,7 @@
 //!   (function library loading, single-flight reload, idempotent calls).
 //! - [`rules`]: the rule set, read from a TOML file and validated.
 //! - [`limiter`]: the `Limiter` gateways call, its hot path, refill driver and failure
-//!   handling; [`breaker`]: circuit breakers and bulkheads per slot group.
+//!   handling; [`breaker`]: circuit breakers and bulkheads per shard.
 //! - [`store`]: Redis or the embedded store; [`counters`]: sharded hot-path counters.
 //! - [`http`]: the tower `Layer` that answers 429 and 503.
 //!

@@ -11,8 +11,9 @@
 //! again (a refill may have landed meanwhile), then either leases (hot keys) or makes one
 //! exact call (cold keys), within the rule's timeout. An empty bucket is remembered until
 //! the time the store named (negative cache): denials in between cost no network call.
-//! Store failures follow the rule's failure policy, through per-slot-group circuit
-//! breakers, so a dead shard costs one timeout and then nothing.
+//! Store failures follow the rule's failure policy, through per-shard circuit breakers
+//! and bulkheads, so a dead shard costs its keys one timeout and then nothing, and never
+//! stalls the keys of other shards.
 //!
 //! **Background.** Prefetches leases, returns the unspent tokens of keys that went idle
 //! (and makes them cold again), renews leases about to expire, forgets idle cold keys,
@@ -40,6 +41,9 @@ use crate::rules::{Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// How often the shard map behind the breakers is read again.
+const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
 
 /// One decision in this many (per thread) is timed for `leasehold_decision_seconds`.
 pub const SAMPLE_EVERY: u64 = 64;
@@ -264,8 +268,10 @@ impl LimiterBuilder {
             Target::Embedded => Store::Embedded(EmbeddedStore::new()),
             Target::Store(store) => store,
         };
+        let breakers = Breakers::new(self.config.breaker);
         if let Store::Redis(r) = &store {
             warn_on_eviction(r).await;
+            breakers.set_topology(&r.shards().await?);
         }
         if let Some(addr) = self.prometheus {
             metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -287,7 +293,7 @@ impl LimiterBuilder {
                 .build(),
             base: clock.raw(),
             clock,
-            breakers: Breakers::new(self.config.breaker),
+            breakers,
             prefetch: tx,
             config: self.config,
         });
@@ -440,7 +446,7 @@ struct KeyState {
     prefetching: AtomicBool,
     rule: Box<str>,
     bucket: BucketKey,
-    group: usize,
+    slot: u16,
     deny_until_ns: AtomicU64,
     share_milli: AtomicU64,
     last_io_ns: AtomicU64,
@@ -515,6 +521,11 @@ impl Limiter {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The shards the breakers know, by primary address.
+    pub fn shards(&self) -> Vec<String> {
+        self.inner.breakers.shard_names()
     }
 
     #[inline]
@@ -750,7 +761,7 @@ impl Limiter {
                     rule: rule.into(),
                     capacity: AtomicU64::new(capacity),
                     counters: entry.counters.clone(),
-                    group: Breakers::group(bucket.slot()),
+                    slot: bucket.slot(),
                     bucket,
                     lease: lease_core::LocalLease::new(),
                     hot: AtomicBool::new(entry.rule.leasing() == Leasing::Lease),
@@ -789,7 +800,7 @@ impl Limiter {
 
     async fn slow(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, cost: u64) -> Decision {
         let deadline = Instant::now() + entry.rule.timeout();
-        if self.inner.breakers.is_open(ks.group, self.now_ns()) {
+        if self.inner.breakers.for_slot(ks.slot).is_open(self.now_ns()) {
             return self.degraded(&ks, &entry, cost);
         }
         let Ok(mut io) = timeout_at(deadline, ks.io.lock()).await else {
@@ -847,7 +858,7 @@ impl Limiter {
                 self.degraded(&ks, &entry, cost)
             }
             Err(_) => {
-                self.inner.breakers.failure(ks.group, self.now_ns());
+                self.inner.breakers.for_slot(ks.slot).failure(self.now_ns());
                 entry.counters.incr(Counter::StoreErrors);
                 self.degraded(&ks, &entry, cost)
             }
@@ -1002,10 +1013,8 @@ impl Limiter {
     /// One store call through the key's breaker. Retries of a call whose outcome is
     /// unknown reuse its sequence number, so the store applies it at most once (I2).
     async fn call(&self, ks: &KeyState, entry: &RuleEntry, op: Op) -> Result<Reply, CallError> {
-        let breakers = &self.inner.breakers;
-        let _permit = breakers
-            .enter(ks.group, self.now_ns())
-            .map_err(CallError::Refused)?;
+        let breaker = self.inner.breakers.for_slot(ks.slot);
+        let _permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
         let req = lease_core::Request {
             agent: self.inner.agent,
             seq: self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1,
@@ -1018,7 +1027,7 @@ impl Limiter {
             entry.counters.incr(Counter::StoreCalls);
             match self.inner.store.call(&ks.bucket, &entry.params, &req).await {
                 Ok(reply) => {
-                    breakers.success(ks.group);
+                    breaker.success();
                     return Ok(reply);
                 }
                 Err(e) if e.is_retryable() && attempt < 2 && first.elapsed() < replay_window => {
@@ -1027,7 +1036,7 @@ impl Limiter {
                 Err(e) => {
                     entry.counters.incr(Counter::StoreErrors);
                     if e.is_retryable() {
-                        breakers.failure(ks.group, self.now_ns());
+                        breaker.failure(self.now_ns());
                     } else {
                         tracing::error!(error = %e, key = %ks.bucket, "store refused a request");
                     }
@@ -1052,7 +1061,7 @@ impl Limiter {
             FailurePolicy::FailClosed => {
                 c.incr(Counter::Unavailable);
                 Decision::Unavailable {
-                    retry_after: self.inner.breakers.retry_in(ks.group, now),
+                    retry_after: self.inner.breakers.for_slot(ks.slot).retry_in(now),
                 }
             }
             FailurePolicy::LocalEmergency { rate } => {
@@ -1179,6 +1188,8 @@ async fn background(
     };
     let mut sweep = tokio::time::interval(sweep_every);
     let mut publish = tokio::time::interval(Duration::from_secs(1));
+    let mut topology = tokio::time::interval(TOPOLOGY_EVERY);
+    topology.tick().await;
     let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
     let watching = watch.period() < Duration::from_secs(3600);
     loop {
@@ -1199,6 +1210,23 @@ async fn background(
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
+            }
+            _ = topology.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                if let Store::Redis(r) = &inner.store {
+                    let r = r.clone();
+                    let inner = Arc::downgrade(&inner);
+                    tokio::spawn(async move {
+                        match r.shards().await {
+                            Ok(ranges) => {
+                                if let Some(inner) = inner.upgrade() {
+                                    inner.breakers.set_topology(&ranges);
+                                }
+                            }
+                            Err(e) => tracing::debug!(error = %e, "slot map refresh failed"),
+                        }
+                    });
+                }
             }
             _ = watch.tick(), if watching => {
                 let Some(inner) = inner.upgrade() else { return };

@@ -219,6 +219,41 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(limit))?
     }
 
+    /// The slot ranges of the store's primaries, named `host:port`: one range covering
+    /// every slot for a single Redis, `CLUSTER SLOTS` for a cluster.
+    pub async fn shards(&self) -> Result<Vec<crate::breaker::ShardRange>, StoreError> {
+        if let Conn::Single(_) = self.conn {
+            return Ok(vec![(0, lease_core::key::SLOTS - 1, "single".to_owned())]);
+        }
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let v = self.conn.query(&cmd).await.map_err(classify)?;
+        let bad = || StoreError::Misconfigured(format!("unexpected CLUSTER SLOTS reply {v:?}"));
+        let Value::Array(entries) = &v else {
+            return Err(bad());
+        };
+        let mut ranges = Vec::with_capacity(entries.len());
+        for entry in entries {
+            let Value::Array(items) = entry else {
+                return Err(bad());
+            };
+            let (Some(start), Some(end), Some(Value::Array(primary))) =
+                (items.first(), items.get(1), items.get(2))
+            else {
+                return Err(bad());
+            };
+            let start: u16 = redis::from_redis_value(start.clone()).map_err(|_| bad())?;
+            let end: u16 = redis::from_redis_value(end.clone()).map_err(|_| bad())?;
+            let (Some(host), Some(port)) = (primary.first(), primary.get(1)) else {
+                return Err(bad());
+            };
+            let host: String = redis::from_redis_value(host.clone()).map_err(|_| bad())?;
+            let port: u16 = redis::from_redis_value(port.clone()).map_err(|_| bad())?;
+            ranges.push((start, end, format!("{host}:{port}")));
+        }
+        Ok(ranges)
+    }
+
     /// Reads `maxmemory-policy`; bucket keys must not be evicted (a lost bucket resets
     /// its budget), so anything but `noeviction` or a `volatile-*` policy is a warning.
     pub async fn maxmemory_policy(&self) -> Result<String, StoreError> {

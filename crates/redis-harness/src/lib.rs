@@ -223,6 +223,36 @@ impl RedisServer {
         self.wait_ready()
     }
 
+    /// Freezes the process (SIGSTOP): connections stay open and nothing answers, like a
+    /// node stuck in a long command or a swap storm.
+    pub fn pause(&self) -> Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Thaws a paused process (SIGCONT).
+    pub fn resume(&self) -> Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, sig: &str) -> Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .map(Child::id)
+            .ok_or_else(|| HarnessError::Io(std::io::Error::other("not running")))?;
+        let status = Command::new("kill")
+            .arg(sig)
+            .arg(pid.to_string())
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(HarnessError::Io(std::io::Error::other(format!(
+                "kill {sig} {pid}: {status}"
+            ))))
+        }
+    }
+
     /// True while the process runs.
     pub fn is_running(&mut self) -> bool {
         self.child

@@ -1,0 +1,86 @@
+//! The Limiter on a 6-node Redis Cluster: buckets spread over the shards, each shard has
+//! its own breaker and bulkhead, and a frozen shard does not stall keys on the others.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use gateway_agent::{Admission, Decision, Limiter, LimiterConfig, Rules};
+use lease_core::{BucketKey, RuleName};
+use redis_harness::Cluster;
+
+#[test]
+fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
+    let c = Cluster::start().unwrap_or_else(|e| panic!("{e}"));
+    let rules = "[rules.api]\ncapacity = 1000000\nrate = \"1000000/s\"\nleasing = \"exact\"\ntimeout = \"100ms\"\n";
+    // One subject per shard, by the primary that serves its slot.
+    let rule = RuleName::new("api").unwrap();
+    let mut by_shard: BTreeMap<u16, String> = BTreeMap::new();
+    for i in 0..200 {
+        let subject = format!("tenant-{i}");
+        let owner = c
+            .owner(BucketKey::new(&rule, &subject).unwrap().slot())
+            .unwrap();
+        by_shard.entry(owner.port).or_insert(subject);
+    }
+    assert_eq!(by_shard.len(), 3);
+    let (&frozen_port, frozen_subject) = by_shard.iter().next().unwrap();
+    let frozen_subject = frozen_subject.clone();
+    let healthy: Vec<String> = by_shard.values().skip(1).cloned().collect();
+    support::runtime().block_on(async {
+        let l = Limiter::builder()
+            .cluster(c.urls())
+            .rules(Rules::from_toml(rules).unwrap())
+            .config(LimiterConfig { store: support::config(), ..LimiterConfig::default() })
+            .build()
+            .await
+            .unwrap();
+        assert_eq!(l.shards().len(), 4, "three primaries and the unassigned slots: {:?}", l.shards());
+        for s in by_shard.values() {
+            assert!(matches!(l.check(s, "api", 1).await.unwrap(), Decision::Allowed { via: Admission::Exact, .. }));
+        }
+        c.node(frozen_port).unwrap().pause().unwrap();
+        let frozen = {
+            let (l, s) = (l.clone(), frozen_subject.clone());
+            tokio::spawn(async move {
+                let (mut unavailable, mut worst) = (0, Duration::ZERO);
+                let start = Instant::now();
+                while start.elapsed() < Duration::from_millis(1200) {
+                    let t = Instant::now();
+                    if let Decision::Unavailable { .. } = l.check(&s, "api", 1).await.unwrap() {
+                        unavailable += 1;
+                    }
+                    worst = worst.max(t.elapsed());
+                }
+                (unavailable, worst)
+            })
+        };
+        let (mut ok, mut worst) = (0u64, Duration::ZERO);
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(1200) {
+            for s in &healthy {
+                let t = Instant::now();
+                let d = l.check(s, "api", 1).await.unwrap();
+                worst = worst.max(t.elapsed());
+                assert!(matches!(d, Decision::Allowed { via: Admission::Exact, .. }), "healthy shard: {d:?}");
+                ok += 1;
+            }
+        }
+        let (unavailable, frozen_worst) = frozen.await.unwrap();
+        c.node(frozen_port).unwrap().resume().unwrap();
+        println!(
+            "shard :{frozen_port} frozen 1.2s: its key got {unavailable} x 503 (slowest {frozen_worst:?}, timeout 100ms); \
+             keys on the 2 other shards: {ok} decisions all admitted, slowest {worst:?}"
+        );
+        assert!(unavailable > 0);
+        assert!(frozen_worst < Duration::from_millis(100 + 250), "{frozen_worst:?}");
+        assert!(worst < Duration::from_millis(100), "a healthy shard's key waited {worst:?}");
+        let recovered = Instant::now();
+        while !matches!(l.check(&frozen_subject, "api", 1).await.unwrap(), Decision::Allowed { .. }) {
+            assert!(recovered.elapsed() < Duration::from_secs(10), "no recovery after the thaw");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}

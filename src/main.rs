@@ -1,7 +1,10 @@
 //! The `leasehold` command line.
 
+mod simulate;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use leasehold::agent::Rules;
@@ -20,6 +23,37 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Runs agents against a global store under a workload and reports Leasehold, the
+    /// naive per-request Lua bucket and governor side by side.
+    Simulate {
+        /// A built-in scenario: steady, burst, hot-key, zipf, shifting, agent-crash.
+        #[arg(long, default_value = "hot-key", conflicts_with = "scenario_file")]
+        scenario: String,
+        /// A scenario file (TOML; see `src/simulate/scenario.rs`).
+        #[arg(long)]
+        scenario_file: Option<PathBuf>,
+        /// embedded | spawn (a private redis-server) | redis://HOST:PORT
+        #[arg(long, default_value = "embedded")]
+        store: simulate::StoreChoice,
+        /// Agents (gateways); default: the scenario's.
+        #[arg(long)]
+        agents: Option<usize>,
+        /// Seconds each system runs.
+        #[arg(long, default_value_t = 6.0)]
+        duration: f64,
+        /// Baselines to run after Leasehold: naive, governor (comma-separated), or none.
+        #[arg(long, default_value = "naive,governor")]
+        compare: String,
+        /// Write the JSON report here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Write an SVG plot of admitted rate vs the limit here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Random seed of the workload.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Reads a rules file, validates every rule and prints what each one means.
     CheckConfig {
         /// The TOML rules file (`[rules.NAME]` tables).
@@ -30,7 +64,76 @@ enum Command {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::CheckConfig { file } => check_config(&file),
+        Command::Simulate {
+            scenario,
+            scenario_file,
+            store,
+            agents,
+            duration,
+            compare,
+            json,
+            plot,
+            seed,
+        } => {
+            let scenario = match scenario_file {
+                Some(path) => simulate::Scenario::from_file(&path),
+                None => simulate::Scenario::built_in(&scenario),
+            };
+            let mut scenario = match scenario {
+                Ok(s) => s,
+                Err(e) => return fail(&e),
+            };
+            if let Some(n) = agents {
+                scenario.agents = n;
+            }
+            if !(duration > 0.0 && duration <= 3600.0) {
+                return fail(&format!(
+                    "--duration {duration}: must be in (0, 3600] seconds"
+                ));
+            }
+            let compare: Vec<String> = compare
+                .split(',')
+                .map(str::trim)
+                .filter(|c| !c.is_empty() && *c != "none")
+                .map(str::to_owned)
+                .collect();
+            if let Some(bad) = compare
+                .iter()
+                .find(|c| !matches!(c.as_str(), "naive" | "governor"))
+            {
+                return fail(&format!("--compare {bad:?}: naive, governor or none"));
+            }
+            let opts = simulate::Options {
+                scenario,
+                store,
+                duration: Duration::from_secs_f64(duration),
+                compare,
+                json,
+                plot,
+                seed,
+                progress: true,
+            };
+            println!(
+                "simulate: scenario {}, {} agents, {} s per system, built-in scenarios: {}",
+                opts.scenario.name,
+                opts.scenario.agents,
+                duration,
+                simulate::BUILT_IN.join(", ")
+            );
+            match simulate::run(&opts) {
+                Ok(report) => {
+                    print!("{}", simulate::table(&report));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            }
+        }
     }
+}
+
+fn fail(message: &str) -> ExitCode {
+    eprintln!("error: {message}");
+    ExitCode::from(2)
 }
 
 fn check_config(file: &PathBuf) -> ExitCode {

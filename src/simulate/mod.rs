@@ -1,0 +1,605 @@
+//! `leasehold simulate`: many agents against one global store under a workload, with
+//! Leasehold, the naive per-request Lua token bucket (one script call per decision) and
+//! governor (local only) measured one after the other in the same process, and reported
+//! side by side.
+//!
+//! Each agent is one `Limiter` (its own connections, its own leases), as each gateway
+//! would have; its threads are tasks on one tokio runtime. Governor gets, per agent, an
+//! even share of the rule (`r / agents`, `B / agents`): the usual way to run a local-only
+//! limiter behind a load balancer.
+
+mod report;
+mod scenario;
+
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use governor::{Quota, RateLimiter};
+use leasehold::agent::{Decision, EmbeddedStore, Limiter, Rules, Store};
+use leasehold::core::rule::Rule;
+use parking_lot::Mutex;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use redis_harness::RedisServer;
+use tokio::time::Instant;
+
+pub(crate) use report::SystemReport;
+pub(crate) use scenario::{BUILT_IN, Scenario};
+
+/// Where the global buckets live.
+#[derive(Clone, Debug)]
+pub(crate) enum StoreChoice {
+    Embedded,
+    Spawn,
+    Redis(String),
+}
+
+impl std::str::FromStr for StoreChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "embedded" => Ok(Self::Embedded),
+            "spawn" => Ok(Self::Spawn),
+            url if url.starts_with("redis://") => Ok(Self::Redis(url.to_owned())),
+            other => Err(format!(
+                "unknown store {other:?}: embedded, spawn (a private redis-server) or redis://HOST:PORT"
+            )),
+        }
+    }
+}
+
+/// What to run.
+pub(crate) struct Options {
+    pub(crate) scenario: Scenario,
+    pub(crate) store: StoreChoice,
+    pub(crate) duration: Duration,
+    pub(crate) compare: Vec<String>,
+    pub(crate) json: Option<PathBuf>,
+    pub(crate) plot: Option<PathBuf>,
+    pub(crate) seed: u64,
+    pub(crate) progress: bool,
+}
+
+const RULE: &str = "sim";
+
+/// The naive baseline: a per-request token bucket in one Lua script call (seed 003,
+/// with the decision made atomically in the script).
+const NAIVE_LUA: &str = r"
+local cap = tonumber(ARGV[1])
+local rate = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(b[1]) or cap
+local ts = tonumber(b[2]) or now
+tokens = math.min(cap, tokens + math.max(0, now - ts) * rate / 1000000)
+local ok = 0
+if tokens >= cost then
+  tokens = tokens - cost
+  ok = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], 60000)
+return ok
+";
+
+/// Per key: tokens (fractional, as the seed's script) and the last refill, µs.
+type NaiveShard = Mutex<std::collections::HashMap<u32, (f64, u64)>>;
+
+enum Naive {
+    Redis(redis::aio::ConnectionManager, redis::Script),
+    Embedded(Arc<Vec<NaiveShard>>),
+}
+
+enum System {
+    Leasehold {
+        agents: Vec<Mutex<Option<Limiter>>>,
+        crashed_calls: AtomicU64,
+    },
+    Naive {
+        naive: Naive,
+        calls: AtomicU64,
+        cap: f64,
+        rate: f64,
+    },
+    Governor(Vec<governor::DefaultKeyedRateLimiter<u32>>),
+}
+
+enum Outcome {
+    Admitted,
+    Denied,
+    Unavailable,
+}
+
+impl System {
+    async fn build(
+        name: &str,
+        rule: &Rule,
+        rules: &Rules,
+        agents: usize,
+        url: Option<&str>,
+    ) -> Result<Self, String> {
+        match name {
+            "leasehold" => {
+                let shared = Store::Embedded(EmbeddedStore::new());
+                let mut limiters = Vec::with_capacity(agents);
+                for _ in 0..agents {
+                    let b = Limiter::builder().rules(rules.clone());
+                    let b = match url {
+                        Some(url) => b.redis(url),
+                        None => b.store(shared.clone()),
+                    };
+                    limiters.push(Mutex::new(Some(
+                        b.build().await.map_err(|e| e.to_string())?,
+                    )));
+                }
+                Ok(Self::Leasehold {
+                    agents: limiters,
+                    crashed_calls: AtomicU64::new(0),
+                })
+            }
+            "naive" => {
+                let naive = match url {
+                    Some(url) => {
+                        let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+                        let conn = redis::aio::ConnectionManager::new(client)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        Naive::Redis(conn, redis::Script::new(NAIVE_LUA))
+                    }
+                    None => Naive::Embedded(Arc::new((0..64).map(|_| Mutex::default()).collect())),
+                };
+                Ok(Self::Naive {
+                    naive,
+                    calls: AtomicU64::new(0),
+                    cap: rule.capacity().get() as f64,
+                    rate: rule.rate().per_sec_f64(),
+                })
+            }
+            "governor" => {
+                let n = agents as f64;
+                let period = Duration::from_secs_f64(n / rule.rate().per_sec_f64());
+                let burst =
+                    NonZeroU32::new(((rule.capacity().get() as f64 / n).ceil() as u32).max(1))
+                        .unwrap_or(NonZeroU32::MIN);
+                let quota = Quota::with_period(period)
+                    .ok_or("governor cannot express this rate")?
+                    .allow_burst(burst);
+                Ok(Self::Governor(
+                    (0..agents).map(|_| RateLimiter::keyed(quota)).collect(),
+                ))
+            }
+            other => Err(format!("unknown system {other:?}: naive, governor")),
+        }
+    }
+
+    fn limiter(&self, agent: usize) -> Option<Limiter> {
+        match self {
+            Self::Leasehold { agents, .. } => agents[agent].lock().clone(),
+            _ => None,
+        }
+    }
+
+    /// The agent dies: its leases are abandoned, nothing is returned.
+    fn crash(&self, agent: usize) {
+        if let Self::Leasehold {
+            agents,
+            crashed_calls,
+        } = self
+            && let Some(l) = agents[agent].lock().take()
+        {
+            crashed_calls.fetch_add(
+                l.stats(RULE).map_or(0, |s| s.store_calls),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    async fn decide(
+        &self,
+        limiter: Option<&Limiter>,
+        agent: usize,
+        key: u32,
+        subject: &str,
+        cost: u64,
+    ) -> Outcome {
+        match self {
+            Self::Leasehold { .. } => match limiter {
+                Some(l) => match l.check(subject, RULE, cost).await {
+                    Ok(Decision::Allowed { .. }) => Outcome::Admitted,
+                    Ok(Decision::Denied { .. }) | Err(_) => Outcome::Denied,
+                    Ok(Decision::Unavailable { .. }) => Outcome::Unavailable,
+                },
+                None => Outcome::Unavailable,
+            },
+            Self::Naive {
+                naive,
+                calls,
+                cap,
+                rate,
+            } => {
+                calls.fetch_add(1, Ordering::Relaxed);
+                match naive {
+                    Naive::Redis(conn, script) => {
+                        let r: Result<i64, _> = script
+                            .key(format!("naive:{{{subject}}}"))
+                            .arg(*cap)
+                            .arg(*rate)
+                            .arg(cost)
+                            .invoke_async(&mut conn.clone())
+                            .await;
+                        match r {
+                            Ok(1) => Outcome::Admitted,
+                            Ok(_) => Outcome::Denied,
+                            Err(_) => Outcome::Unavailable,
+                        }
+                    }
+                    Naive::Embedded(shards) => {
+                        let mut shard = shards[key as usize % shards.len()].lock();
+                        // The clock is read under the lock, as TIME is inside the script:
+                        // a time read before waiting could move `ts` back and count
+                        // the same interval twice.
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_micros() as u64);
+                        let (tokens, ts) = shard.entry(key).or_insert((*cap, now));
+                        *tokens = (*tokens + now.saturating_sub(*ts) as f64 * rate / 1e6).min(*cap);
+                        *ts = (*ts).max(now);
+                        if *tokens >= cost as f64 {
+                            *tokens -= cost as f64;
+                            Outcome::Admitted
+                        } else {
+                            Outcome::Denied
+                        }
+                    }
+                }
+            }
+            Self::Governor(limiters) => {
+                let n = NonZeroU32::new(cost as u32).unwrap_or(NonZeroU32::MIN);
+                match limiters[agent].check_key_n(&key, n) {
+                    Ok(Ok(())) => Outcome::Admitted,
+                    _ => Outcome::Denied,
+                }
+            }
+        }
+    }
+
+    fn redis_calls(&self) -> u64 {
+        match self {
+            Self::Leasehold {
+                agents,
+                crashed_calls,
+            } => {
+                crashed_calls.load(Ordering::Relaxed)
+                    + agents
+                        .iter()
+                        .filter_map(|a| {
+                            a.lock()
+                                .as_ref()
+                                .map(|l| l.stats(RULE).map_or(0, |s| s.store_calls))
+                        })
+                        .sum::<u64>()
+            }
+            Self::Naive { calls, .. } => calls.load(Ordering::Relaxed),
+            Self::Governor(_) => 0,
+        }
+    }
+
+    async fn finish(&self) {
+        if let Self::Leasehold { agents, .. } = self {
+            let limiters: Vec<Limiter> = agents.iter().filter_map(|a| a.lock().clone()).collect();
+            for l in limiters {
+                l.shutdown().await;
+            }
+        }
+    }
+}
+
+/// Picks keys: uniform, or Zipf through a cumulative table.
+struct Keys {
+    names: Vec<String>,
+    cdf: Option<Vec<f64>>,
+}
+
+impl Keys {
+    fn new(s: &Scenario) -> Self {
+        let n = s.keys.count as usize;
+        let names = (0..n).map(|i| format!("tenant-{i}")).collect();
+        let cdf = (s.keys.distribution == "zipf").then(|| {
+            let mut acc = 0.0;
+            let mut cdf: Vec<f64> = (1..=n)
+                .map(|k| {
+                    acc += 1.0 / (k as f64).powf(s.keys.zipf_s);
+                    acc
+                })
+                .collect();
+            for c in &mut cdf {
+                *c /= acc;
+            }
+            cdf
+        });
+        Self { names, cdf }
+    }
+
+    fn pick(&self, rng: &mut SmallRng) -> u32 {
+        match &self.cdf {
+            None => rng.random_range(0..self.names.len()) as u32,
+            Some(cdf) => {
+                let u: f64 = rng.random();
+                cdf.partition_point(|&c| c < u).min(cdf.len() - 1) as u32
+            }
+        }
+    }
+}
+
+fn pick_cost(costs: &[(u64, f64)], total: f64, rng: &mut SmallRng) -> u64 {
+    let mut u = rng.random::<f64>() * total;
+    for &(c, w) in costs {
+        if u < w {
+            return c;
+        }
+        u -= w;
+    }
+    costs[costs.len() - 1].0
+}
+
+struct Run {
+    scenario: Scenario,
+    keys: Keys,
+    start: Instant,
+    duration: Duration,
+    clock: quanta::Clock,
+    stop: AtomicBool,
+}
+
+async fn worker(
+    sys: Arc<System>,
+    run: Arc<Run>,
+    agent: usize,
+    thread: usize,
+    seed: u64,
+) -> report::Recording {
+    let mut rng = SmallRng::seed_from_u64(seed ^ ((agent as u64) << 16) ^ thread as u64);
+    let mut rec = report::Recording::new();
+    let limiter = sys.limiter(agent);
+    let sc = &run.scenario;
+    let total_weight: f64 = sc.costs.iter().map(|c| c.1).sum();
+    let crash_at = sc
+        .faults
+        .iter()
+        .find(|f| f.agent == Some(agent))
+        .map(|f| f.at);
+    let threads = sc.threads_per_agent as f64;
+    let mut next = Instant::now();
+    let mut i = 0u64;
+    loop {
+        let elapsed = run.start.elapsed();
+        if elapsed >= run.duration || run.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let frac = elapsed.as_secs_f64() / run.duration.as_secs_f64();
+        if crash_at.is_some_and(|c| frac >= c) {
+            sys.crash(agent);
+            break;
+        }
+        let phase = sc.phase_at(frac);
+        if phase.active.as_ref().is_some_and(|a| !a.contains(&agent)) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            next = Instant::now();
+            continue;
+        }
+        if phase.offered > 0.0 {
+            next += Duration::from_secs_f64(threads / phase.offered);
+            let now = Instant::now();
+            if next > now + Duration::from_millis(1) {
+                tokio::time::sleep_until(next).await;
+            } else if next + Duration::from_millis(100) < now {
+                next = now;
+            }
+        }
+        let key = run.keys.pick(&mut rng);
+        let cost = pick_cost(&sc.costs, total_weight, &mut rng);
+        let sample = i.is_multiple_of(16);
+        let t0 = if sample { run.clock.raw() } else { 0 };
+        let outcome = sys
+            .decide(
+                limiter.as_ref(),
+                agent,
+                key,
+                &run.keys.names[key as usize],
+                cost,
+            )
+            .await;
+        if sample {
+            let _ = rec
+                .latency
+                .record(run.clock.delta_as_nanos(t0, run.clock.raw()).max(1));
+        }
+        let ms = run.start.elapsed().as_millis() as u64;
+        rec.decisions += 1;
+        match outcome {
+            Outcome::Admitted => {
+                rec.admitted += 1;
+                rec.add(key, ms, cost, true);
+            }
+            Outcome::Denied => {
+                rec.denied += 1;
+                rec.add(key, ms, cost, false);
+            }
+            Outcome::Unavailable => {
+                rec.unavailable += 1;
+                rec.add(key, ms, cost, false);
+            }
+        }
+        i += 1;
+        if i.is_multiple_of(64) {
+            tokio::task::yield_now().await;
+        }
+    }
+    rec
+}
+
+/// The whole report of a run.
+pub(crate) struct RunReport {
+    pub(crate) systems: Vec<(String, SystemReport)>,
+}
+
+/// Runs every system on the scenario and reports.
+pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
+    let rule = opts.scenario.validate()?;
+    let rules =
+        Rules::from_rules([Rule::from_spec(RULE, &opts.scenario.rule).map_err(|e| e.to_string())?]);
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))?;
+    let spawned = match &opts.store {
+        StoreChoice::Spawn => Some(RedisServer::start().map_err(|e| e.to_string())?),
+        _ => None,
+    };
+    let url = match (&opts.store, &spawned) {
+        (StoreChoice::Redis(url), _) => Some(url.clone()),
+        (_, Some(server)) => Some(server.url()),
+        _ => None,
+    };
+    let mut names = vec!["leasehold".to_owned()];
+    names.extend(opts.compare.iter().cloned());
+    let progress =
+        indicatif::ProgressBar::new(opts.duration.as_millis() as u64 * names.len() as u64);
+    if opts.progress {
+        progress.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix:>10} [{bar:40}] {elapsed} / about {duration}",
+            )
+            .map_err(|e| e.to_string())?,
+        );
+    } else {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let capacity = rule.capacity().get() as f64;
+    let rate = rule.rate().per_sec_f64();
+    let mut systems = Vec::new();
+    for (n, name) in names.iter().enumerate() {
+        progress.set_prefix(name.clone());
+        let report = rt.block_on(async {
+            let sys = Arc::new(
+                System::build(name, &rule, &rules, opts.scenario.agents, url.as_deref()).await?,
+            );
+            let run = Arc::new(Run {
+                keys: Keys::new(&opts.scenario),
+                scenario: opts.scenario.clone(),
+                start: Instant::now(),
+                duration: opts.duration,
+                clock: quanta::Clock::new(),
+                stop: AtomicBool::new(false),
+            });
+            let mut tasks = Vec::new();
+            for agent in 0..opts.scenario.agents {
+                for thread in 0..opts.scenario.threads_per_agent {
+                    tasks.push(tokio::spawn(worker(
+                        sys.clone(),
+                        run.clone(),
+                        agent,
+                        thread,
+                        opts.seed,
+                    )));
+                }
+            }
+            let base = n as u64 * opts.duration.as_millis() as u64;
+            while run.start.elapsed() < opts.duration {
+                progress.set_position(base + run.start.elapsed().as_millis() as u64);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let mut all = report::Recording::new();
+            for t in tasks {
+                all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
+            }
+            let calls = sys.redis_calls();
+            sys.finish().await;
+            Ok::<_, String>(report::analyze(
+                all,
+                capacity,
+                rate,
+                opts.duration.as_millis() as u64,
+                calls,
+            ))
+        })?;
+        systems.push((name.clone(), report));
+    }
+    progress.finish_and_clear();
+    let store = match &opts.store {
+        StoreChoice::Embedded => "embedded".to_owned(),
+        StoreChoice::Spawn => format!("spawn ({})", url.clone().unwrap_or_default()),
+        StoreChoice::Redis(u) => u.clone(),
+    };
+    let json = serde_json::json!({
+        "scenario": opts.scenario.name,
+        "store": store,
+        "agents": opts.scenario.agents,
+        "threads_per_agent": opts.scenario.threads_per_agent,
+        "duration_s": opts.duration.as_secs_f64(),
+        "seed": opts.seed,
+        "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
+        "machine": { "cores": cores },
+        "systems": systems.iter().map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
+    });
+    if let Some(path) = &opts.json {
+        let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if let Some(path) = &opts.plot {
+        let series: Vec<(String, Vec<f64>)> = systems
+            .iter()
+            .map(|(n, r)| (n.clone(), r.series.clone()))
+            .collect();
+        let title = format!(
+            "{}: admitted tokens/s for tenant-0, {} agents, {} store",
+            opts.scenario.name, opts.scenario.agents, store
+        );
+        std::fs::write(path, report::svg(&title, rate, &series))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    drop(spawned);
+    Ok(RunReport { systems })
+}
+
+/// The summary table.
+pub(crate) fn table(r: &RunReport) -> String {
+    let mut out = format!(
+        "{:<10} {:>13} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10}\n",
+        "system",
+        "decisions/s",
+        "admitted",
+        "denied",
+        "calls/1k",
+        "overshoot1s",
+        "overshoot10s",
+        "utilization",
+        "p50 ns",
+        "p99 ns",
+        "p99.9 ns"
+    );
+    for (name, s) in &r.systems {
+        out.push_str(&format!(
+            "{:<10} {:>13.0} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10}\n",
+            name,
+            s.decisions_per_sec,
+            s.admitted,
+            s.denied + s.unavailable,
+            s.redis_calls_per_1k_decisions,
+            s.overshoot_1s,
+            s.overshoot_10s,
+            s.utilization,
+            s.latency_ns.p50,
+            s.latency_ns.p99,
+            s.latency_ns.p999
+        ));
+    }
+    out
+}

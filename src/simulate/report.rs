@@ -1,0 +1,270 @@
+//! What one system did in a run, computed as DESIGN.md section 6 defines it.
+//!
+//! Every decision is recorded per key per millisecond slot (tokens arriving, tokens
+//! admitted). Overshoot is the worst, over keys and over sliding windows of W slots, of
+//! `(admitted_in_W - (B + r*W')) / (B + r*W')` floored at 0, where `W' = W + 1 ms`
+//! because W slots of one millisecond span at most W + 1 ms. Utilisation is admitted
+//! tokens over the admissions of one ideal token bucket (same B, r, starting full)
+//! replaying the merged arrival trace of each key.
+
+use std::collections::HashMap;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// One thread's record of a run.
+pub(crate) struct Recording {
+    /// `key << 32 | ms` -> [tokens arriving, tokens admitted].
+    slots: HashMap<u64, [u32; 2], foldhash::fast::RandomState>,
+    pub(crate) latency: Histogram<u64>,
+    pub(crate) decisions: u64,
+    pub(crate) admitted: u64,
+    pub(crate) denied: u64,
+    pub(crate) unavailable: u64,
+}
+
+impl Recording {
+    pub(crate) fn new() -> Self {
+        Self {
+            slots: HashMap::default(),
+            // 1 ns .. 60 s, 3 significant digits.
+            latency: Histogram::new_with_bounds(1, 60_000_000_000, 3).unwrap_or_else(|_| {
+                // The bounds above are valid constants; new_with_bounds only fails on bad ones.
+                Histogram::new(3).unwrap_or_else(|_| unreachable!("3 significant digits is valid"))
+            }),
+            decisions: 0,
+            admitted: 0,
+            denied: 0,
+            unavailable: 0,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn add(&mut self, key: u32, ms: u64, cost: u64, admitted: bool) {
+        let slot = self
+            .slots
+            .entry((u64::from(key) << 32) | ms.min(u64::from(u32::MAX)))
+            .or_default();
+        slot[0] += cost as u32;
+        if admitted {
+            slot[1] += cost as u32;
+        }
+    }
+
+    pub(crate) fn merge(&mut self, other: Recording) {
+        for (k, v) in other.slots {
+            let s = self.slots.entry(k).or_default();
+            s[0] += v[0];
+            s[1] += v[1];
+        }
+        let _ = self.latency.add(&other.latency);
+        self.decisions += other.decisions;
+        self.admitted += other.admitted;
+        self.denied += other.denied;
+        self.unavailable += other.unavailable;
+    }
+}
+
+/// Latency percentiles, ns.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct Latency {
+    pub(crate) p50: u64,
+    pub(crate) p95: u64,
+    pub(crate) p99: u64,
+    pub(crate) p999: u64,
+    pub(crate) max: u64,
+}
+
+/// One system's figures.
+#[derive(Clone, Debug, Serialize)]
+pub(crate) struct SystemReport {
+    pub(crate) decisions: u64,
+    pub(crate) decisions_per_sec: f64,
+    pub(crate) admitted: u64,
+    pub(crate) denied: u64,
+    pub(crate) unavailable: u64,
+    pub(crate) redis_calls: u64,
+    pub(crate) redis_calls_per_1k_decisions: f64,
+    pub(crate) overshoot_1s: f64,
+    pub(crate) overshoot_10s: f64,
+    pub(crate) utilization: f64,
+    pub(crate) latency_ns: Latency,
+    /// Tokens admitted per second for key 0, per 100 ms (for the plot).
+    #[serde(skip)]
+    pub(crate) series: Vec<f64>,
+}
+
+/// Computes the figures of a merged recording.
+pub(crate) fn analyze(
+    rec: Recording,
+    capacity: f64,
+    rate_per_sec: f64,
+    duration_ms: u64,
+    redis_calls: u64,
+) -> SystemReport {
+    let mut by_key: HashMap<u32, Vec<(u32, u32, u32)>, foldhash::fast::RandomState> =
+        HashMap::default();
+    for (k, [arrived, admitted]) in &rec.slots {
+        by_key.entry((k >> 32) as u32).or_default().push((
+            (k & 0xffff_ffff) as u32,
+            *arrived,
+            *admitted,
+        ));
+    }
+    let (mut over_1s, mut over_10s, mut ideal, mut admitted_tokens) = (0f64, 0f64, 0f64, 0f64);
+    // Whole 100 ms buckets only: a partial last one would read as a drop.
+    let mut series = vec![0f64; (duration_ms / 100) as usize];
+    for (key, slots) in &mut by_key {
+        slots.sort_unstable();
+        over_1s = over_1s.max(overshoot(slots, capacity, rate_per_sec, 1000));
+        over_10s = over_10s.max(overshoot(slots, capacity, rate_per_sec, 10_000));
+        ideal += ideal_admissions(slots, capacity, rate_per_sec);
+        admitted_tokens += slots.iter().map(|s| f64::from(s.2)).sum::<f64>();
+        if *key == 0 {
+            for &(ms, _, adm) in slots.iter() {
+                if let Some(b) = series.get_mut(ms as usize / 100) {
+                    *b += f64::from(adm) * 10.0;
+                }
+            }
+        }
+    }
+    let secs = duration_ms as f64 / 1000.0;
+    let h = &rec.latency;
+    SystemReport {
+        decisions: rec.decisions,
+        decisions_per_sec: rec.decisions as f64 / secs,
+        admitted: rec.admitted,
+        denied: rec.denied,
+        unavailable: rec.unavailable,
+        redis_calls,
+        redis_calls_per_1k_decisions: if rec.decisions == 0 {
+            0.0
+        } else {
+            redis_calls as f64 * 1000.0 / rec.decisions as f64
+        },
+        overshoot_1s: over_1s,
+        overshoot_10s: over_10s,
+        utilization: if ideal == 0.0 {
+            1.0
+        } else {
+            admitted_tokens / ideal
+        },
+        latency_ns: Latency {
+            p50: h.value_at_quantile(0.5),
+            p95: h.value_at_quantile(0.95),
+            p99: h.value_at_quantile(0.99),
+            p999: h.value_at_quantile(0.999),
+            max: h.max(),
+        },
+        series,
+    }
+}
+
+/// The worst `(admitted - bound) / bound` over windows of `w` slots, floored at 0.
+/// `slots` is sorted by ms: (ms, arrived, admitted).
+fn overshoot(slots: &[(u32, u32, u32)], capacity: f64, rate: f64, w: u32) -> f64 {
+    let bound = capacity + rate * f64::from(w + 1) / 1000.0;
+    let (mut lo, mut sum, mut worst) = (0usize, 0f64, 0f64);
+    for hi in 0..slots.len() {
+        sum += f64::from(slots[hi].2);
+        while slots[lo].0 + w <= slots[hi].0 {
+            sum -= f64::from(slots[lo].2);
+            lo += 1;
+        }
+        worst = worst.max((sum - bound) / bound);
+    }
+    worst
+}
+
+/// Tokens one ideal bucket (full at the start) admits for this arrival trace.
+fn ideal_admissions(slots: &[(u32, u32, u32)], capacity: f64, rate: f64) -> f64 {
+    let (mut tokens, mut last, mut admitted) = (capacity, 0u32, 0f64);
+    for &(ms, arrived, _) in slots {
+        tokens = (tokens + rate * f64::from(ms - last) / 1000.0).min(capacity);
+        last = ms;
+        let take = f64::from(arrived).min(tokens.floor());
+        tokens -= take;
+        admitted += take;
+    }
+    admitted
+}
+
+/// An SVG line chart of admitted tokens per second for key 0, one line per system,
+/// with the rule's rate.
+pub(crate) fn svg(title: &str, rate: f64, systems: &[(String, Vec<f64>)]) -> String {
+    let (w, h, pad) = (900.0, 360.0, 50.0);
+    // The opening burst (up to B in the first 100 ms) would flatten everything else:
+    // the axis stops at twice the rate and higher points are drawn at the top.
+    let ymax = rate * 2.0;
+    let n = systems
+        .iter()
+        .map(|(_, s)| s.len())
+        .max()
+        .unwrap_or(1)
+        .max(2);
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (n - 1) as f64;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * v.min(ymax) / ymax;
+    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{pad}\" y=\"20\" font-size=\"14\">{title}</text>\n\
+         <line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{pad}\" y=\"{t}\">0 s</text><text x=\"{r2}\" y=\"{t}\">{secs:.1} s</text>\n\
+         <text x=\"5\" y=\"{pad}\">{ymax:.0}/s (clipped)</text>\n\
+         <line x1=\"{pad}\" y1=\"{ly}\" x2=\"{r}\" y2=\"{ly}\" stroke=\"gray\" stroke-dasharray=\"6 4\"/>\n\
+         <text x=\"{r3}\" y=\"{ly2}\" fill=\"gray\">limit r = {rate:.0}/s</text>\n",
+        b = h - pad,
+        r = w - pad,
+        r2 = w - pad - 30.0,
+        r3 = w - pad - 140.0,
+        t = h - pad + 18.0,
+        secs = (n - 1) as f64 / 10.0,
+        ly = y(rate),
+        ly2 = y(rate) - 5.0,
+    );
+    for (i, (name, series)) in systems.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        let points: Vec<String> = series
+            .iter()
+            .enumerate()
+            .map(|(j, v)| format!("{:.1},{:.1}", x(j), y(*v)))
+            .collect();
+        out.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.5\" points=\"{}\"/>\n\
+             <text x=\"{}\" y=\"{}\" fill=\"{c}\">{name}</text>\n",
+            points.join(" "),
+            pad + 10.0 + 140.0 * i as f64,
+            pad - 10.0
+        ));
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overshoot_is_zero_within_the_bound_and_measured_beyond_it() {
+        // B = 10, r = 1000/s: a 1000-slot window may hold 10 + 1001 = 1011.
+        let within: Vec<_> = (0..1000)
+            .map(|ms| (ms, 1, 1))
+            .chain([(1000, 11, 11)])
+            .collect();
+        assert_eq!(overshoot(&within, 10.0, 1000.0, 1000), 0.0);
+        let beyond: Vec<_> = (0..1000).map(|ms| (ms, 2, 2)).collect();
+        let o = overshoot(&beyond, 10.0, 1000.0, 1000);
+        assert!((o - (2000.0 - 1011.0) / 1011.0).abs() < 1e-9, "{o}");
+    }
+
+    #[test]
+    fn the_ideal_bucket_admits_its_burst_then_its_rate() {
+        // 100 tokens arrive every ms for 1 s against B = 50, r = 1000/s.
+        let slots: Vec<_> = (0..1000).map(|ms| (ms, 100, 0)).collect();
+        let ideal = ideal_admissions(&slots, 50.0, 1000.0);
+        assert!((ideal - (50.0 + 999.0)).abs() < 1.0, "{ideal}");
+    }
+}

@@ -1,0 +1,330 @@
+//! Scenarios: the workload `leasehold simulate` runs, built in or read from a TOML file.
+//!
+//! ```toml
+//! name = "my-scenario"
+//! agents = 8                  # gateways, each with its own agent (--agents overrides)
+//! threads_per_agent = 1
+//! costs = [[1, 0.9], [5, 0.1]]  # cost, weight
+//!
+//! [rule]                      # one rule, as in a rules file
+//! capacity = 1000
+//! rate = "2000/s"
+//!
+//! [keys]
+//! count = 1
+//! distribution = "uniform"    # or "zipf", with zipf_s = 1.1
+//!
+//! [[phases]]                  # from `at` (fraction of the run) until the next phase
+//! at = 0.0
+//! offered = 0.0               # decisions/s per active agent; 0 = as fast as it can
+//! active = [0, 1, 2, 3]       # which agents send (default: all)
+//!
+//! [[faults]]
+//! at = 0.5
+//! action = "crash-agent"      # the agent stops at once, abandoning its leases
+//! agent = 3
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use leasehold::core::rule::{Rule, RuleSpec};
+
+/// A workload.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Scenario {
+    pub(crate) name: String,
+    #[serde(default = "default_agents")]
+    pub(crate) agents: usize,
+    #[serde(default = "one")]
+    pub(crate) threads_per_agent: usize,
+    #[serde(default = "default_costs")]
+    pub(crate) costs: Vec<(u64, f64)>,
+    pub(crate) rule: RuleSpec,
+    pub(crate) keys: Keys,
+    pub(crate) phases: Vec<Phase>,
+    #[serde(default)]
+    pub(crate) faults: Vec<Fault>,
+}
+
+/// Which keys requests go to.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Keys {
+    pub(crate) count: u32,
+    #[serde(default = "uniform")]
+    pub(crate) distribution: String,
+    #[serde(default = "default_zipf")]
+    pub(crate) zipf_s: f64,
+}
+
+/// Offered load from `at` (a fraction of the run) on.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Phase {
+    pub(crate) at: f64,
+    #[serde(default)]
+    pub(crate) offered: f64,
+    pub(crate) active: Option<Vec<usize>>,
+}
+
+/// Something that goes wrong at `at` (a fraction of the run).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Fault {
+    pub(crate) at: f64,
+    pub(crate) action: String,
+    pub(crate) agent: Option<usize>,
+}
+
+fn default_agents() -> usize {
+    8
+}
+fn one() -> usize {
+    1
+}
+fn default_costs() -> Vec<(u64, f64)> {
+    vec![(1, 1.0)]
+}
+fn uniform() -> String {
+    "uniform".into()
+}
+fn default_zipf() -> f64 {
+    1.1
+}
+
+/// The names of the built-in scenarios.
+pub(crate) const BUILT_IN: &[&str] = &[
+    "steady",
+    "burst",
+    "hot-key",
+    "zipf",
+    "shifting",
+    "agent-crash",
+];
+
+fn rule(capacity: u64, rate: &str) -> RuleSpec {
+    RuleSpec {
+        capacity,
+        rate: rate.into(),
+        ..RuleSpec::default()
+    }
+}
+
+fn phase(at: f64, offered: f64, active: Option<Vec<usize>>) -> Phase {
+    Phase {
+        at,
+        offered,
+        active,
+    }
+}
+
+impl Scenario {
+    /// A built-in scenario.
+    pub(crate) fn built_in(name: &str) -> Result<Self, String> {
+        let keys = |count, distribution: &str| Keys {
+            count,
+            distribution: distribution.into(),
+            zipf_s: 1.1,
+        };
+        let base = |rule, keys, phases| Scenario {
+            name: name.to_owned(),
+            agents: 8,
+            threads_per_agent: 1,
+            costs: default_costs(),
+            rule,
+            keys,
+            phases,
+            faults: Vec::new(),
+        };
+        Ok(match name {
+            // Ten tenants, offered 1.6x their limit, evenly, all the time.
+            "steady" => base(
+                rule(1000, "2000/s"),
+                keys(10, "uniform"),
+                vec![phase(0.0, 4000.0, None)],
+            ),
+            // Quiet, then everyone as fast as they can for a fifth of the run, then quiet.
+            "burst" => base(
+                rule(5000, "10000/s"),
+                keys(1, "uniform"),
+                vec![
+                    phase(0.0, 200.0, None),
+                    phase(0.4, 0.0, None),
+                    phase(0.6, 200.0, None),
+                ],
+            ),
+            // One tenant hammered by every agent as fast as they can.
+            "hot-key" => base(
+                rule(100_000, "100000/s"),
+                keys(1, "uniform"),
+                vec![phase(0.0, 0.0, None)],
+            ),
+            // 100 000 tenants with Zipf demand.
+            "zipf" => base(
+                rule(100, "1000/s"),
+                keys(100_000, "zipf"),
+                vec![phase(0.0, 0.0, None)],
+            ),
+            // Demand moves from half the agents to the other half and back.
+            "shifting" => base(
+                rule(10_000, "20000/s"),
+                keys(1, "uniform"),
+                vec![
+                    phase(0.0, 0.0, Some(vec![0, 1, 2, 3])),
+                    phase(1.0 / 3.0, 0.0, Some(vec![4, 5, 6, 7])),
+                    phase(2.0 / 3.0, 0.0, Some(vec![0, 1, 2, 3])),
+                ],
+            ),
+            // Like hot-key; agent 0 dies halfway, abandoning what it holds.
+            "agent-crash" => {
+                let mut s = base(
+                    rule(100_000, "100000/s"),
+                    keys(1, "uniform"),
+                    vec![phase(0.0, 0.0, None)],
+                );
+                s.faults.push(Fault {
+                    at: 0.5,
+                    action: "crash-agent".into(),
+                    agent: Some(0),
+                });
+                s
+            }
+            other => {
+                return Err(format!(
+                    "unknown scenario {other:?}; built in: {}",
+                    BUILT_IN.join(", ")
+                ));
+            }
+        })
+    }
+
+    /// Reads a scenario file.
+    pub(crate) fn from_file(path: &std::path::Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Checks everything a run needs, naming what is wrong.
+    pub(crate) fn validate(&self) -> Result<Rule, String> {
+        let rule = Rule::from_spec("sim", &self.rule)
+            .map_err(|e| format!("scenario {}: {e}", self.name))?;
+        let err = |what: String| Err(format!("scenario {}: {what}", self.name));
+        if self.agents == 0 || self.agents > 256 {
+            return err(format!("agents = {} must be 1..=256", self.agents));
+        }
+        if self.threads_per_agent == 0 || self.threads_per_agent > 64 {
+            return err(format!(
+                "threads_per_agent = {} must be 1..=64",
+                self.threads_per_agent
+            ));
+        }
+        if self.keys.count == 0 || self.keys.count > 10_000_000 {
+            return err(format!(
+                "keys.count = {} must be 1..=10000000",
+                self.keys.count
+            ));
+        }
+        if !matches!(self.keys.distribution.as_str(), "uniform" | "zipf") {
+            return err(format!(
+                "keys.distribution = {:?}: uniform or zipf",
+                self.keys.distribution
+            ));
+        }
+        if self.keys.zipf_s <= 0.0 || !self.keys.zipf_s.is_finite() {
+            return err(format!(
+                "keys.zipf_s = {} must be positive",
+                self.keys.zipf_s
+            ));
+        }
+        if self.costs.is_empty()
+            || self
+                .costs
+                .iter()
+                .any(|&(c, w)| c == 0 || c > rule.capacity().get() || w <= 0.0)
+        {
+            return err(
+                "costs must be [cost, weight] pairs with 1 <= cost <= capacity and weight > 0"
+                    .into(),
+            );
+        }
+        if self.phases.is_empty() || self.phases[0].at != 0.0 {
+            return err("the first phase must start at 0.0".into());
+        }
+        for p in &self.phases {
+            if !(0.0..1.0).contains(&p.at) || p.offered < 0.0 || !p.offered.is_finite() {
+                return err(format!(
+                    "phase at {}: at must be in [0, 1) and offered >= 0",
+                    p.at
+                ));
+            }
+            if let Some(a) = &p.active
+                && a.iter().any(|&i| i >= self.agents)
+            {
+                return err(format!(
+                    "phase at {}: active agent out of 0..{}",
+                    p.at, self.agents
+                ));
+            }
+        }
+        for f in &self.faults {
+            if f.action != "crash-agent" {
+                return err(format!(
+                    "fault {:?} is not supported by this build (supported: crash-agent)",
+                    f.action
+                ));
+            }
+            if f.agent.is_none_or(|a| a >= self.agents) || !(0.0..1.0).contains(&f.at) {
+                return err(format!(
+                    "fault at {}: needs agent in 0..{} and at in [0, 1)",
+                    f.at, self.agents
+                ));
+            }
+        }
+        Ok(rule)
+    }
+
+    /// The phase in force at `fraction` of the run.
+    pub(crate) fn phase_at(&self, fraction: f64) -> &Phase {
+        self.phases
+            .iter()
+            .rev()
+            .find(|p| p.at <= fraction)
+            .unwrap_or(&self.phases[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_is_valid_and_round_trips_through_toml() {
+        for name in BUILT_IN {
+            let s = Scenario::built_in(name).unwrap();
+            s.validate().unwrap();
+            let text = toml::to_string(&s).unwrap();
+            let back: Scenario = toml::from_str(&text).unwrap();
+            back.validate().unwrap();
+            assert_eq!(back.name, *name);
+        }
+        assert!(Scenario::built_in("nope").unwrap_err().contains("hot-key"));
+    }
+
+    #[test]
+    fn bad_scenarios_name_the_problem() {
+        let mut s = Scenario::built_in("hot-key").unwrap();
+        s.keys.distribution = "pareto".into();
+        assert!(s.validate().unwrap_err().contains("pareto"));
+        let mut s = Scenario::built_in("hot-key").unwrap();
+        s.faults.push(Fault {
+            at: 0.5,
+            action: "promote-replica".into(),
+            agent: None,
+        });
+        assert!(s.validate().unwrap_err().contains("promote-replica"));
+        let mut s = Scenario::built_in("hot-key").unwrap();
+        s.rule.capacity = 0;
+        assert!(s.validate().unwrap_err().contains("capacity"));
+    }
+}

@@ -1,0 +1,109 @@
+//! `leasehold simulate`, briefly, on the embedded store and on a private redis-server:
+//! the JSON report has every field and Leasehold's overshoot is 0.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::process::Command;
+
+fn simulate(store: &str, scenario: &str) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let (json, plot) = (dir.path().join("report.json"), dir.path().join("plot.svg"));
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args([
+            "simulate",
+            "--duration",
+            "1.5",
+            "--agents",
+            "4",
+            "--store",
+            store,
+            "--scenario",
+            scenario,
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .expect("run leasehold simulate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    print!("{stdout}");
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+    serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
+fn check(report: &serde_json::Value) {
+    for key in ["scenario", "store", "agents", "duration_s", "machine"] {
+        assert!(report.get(key).is_some(), "missing {key}");
+    }
+    assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
+    for system in ["leasehold", "naive", "governor"] {
+        let s = &report["systems"][system];
+        for field in [
+            "decisions_per_sec",
+            "admitted",
+            "denied",
+            "redis_calls",
+            "redis_calls_per_1k_decisions",
+            "overshoot_1s",
+            "overshoot_10s",
+            "utilization",
+        ] {
+            assert!(s[field].is_number(), "{system}.{field} missing in {s}");
+        }
+        for p in ["p50", "p95", "p99", "p999", "max"] {
+            assert!(s["latency_ns"][p].is_u64(), "{system}.latency_ns.{p}");
+        }
+    }
+    let l = &report["systems"]["leasehold"];
+    assert_eq!(
+        l["overshoot_10s"].as_f64(),
+        Some(0.0),
+        "leasehold overshoot: {l}"
+    );
+    assert_eq!(
+        l["overshoot_1s"].as_f64(),
+        Some(0.0),
+        "leasehold overshoot: {l}"
+    );
+    assert!(l["admitted"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn simulate_embedded_hot_key() {
+    check(&simulate("embedded", "hot-key"));
+}
+
+#[test]
+fn simulate_spawned_redis_zipf() {
+    let r = simulate("spawn", "zipf");
+    check(&r);
+    assert!(r["store"].as_str().unwrap().starts_with("spawn"));
+    assert_eq!(
+        r["systems"]["naive"]["redis_calls_per_1k_decisions"].as_f64(),
+        Some(1000.0)
+    );
+}
+
+#[test]
+fn simulate_refuses_bad_input_with_a_reason() {
+    for (args, want) in [
+        (vec!["--scenario", "nope"], "unknown scenario"),
+        (vec!["--store", "memcached://x"], "unknown store"),
+        (vec!["--duration", "0"], "--duration"),
+        (vec!["--compare", "envoy"], "--compare"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .arg("simulate")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

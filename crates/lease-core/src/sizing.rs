@@ -17,8 +17,10 @@ pub struct LeaseRequest {
     pub min: u64,
 }
 
-/// The default demand horizon a lease should cover.
-pub const DEFAULT_HORIZON: Duration = Duration::from_millis(200);
+/// The default demand horizon a lease should cover. Shorter means fewer tokens in flight
+/// (less budget stranded in the leases of agents whose demand just stopped), longer means
+/// fewer store calls; 100 ms kept utilisation above 0.99 in every `simulate` scenario.
+pub const DEFAULT_HORIZON: Duration = Duration::from_millis(100);
 
 /// Sizes a lease for `demand_milli` (thousandths of a token per second, measured locally)
 /// over `horizon`, for a request that needs at least `needed` tokens now (0 when
@@ -59,7 +61,7 @@ mod tests {
     #[test]
     fn covers_the_horizon_within_bounds() {
         let rule = Rule::new("r", 1000, "100/s").unwrap(); // lease_max = 125
-        let h = DEFAULT_HORIZON;
+        let h = Duration::from_millis(200);
         assert_eq!(
             lease_request(&rule, 0, h, 0),
             LeaseRequest { want: 1, min: 1 }

@@ -34,17 +34,27 @@ leasing = "lease"
 lease_max = 100
 "#;
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_key_decides_without_the_store_in_steady_state() {
     let l = limiter(LEASED).await;
-    assert!(matches!(
-        l.check("t", "api", 1).await.unwrap(),
-        Decision::Allowed { .. }
-    ));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A steady 5000 decisions/s. Warm up: the agent measures the demand and sizes its
+    // lease; then prefetches keep the lease ahead of the demand.
+    for i in 0..200 {
+        if i % 10 == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(matches!(
+            l.check("t", "api", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+    }
     let calls = l.stats("api").unwrap().store_calls;
+    // A steady 5000 decisions/s: prefetches keep the lease ahead of the demand.
     let mut fast = 0;
-    for _ in 0..50 {
+    for i in 0..200 {
+        if i % 10 == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         if let Some(Decision::Allowed {
             via: Admission::Lease,
             ..
@@ -53,11 +63,11 @@ async fn leased_key_decides_without_the_store_in_steady_state() {
             fast += 1;
         }
     }
-    assert_eq!(fast, 50, "a live lease answers without waiting");
+    assert_eq!(fast, 200, "a live lease answers without waiting");
     let s = l.stats("api").unwrap();
     assert!(
-        s.store_calls - calls <= 1,
-        "at most one prefetch for 50 decisions: {s:?}"
+        s.store_calls - calls <= 8,
+        "a few prefetches for 200 decisions: {s:?}"
     );
 }
 

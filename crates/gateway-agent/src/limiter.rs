@@ -416,6 +416,7 @@ impl papaya::Equivalent<KeyId> for KeyRef<'_> {
 #[derive(Debug, Default)]
 struct Io {
     grant_ns: u64,
+    last_want: u64,
     held_after_grant: u64,
     demand_milli: u64,
     cold_window_ns: u64,
@@ -952,12 +953,19 @@ impl Limiter {
             let rate = u64::try_from(rate).unwrap_or(u64::MAX);
             io.demand_milli = io.demand_milli / 2 + rate / 2;
         }
-        let want = lease_request(
+        let mut want = lease_request(
             &entry.rule,
             io.demand_milli,
             self.inner.config.horizon,
             needed,
         );
+        if held == 0 && io.last_want > 0 {
+            // The lease ran dry: what was measured is a lower bound of the demand. Ask
+            // for at least twice the last lease (a slow start) instead of trickling.
+            let doubled = (io.last_want * 2).min(entry.rule.lease_max().get());
+            want.want = want.want.max(doubled);
+        }
+        io.last_want = want.want;
         let reply = self
             .call(
                 ks,

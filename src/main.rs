@@ -26,15 +26,18 @@ enum Command {
     /// Runs agents against a global store under a workload and reports Leasehold, the
     /// naive per-request Lua bucket and governor side by side.
     Simulate {
-        /// A built-in scenario: steady, burst, hot-key, zipf, shifting, agent-crash.
+        /// A built-in scenario: steady, burst, hot-key, zipf, shifting, agent-crash,
+        /// redis-down, failover, cluster.
         #[arg(long, default_value = "hot-key", conflicts_with = "scenario_file")]
         scenario: String,
         /// A scenario file (TOML; see `src/simulate/scenario.rs`).
         #[arg(long)]
         scenario_file: Option<PathBuf>,
-        /// embedded | spawn (a private redis-server) | redis://HOST:PORT
-        #[arg(long, default_value = "embedded")]
-        store: simulate::StoreChoice,
+        /// embedded | spawn (a private redis-server) | spawn-replica | cluster-spawn |
+        /// redis://HOST:PORT | cluster://HOST:PORT,HOST:PORT. Default: the scenario's
+        /// store, else embedded.
+        #[arg(long)]
+        store: Option<simulate::StoreChoice>,
         /// Agents (gateways); default: the scenario's.
         #[arg(long)]
         agents: Option<usize>,
@@ -103,6 +106,16 @@ fn main() -> ExitCode {
             {
                 return fail(&format!("--compare {bad:?}: naive, governor or none"));
             }
+            let store = match store {
+                Some(store) => store,
+                None => match scenario.store.as_deref().map(str::parse) {
+                    Some(Ok(store)) => store,
+                    Some(Err(e)) => {
+                        return fail(&format!("scenario {}: store: {e}", scenario.name));
+                    }
+                    None => simulate::StoreChoice::Embedded,
+                },
+            };
             let opts = simulate::Options {
                 scenario,
                 store,

@@ -107,3 +107,74 @@ fn simulate_refuses_bad_input_with_a_reason() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn simulate_store_outage_follows_the_failure_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args([
+            "simulate",
+            "--scenario",
+            "redis-down",
+            "--store",
+            "embedded",
+            "--duration",
+            "2",
+            "--agents",
+            "2",
+        ])
+        .args(["--compare", "naive"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let l = &r["systems"]["leasehold"];
+    assert!(
+        l["unavailable"].as_u64().unwrap() > 0,
+        "fail_closed answers 503 while the store is down: {l}"
+    );
+    assert!(l["admitted"].as_u64().unwrap() > 0);
+    assert_eq!(l["overshoot_10s"].as_f64(), Some(0.0), "{l}");
+}
+
+#[test]
+fn simulate_failover_promotes_the_replica_and_keeps_deciding() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("report.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args([
+            "simulate",
+            "--scenario",
+            "failover",
+            "--duration",
+            "2",
+            "--agents",
+            "2",
+            "--compare",
+            "none",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["store"], "spawn-replica");
+    let l = &r["systems"]["leasehold"];
+    // Every decision after the promotion is decided too: the agents re-declare and go on.
+    assert!(l["admitted"].as_u64().unwrap() > 0, "{l}");
+    println!("failover: {l}");
+}

@@ -23,7 +23,7 @@ use leasehold::core::rule::Rule;
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use redis_harness::RedisServer;
+use redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 use tokio::time::Instant;
 
 pub(crate) use report::SystemReport;
@@ -32,9 +32,18 @@ pub(crate) use scenario::{BUILT_IN, Scenario};
 /// Where the global buckets live.
 #[derive(Clone, Debug)]
 pub(crate) enum StoreChoice {
+    /// In this process.
     Embedded,
+    /// A private redis-server.
     Spawn,
+    /// A private primary and replica behind a virtual address that a failover moves.
+    SpawnReplica,
+    /// A private 6-node cluster.
+    ClusterSpawn,
+    /// A Redis already running.
     Redis(String),
+    /// A Redis Cluster already running, by seed nodes.
+    Cluster(Vec<String>),
 }
 
 impl std::str::FromStr for StoreChoice {
@@ -43,11 +52,116 @@ impl std::str::FromStr for StoreChoice {
         match s {
             "embedded" => Ok(Self::Embedded),
             "spawn" => Ok(Self::Spawn),
+            "spawn-replica" => Ok(Self::SpawnReplica),
+            "cluster-spawn" => Ok(Self::ClusterSpawn),
             url if url.starts_with("redis://") => Ok(Self::Redis(url.to_owned())),
+            list if list.starts_with("cluster://") => Ok(Self::Cluster(
+                list["cluster://".len()..]
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .map(|n| format!("redis://{n}"))
+                    .collect(),
+            )),
             other => Err(format!(
-                "unknown store {other:?}: embedded, spawn (a private redis-server) or redis://HOST:PORT"
+                "unknown store {other:?}: embedded, spawn (a private redis-server), spawn-replica, \
+                 cluster-spawn, redis://HOST:PORT or cluster://HOST:PORT,HOST:PORT"
             )),
         }
+    }
+}
+
+/// What a system's agents connect to.
+#[derive(Clone)]
+enum Target {
+    Embedded(EmbeddedStore),
+    Redis(String),
+    Cluster(Vec<String>),
+}
+
+/// The store of one system's run, started fresh for it so that faults in one run never
+/// leak into the next.
+enum Env {
+    Embedded(EmbeddedStore),
+    External(Target),
+    Single(RedisServer),
+    Pair { pair: ReplicaPair, vip: FaultProxy },
+    Cluster(Cluster),
+}
+
+impl Env {
+    fn start(choice: &StoreChoice) -> Result<Self, String> {
+        let e = |e: redis_harness::HarnessError| e.to_string();
+        Ok(match choice {
+            StoreChoice::Embedded => Self::Embedded(EmbeddedStore::new()),
+            StoreChoice::Spawn => Self::Single(RedisServer::start().map_err(e)?),
+            StoreChoice::SpawnReplica => {
+                let pair = ReplicaPair::start().map_err(e)?;
+                let vip = FaultProxy::start(pair.primary.addr()).map_err(e)?;
+                Self::Pair { pair, vip }
+            }
+            StoreChoice::ClusterSpawn => Self::Cluster(Cluster::start().map_err(e)?),
+            StoreChoice::Redis(url) => Self::External(Target::Redis(url.clone())),
+            StoreChoice::Cluster(nodes) => Self::External(Target::Cluster(nodes.clone())),
+        })
+    }
+
+    fn target(&self) -> Target {
+        match self {
+            Self::Embedded(s) => Target::Embedded(s.clone()),
+            Self::External(t) => t.clone(),
+            Self::Single(server) => Target::Redis(server.url()),
+            Self::Pair { vip, .. } => Target::Redis(vip.url()),
+            Self::Cluster(c) => Target::Cluster(c.urls()),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Self::Embedded(_) => "embedded".into(),
+            Self::External(Target::Redis(u)) => u.clone(),
+            Self::External(Target::Cluster(n)) => format!("cluster {}", n.join(",")),
+            Self::External(Target::Embedded(_)) => "embedded".into(),
+            Self::Single(_) => "spawn".into(),
+            Self::Pair { .. } => "spawn-replica".into(),
+            Self::Cluster(_) => "cluster-spawn (3 primaries, 3 replicas)".into(),
+        }
+    }
+
+    /// Checks that the scenario's faults can happen to this store.
+    fn supports(choice: &StoreChoice, action: &str) -> bool {
+        match action {
+            "crash-agent" => true,
+            "kill-store" | "restore-store" => {
+                matches!(choice, StoreChoice::Embedded | StoreChoice::Spawn)
+            }
+            "promote-replica" => matches!(choice, StoreChoice::SpawnReplica),
+            _ => false,
+        }
+    }
+
+    /// Makes a store fault happen; `naive_offline` is the embedded naive bucket's switch.
+    fn fault(&mut self, action: &str, naive_offline: &AtomicBool) -> Result<(), String> {
+        match (action, self) {
+            ("kill-store", Self::Embedded(s)) => {
+                s.set_offline(true);
+                naive_offline.store(true, Ordering::Release);
+            }
+            ("restore-store", Self::Embedded(s)) => {
+                s.set_offline(false);
+                naive_offline.store(false, Ordering::Release);
+            }
+            ("kill-store", Self::Single(server)) => server.kill(),
+            ("restore-store", Self::Single(server)) => {
+                server.restart().map_err(|e| e.to_string())?
+            }
+            ("promote-replica", Self::Pair { pair, vip }) => {
+                pair.fail_over().map_err(|e| e.to_string())?;
+                vip.set_upstream(pair.replica.addr());
+                vip.cut();
+            }
+            (action, _) => return Err(format!("fault {action} does not apply to this store")),
+        }
+        Ok(())
     }
 }
 
@@ -92,7 +206,8 @@ type NaiveShard = Mutex<std::collections::HashMap<u32, (f64, u64)>>;
 
 enum Naive {
     Redis(redis::aio::ConnectionManager, redis::Script),
-    Embedded(Arc<Vec<NaiveShard>>),
+    Cluster(redis::cluster_async::ClusterConnection, redis::Script),
+    Embedded(Arc<Vec<NaiveShard>>, Arc<AtomicBool>),
 }
 
 enum System {
@@ -121,17 +236,18 @@ impl System {
         rule: &Rule,
         rules: &Rules,
         agents: usize,
-        url: Option<&str>,
+        target: &Target,
+        naive_offline: &Arc<AtomicBool>,
     ) -> Result<Self, String> {
         match name {
             "leasehold" => {
-                let shared = Store::Embedded(EmbeddedStore::new());
                 let mut limiters = Vec::with_capacity(agents);
                 for _ in 0..agents {
                     let b = Limiter::builder().rules(rules.clone());
-                    let b = match url {
-                        Some(url) => b.redis(url),
-                        None => b.store(shared.clone()),
+                    let b = match target {
+                        Target::Embedded(store) => b.store(Store::Embedded(store.clone())),
+                        Target::Redis(url) => b.redis(url),
+                        Target::Cluster(nodes) => b.cluster(nodes.clone()),
                     };
                     limiters.push(Mutex::new(Some(
                         b.build().await.map_err(|e| e.to_string())?,
@@ -143,15 +259,29 @@ impl System {
                 })
             }
             "naive" => {
-                let naive = match url {
-                    Some(url) => {
-                        let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+                let script = redis::Script::new(NAIVE_LUA);
+                let naive = match target {
+                    Target::Redis(url) => {
+                        let client =
+                            redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
                         let conn = redis::aio::ConnectionManager::new(client)
                             .await
                             .map_err(|e| e.to_string())?;
-                        Naive::Redis(conn, redis::Script::new(NAIVE_LUA))
+                        Naive::Redis(conn, script)
                     }
-                    None => Naive::Embedded(Arc::new((0..64).map(|_| Mutex::default()).collect())),
+                    Target::Cluster(nodes) => {
+                        let client = redis::cluster::ClusterClient::new(nodes.clone())
+                            .map_err(|e| e.to_string())?;
+                        let conn = client
+                            .get_async_connection()
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        Naive::Cluster(conn, script)
+                    }
+                    Target::Embedded(_) => Naive::Embedded(
+                        Arc::new((0..64).map(|_| Mutex::default()).collect()),
+                        naive_offline.clone(),
+                    ),
                 };
                 Ok(Self::Naive {
                     naive,
@@ -223,22 +353,23 @@ impl System {
                 rate,
             } => {
                 calls.fetch_add(1, Ordering::Relaxed);
+                let invoke = |script| naive_call(script, subject, *cap, *rate, cost);
+                let answer = |r: Result<i64, redis::RedisError>| match r {
+                    Ok(1) => Outcome::Admitted,
+                    Ok(_) => Outcome::Denied,
+                    Err(_) => Outcome::Unavailable,
+                };
                 match naive {
                     Naive::Redis(conn, script) => {
-                        let r: Result<i64, _> = script
-                            .key(format!("naive:{{{subject}}}"))
-                            .arg(*cap)
-                            .arg(*rate)
-                            .arg(cost)
-                            .invoke_async(&mut conn.clone())
-                            .await;
-                        match r {
-                            Ok(1) => Outcome::Admitted,
-                            Ok(_) => Outcome::Denied,
-                            Err(_) => Outcome::Unavailable,
-                        }
+                        answer(invoke(script).invoke_async(&mut conn.clone()).await)
                     }
-                    Naive::Embedded(shards) => {
+                    Naive::Cluster(conn, script) => {
+                        answer(invoke(script).invoke_async(&mut conn.clone()).await)
+                    }
+                    Naive::Embedded(_, offline) if offline.load(Ordering::Acquire) => {
+                        Outcome::Unavailable
+                    }
+                    Naive::Embedded(shards, _) => {
                         let mut shard = shards[key as usize % shards.len()].lock();
                         // The clock is read under the lock, as TIME is inside the script:
                         // a time read before waiting could move `ts` back and count
@@ -297,6 +428,19 @@ impl System {
             }
         }
     }
+}
+
+/// One call of the naive script for `subject`.
+fn naive_call<'a>(
+    script: &'a redis::Script,
+    subject: &str,
+    cap: f64,
+    rate: f64,
+    cost: u64,
+) -> redis::ScriptInvocation<'a> {
+    let mut inv = script.key(format!("naive:{{{subject}}}"));
+    inv.arg(cap).arg(rate).arg(cost);
+    inv
 }
 
 /// Picks keys: uniform, or Zipf through a cumulative table.
@@ -459,15 +603,16 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("tokio runtime: {e}"))?;
-    let spawned = match &opts.store {
-        StoreChoice::Spawn => Some(RedisServer::start().map_err(|e| e.to_string())?),
-        _ => None,
-    };
-    let url = match (&opts.store, &spawned) {
-        (StoreChoice::Redis(url), _) => Some(url.clone()),
-        (_, Some(server)) => Some(server.url()),
-        _ => None,
-    };
+    for f in &opts.scenario.faults {
+        if !Env::supports(&opts.store, &f.action) {
+            return Err(format!(
+                "scenario {}: fault {} needs another store (kill-store/restore-store: embedded or \
+                 spawn; promote-replica: spawn-replica)",
+                opts.scenario.name, f.action
+            ));
+        }
+    }
+    let mut store_name = String::new();
     let mut names = vec!["leasehold".to_owned()];
     names.extend(opts.compare.iter().cloned());
     let progress =
@@ -487,9 +632,20 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let mut systems = Vec::new();
     for (n, name) in names.iter().enumerate() {
         progress.set_prefix(name.clone());
+        let mut env = Env::start(&opts.store)?;
+        store_name = env.describe();
+        let naive_offline = Arc::new(AtomicBool::new(false));
         let report = rt.block_on(async {
             let sys = Arc::new(
-                System::build(name, &rule, &rules, opts.scenario.agents, url.as_deref()).await?,
+                System::build(
+                    name,
+                    &rule,
+                    &rules,
+                    opts.scenario.agents,
+                    &env.target(),
+                    &naive_offline,
+                )
+                .await?,
             );
             let run = Arc::new(Run {
                 keys: Keys::new(&opts.scenario),
@@ -512,9 +668,22 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 }
             }
             let base = n as u64 * opts.duration.as_millis() as u64;
+            let mut faults: Vec<_> = opts
+                .scenario
+                .faults
+                .iter()
+                .filter(|f| f.action != "crash-agent")
+                .collect();
+            faults.sort_by(|a, b| a.at.total_cmp(&b.at));
+            let mut faults = faults.into_iter().peekable();
             while run.start.elapsed() < opts.duration {
                 progress.set_position(base + run.start.elapsed().as_millis() as u64);
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                let frac = run.start.elapsed().as_secs_f64() / opts.duration.as_secs_f64();
+                while let Some(f) = faults.next_if(|f| f.at <= frac) {
+                    // Restarting a node blocks this thread; the workers run on the runtime's.
+                    env.fault(&f.action, &naive_offline)?;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let mut all = report::Recording::new();
             for t in tasks {
@@ -533,11 +702,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         systems.push((name.clone(), report));
     }
     progress.finish_and_clear();
-    let store = match &opts.store {
-        StoreChoice::Embedded => "embedded".to_owned(),
-        StoreChoice::Spawn => format!("spawn ({})", url.clone().unwrap_or_default()),
-        StoreChoice::Redis(u) => u.clone(),
-    };
+    let store = store_name;
     let json = serde_json::json!({
         "scenario": opts.scenario.name,
         "store": store,
@@ -565,7 +730,6 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         std::fs::write(path, report::svg(&title, rate, &series))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    drop(spawned);
     Ok(RunReport { systems })
 }
 

@@ -23,7 +23,12 @@
 //! at = 0.5
 //! action = "crash-agent"      # the agent stops at once, abandoning its leases
 //! agent = 3
+//! # also: "kill-store" / "restore-store" (embedded or spawn stores; a spawned Redis
+//! # restarts empty), "promote-replica" (spawn-replica store)
 //! ```
+//!
+//! `store = "cluster-spawn"` (or another `--store` value) names the store the scenario
+//! runs on when `--store` is not given.
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +39,9 @@ use leasehold::core::rule::{Rule, RuleSpec};
 #[serde(deny_unknown_fields)]
 pub(crate) struct Scenario {
     pub(crate) name: String,
+    /// The store to use when `--store` is not given.
+    #[serde(default)]
+    pub(crate) store: Option<String>,
     #[serde(default = "default_agents")]
     pub(crate) agents: usize,
     #[serde(default = "one")]
@@ -101,6 +109,17 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "zipf",
     "shifting",
     "agent-crash",
+    "redis-down",
+    "failover",
+    "cluster",
+];
+
+/// Fault actions a scenario may use.
+pub(crate) const FAULTS: &[&str] = &[
+    "crash-agent",
+    "kill-store",
+    "restore-store",
+    "promote-replica",
 ];
 
 fn rule(capacity: u64, rate: &str) -> RuleSpec {
@@ -129,6 +148,7 @@ impl Scenario {
         };
         let base = |rule, keys, phases| Scenario {
             name: name.to_owned(),
+            store: None,
             agents: 8,
             threads_per_agent: 1,
             costs: default_costs(),
@@ -188,6 +208,47 @@ impl Scenario {
                     action: "crash-agent".into(),
                     agent: Some(0),
                 });
+                s
+            }
+            // Hot-key; the store is unreachable from 30% to 60% of the run.
+            "redis-down" => {
+                let mut s = base(
+                    rule(100_000, "100000/s"),
+                    keys(1, "uniform"),
+                    vec![phase(0.0, 0.0, None)],
+                );
+                for (at, action) in [(0.3, "kill-store"), (0.6, "restore-store")] {
+                    s.faults.push(Fault {
+                        at,
+                        action: action.into(),
+                        agent: None,
+                    });
+                }
+                s
+            }
+            // Hot-key on a primary with a replica; the replica is promoted halfway.
+            "failover" => {
+                let mut s = base(
+                    rule(100_000, "100000/s"),
+                    keys(1, "uniform"),
+                    vec![phase(0.0, 0.0, None)],
+                );
+                s.store = Some("spawn-replica".into());
+                s.faults.push(Fault {
+                    at: 0.5,
+                    action: "promote-replica".into(),
+                    agent: None,
+                });
+                s
+            }
+            // 30 hot tenants over the 3 shards of a 6-node cluster.
+            "cluster" => {
+                let mut s = base(
+                    rule(10_000, "20000/s"),
+                    keys(30, "uniform"),
+                    vec![phase(0.0, 0.0, None)],
+                );
+                s.store = Some("cluster-spawn".into());
                 s
             }
             other => {
@@ -268,15 +329,19 @@ impl Scenario {
             }
         }
         for f in &self.faults {
-            if f.action != "crash-agent" {
+            if !FAULTS.contains(&f.action.as_str()) {
                 return err(format!(
-                    "fault {:?} is not supported by this build (supported: crash-agent)",
-                    f.action
+                    "fault {:?}: one of {}",
+                    f.action,
+                    FAULTS.join(", ")
                 ));
             }
-            if f.agent.is_none_or(|a| a >= self.agents) || !(0.0..1.0).contains(&f.at) {
+            if !(0.0..1.0).contains(&f.at) {
+                return err(format!("fault at {}: at must be in [0, 1)", f.at));
+            }
+            if f.action == "crash-agent" && f.agent.is_none_or(|a| a >= self.agents) {
                 return err(format!(
-                    "fault at {}: needs agent in 0..{} and at in [0, 1)",
+                    "fault crash-agent at {}: needs agent in 0..{}",
                     f.at, self.agents
                 ));
             }
@@ -319,10 +384,10 @@ mod tests {
         let mut s = Scenario::built_in("hot-key").unwrap();
         s.faults.push(Fault {
             at: 0.5,
-            action: "promote-replica".into(),
+            action: "reboot-datacenter".into(),
             agent: None,
         });
-        assert!(s.validate().unwrap_err().contains("promote-replica"));
+        assert!(s.validate().unwrap_err().contains("reboot-datacenter"));
         let mut s = Scenario::built_in("hot-key").unwrap();
         s.rule.capacity = 0;
         assert!(s.validate().unwrap_err().contains("capacity"));

@@ -44,6 +44,9 @@ pub enum StoreError {
     /// No answer within the call timeout. As for `Unavailable`, a retry is safe.
     #[error("store call timed out after {0:?}")]
     Timeout(Duration),
+    /// The embedded store was switched off (simulated outage).
+    #[error("store offline")]
+    Offline,
     /// The store answered in a way that needs an operator: a key of another type where a
     /// bucket should be, a read-only replica, an unexpected reply.
     #[error("store misconfigured: {0}")]
@@ -54,7 +57,10 @@ impl StoreError {
     /// True when the outcome of the request is unknown and a retry with the same
     /// sequence number is the right move.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Unavailable(_) | Self::Timeout(_))
+        matches!(
+            self,
+            Self::Unavailable(_) | Self::Timeout(_) | Self::Offline
+        )
     }
 }
 

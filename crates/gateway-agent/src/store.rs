@@ -58,6 +58,7 @@ pub struct EmbeddedStore {
     shards: Arc<[Shard]>,
     hasher: foldhash::fast::RandomState,
     calls: Arc<AtomicU64>,
+    offline: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Default for EmbeddedStore {
@@ -73,7 +74,14 @@ impl EmbeddedStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: foldhash::fast::RandomState::default(),
             calls: Arc::new(AtomicU64::new(0)),
+            offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
+    }
+
+    /// Switches the store off (every call fails as unreachable) or back on, keeping its
+    /// buckets: an outage without data loss, for simulations.
+    pub fn set_offline(&self, offline: bool) {
+        self.offline.store(offline, Ordering::Release);
     }
 
     /// Runs one request, atomically with respect to every other request on the bucket.
@@ -84,6 +92,9 @@ impl EmbeddedStore {
         req: &Request,
     ) -> Result<Reply, StoreError> {
         validate(params, req)?;
+        if self.offline.load(Ordering::Acquire) {
+            return Err(StoreError::Offline);
+        }
         let now_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);

@@ -553,6 +553,7 @@ impl Fault {
 #[derive(Debug)]
 pub struct FaultProxy {
     port: u16,
+    upstream: Arc<Mutex<SocketAddr>>,
     fault: Arc<AtomicU8>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
@@ -567,14 +568,19 @@ impl FaultProxy {
         let fault = Arc::new(AtomicU8::new(Fault::Pass as u8));
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(Mutex::new(Vec::new()));
-        let (f, s, c) = (fault.clone(), stop.clone(), conns.clone());
+        let upstream = Arc::new(Mutex::new(upstream));
+        let (f, s, c, u) = (fault.clone(), stop.clone(), conns.clone(), upstream.clone());
         thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((client, _)) => {
                         let _ = client.set_nonblocking(false);
+                        let target = match u.lock() {
+                            Ok(addr) => *addr,
+                            Err(_) => break,
+                        };
                         let Ok(server) =
-                            TcpStream::connect_timeout(&upstream, Duration::from_secs(2))
+                            TcpStream::connect_timeout(&target, Duration::from_secs(2))
                         else {
                             let _ = client.shutdown(Shutdown::Both);
                             continue;
@@ -594,10 +600,19 @@ impl FaultProxy {
         });
         Ok(Self {
             port,
+            upstream,
             fault,
             stop,
             conns,
         })
+    }
+
+    /// Points new connections at another upstream (a virtual address moving to a promoted
+    /// replica); call [`FaultProxy::cut`] to move the open ones too.
+    pub fn set_upstream(&self, upstream: SocketAddr) {
+        if let Ok(mut u) = self.upstream.lock() {
+            *u = upstream;
+        }
     }
 
     /// The proxy's port on 127.0.0.1.

@@ -4,21 +4,13 @@
 
 use std::process::Command;
 
-fn simulate(store: &str, scenario: &str) -> serde_json::Value {
+/// Runs `leasehold simulate` with `args` plus a JSON report; returns the report.
+fn run(args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let (json, plot) = (dir.path().join("report.json"), dir.path().join("plot.svg"));
     let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .args([
-            "simulate",
-            "--duration",
-            "1.5",
-            "--agents",
-            "4",
-            "--store",
-            store,
-            "--scenario",
-            scenario,
-        ])
+        .arg("simulate")
+        .args(args)
         .arg("--json")
         .arg(&json)
         .arg("--plot")
@@ -34,6 +26,19 @@ fn simulate(store: &str, scenario: &str) -> serde_json::Value {
     print!("{stdout}");
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
     serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+}
+
+fn simulate(store: &str, scenario: &str) -> serde_json::Value {
+    run(&[
+        "--duration",
+        "1.5",
+        "--agents",
+        "4",
+        "--store",
+        store,
+        "--scenario",
+        scenario,
+    ])
 }
 
 fn check(report: &serde_json::Value) {
@@ -90,52 +95,19 @@ fn simulate_spawned_redis_zipf() {
 }
 
 #[test]
-fn simulate_refuses_bad_input_with_a_reason() {
-    for (args, want) in [
-        (vec!["--scenario", "nope"], "unknown scenario"),
-        (vec!["--store", "memcached://x"], "unknown store"),
-        (vec!["--duration", "0"], "--duration"),
-        (vec!["--compare", "envoy"], "--compare"),
-    ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-            .arg("simulate")
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(want), "{args:?}: {err}");
-    }
-}
-
-#[test]
 fn simulate_store_outage_follows_the_failure_policy() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .args([
-            "simulate",
-            "--scenario",
-            "redis-down",
-            "--store",
-            "embedded",
-            "--duration",
-            "2",
-            "--agents",
-            "2",
-        ])
-        .args(["--compare", "naive"])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r = run(&[
+        "--scenario",
+        "redis-down",
+        "--store",
+        "embedded",
+        "--duration",
+        "2",
+        "--agents",
+        "2",
+        "--compare",
+        "naive",
+    ]);
     let l = &r["systems"]["leasehold"];
     assert!(
         l["unavailable"].as_u64().unwrap() > 0,
@@ -147,34 +119,41 @@ fn simulate_store_outage_follows_the_failure_policy() {
 
 #[test]
 fn simulate_failover_promotes_the_replica_and_keeps_deciding() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = dir.path().join("report.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
-        .args([
-            "simulate",
-            "--scenario",
-            "failover",
-            "--duration",
-            "2",
-            "--agents",
-            "2",
-            "--compare",
-            "none",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let r = run(&[
+        "--scenario",
+        "failover",
+        "--duration",
+        "2",
+        "--agents",
+        "2",
+        "--compare",
+        "none",
+    ]);
     assert_eq!(r["store"], "spawn-replica");
     let l = &r["systems"]["leasehold"];
-    // Every decision after the promotion is decided too: the agents re-declare and go on.
+    // Decisions go on after the promotion: the agents re-declare what they hold.
     assert!(l["admitted"].as_u64().unwrap() > 0, "{l}");
-    println!("failover: {l}");
+}
+
+#[test]
+fn simulate_refuses_bad_input_with_a_reason() {
+    for (args, want) in [
+        (vec!["--scenario", "nope"], "unknown scenario"),
+        (vec!["--store", "memcached://x"], "unknown store"),
+        (vec!["--duration", "0"], "--duration"),
+        (vec!["--compare", "envoy"], "--compare"),
+        (
+            vec!["--scenario", "failover", "--store", "embedded"],
+            "promote-replica",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .arg("simulate")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }

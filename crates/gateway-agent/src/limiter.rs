@@ -690,18 +690,28 @@ impl Limiter {
             && cost != 0
             && cost <= ks.capacity.load(Ordering::Relaxed)
             && ks.hot.load(Ordering::Relaxed)
-            && let Spend::Spent { left } = ks.lease.try_spend(cost, self.now_ns())
+            && let Some(d) = self.spend_leased(ks, cost, self.now_ns())
         {
-            if left < ks.low_water.load(Ordering::Relaxed) {
-                self.request_prefetch(ks);
-            }
-            ks.counters.incr(Counter::AdmittedLease);
-            return Ok(Fast::Done(Decision::Allowed {
-                remaining: left,
-                via: Admission::Lease,
-            }));
+            return Ok(Fast::Done(d));
         }
         self.full(subject, rule, cost, &guard)
+    }
+
+    /// Takes `cost` from the key's lease; below the low-water mark, asks the background
+    /// task for more.
+    #[inline]
+    fn spend_leased(&self, ks: &Arc<KeyState>, cost: u64, now: u64) -> Option<Decision> {
+        let Spend::Spent { left } = ks.lease.try_spend(cost, now) else {
+            return None;
+        };
+        if left < ks.low_water.load(Ordering::Relaxed) {
+            self.request_prefetch(ks);
+        }
+        ks.counters.incr(Counter::AdmittedLease);
+        Some(Decision::Allowed {
+            remaining: left,
+            via: Admission::Lease,
+        })
     }
 
     /// Everything the hot path does not cover: validation, new keys, the negative cache.
@@ -731,18 +741,7 @@ impl Limiter {
         let now = self.now_ns();
         let keys = &self.inner.keys;
         if let Some(ks) = keys.get(&KeyRef { rule, subject }, guard) {
-            if ks.hot.load(Ordering::Relaxed)
-                && let Spend::Spent { left } = ks.lease.try_spend(cost, now)
-            {
-                if left < ks.low_water.load(Ordering::Relaxed) {
-                    self.request_prefetch(ks);
-                }
-                entry.counters.incr(Counter::AdmittedLease);
-                return Ok(Fast::Done(Decision::Allowed {
-                    remaining: left,
-                    via: Admission::Lease,
-                }));
-            }
+            // The hot path already tried the lease; only the negative cache is left.
             let until = ks.deny_until_ns.load(Ordering::Relaxed);
             if now < until {
                 entry.counters.incr(Counter::Denied);
@@ -811,15 +810,8 @@ impl Limiter {
         let hot = Self::is_hot(&ks, &entry);
         // Look again: a refill or a denial may have landed while we waited for the lock.
         let now = self.now_ns();
-        if hot && let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
-            if left < ks.low_water.load(Ordering::Relaxed) {
-                self.request_prefetch(&ks);
-            }
-            entry.counters.incr(Counter::AdmittedLease);
-            return Decision::Allowed {
-                remaining: left,
-                via: Admission::Lease,
-            };
+        if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
+            return d;
         }
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         if now < until {
@@ -833,14 +825,6 @@ impl Limiter {
             timeout_at(deadline, self.exact(&ks, &mut io, &entry, cost)).await
         };
         drop(io);
-        if let Ok(Ok(Decision::Allowed {
-            remaining,
-            via: Admission::Lease,
-        })) = outcome
-            && remaining < ks.low_water.load(Ordering::Relaxed)
-        {
-            self.request_prefetch(&ks);
-        }
         match outcome {
             Ok(Ok(d)) => {
                 if ks.in_emergency.swap(false, Ordering::AcqRel) {
@@ -868,7 +852,7 @@ impl Limiter {
 
     async fn lease_and_spend(
         &self,
-        ks: &KeyState,
+        ks: &Arc<KeyState>,
         io: &mut Io,
         entry: &RuleEntry,
         cost: u64,
@@ -876,13 +860,8 @@ impl Limiter {
         // Two rounds at most: other callers may spend the grant before we do.
         for _ in 0..2 {
             let reply = self.acquire(ks, io, entry, cost).await?;
-            let now = self.now_ns();
-            if let Spend::Spent { left } = ks.lease.try_spend(cost, now) {
-                entry.counters.incr(Counter::AdmittedLease);
-                return Ok(Decision::Allowed {
-                    remaining: left,
-                    via: Admission::Lease,
-                });
+            if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
+                return Ok(d);
             }
             if reply.granted == 0 {
                 break;

@@ -1,8 +1,20 @@
-//! The Leasehold coordinator: watches demand, sizes leases, reclaims unused ones and splits
-//! keys too hot for one shard. It is never on the hot path: agents keep every invariant
-//! without it.
+//! The Leasehold coordinator. It is never on the hot path: agents keep every invariant
+//! without it, and everything it knows is in Redis or reported by agents, so it can be
+//! restarted at any moment and several can run.
 //!
-//! Not built yet; see the coordinator issue. The crate exists so the workspace has the
-//! shape of the design and dependencies point one way (`coordinator` -> `gateway-agent` ->
-//! `lease-core`).
+//! # Layout
+//! - [`view`]: what one bucket holds, for an operator: tokens, outstanding, each agent's
+//!   holding, demand and share of the key's demand. Built from the bucket's own hash
+//!   (one key, no keyspace scan).
+//! - [`admin`]: the admin endpoint (health, Prometheus metrics, the JSON view of a key),
+//!   bound to loopback by default.
+//!
+//! Demand-aware lease sizing, reclaim and hot-key splitting are still to come; until
+//! then agents size their leases from their own measured demand.
 #![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod view;
+
+pub use admin::{Admin, serve};
+pub use view::{AgentView, KeyView, key_view};

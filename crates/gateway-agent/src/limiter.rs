@@ -42,6 +42,9 @@ use crate::store::{EmbeddedStore, Store};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// The averaging window of the demand an agent reports, ns.
+const REPORT_WINDOW_NS: f64 = 1e9;
+
 /// How often the shard map behind the breakers is read again.
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
 
@@ -417,6 +420,8 @@ impl papaya::Equivalent<KeyId> for KeyRef<'_> {
 struct Io {
     grant_ns: u64,
     last_want: u64,
+    /// Demand reported to the store, thousandths of a token per second.
+    reported_milli: f64,
     held_after_grant: u64,
     demand_milli: u64,
     cold_window_ns: u64,
@@ -897,6 +902,7 @@ impl Limiter {
         {
             let elapsed_ms = (now - io.cold_window_ns).max(1_000_000) / 1_000_000;
             io.demand_milli = io.cold_tokens * 1_000_000 / elapsed_ms;
+            io.reported_milli = io.demand_milli as f64;
             ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);
         }
@@ -928,9 +934,16 @@ impl Limiter {
         let held = ks.lease.declare(sent);
         if io.grant_ns != 0 && sent > io.grant_ns {
             let consumed = io.held_after_grant.saturating_sub(held);
-            let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(sent - io.grant_ns);
+            let dt = sent - io.grant_ns;
+            let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(dt);
             let rate = u64::try_from(rate).unwrap_or(u64::MAX);
+            // Sizing reacts to the rate since the last grant: a lease drained fast means
+            // the next one must be larger.
             io.demand_milli = io.demand_milli / 2 + rate / 2;
+            // What is reported (shares, emergency limits) is a time-weighted average over
+            // about a second: a burst spent in microseconds barely moves it.
+            let w = (dt as f64 / REPORT_WINDOW_NS).min(1.0);
+            io.reported_milli += (rate as f64 - io.reported_milli) * w;
         }
         let mut want = lease_request(
             &entry.rule,
@@ -953,7 +966,7 @@ impl Limiter {
                     held,
                     want: want.want,
                     min: want.min,
-                    demand: io.demand_milli,
+                    demand: io.reported_milli as u64,
                 },
             )
             .await?;
@@ -967,7 +980,8 @@ impl Limiter {
         io.seen_at_ns = now;
         ks.low_water
             .store(needed.max(want.want / 4).max(1), Ordering::Relaxed);
-        ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
+        ks.share_milli
+            .store(io.reported_milli as u64, Ordering::Relaxed);
         if reply.granted == 0 {
             ks.deny_until_ns
                 .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);

@@ -260,6 +260,38 @@ impl RedisStore {
         Ok(ranges)
     }
 
+    /// The hash of one bucket, as stored (empty when the key does not exist), its
+    /// remaining time to live in ms (-2 when absent), and the server time in µs: what an
+    /// operator's view of the key is built from. One key, no scan.
+    pub async fn bucket(
+        &self,
+        key: &BucketKey,
+    ) -> Result<(std::collections::HashMap<String, String>, i64, u64), StoreError> {
+        let mut hgetall = redis::cmd("HGETALL");
+        hgetall.arg(key.as_str());
+        let fields = self.conn.query(&hgetall).await.map_err(classify)?;
+        let fields = redis::from_redis_value(fields)
+            .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
+        let mut pttl = redis::cmd("PTTL");
+        pttl.arg(key.as_str());
+        let ttl: i64 = redis::from_redis_value(self.conn.query(&pttl).await.map_err(classify)?)
+            .map_err(|e| StoreError::Misconfigured(format!("PTTL {key}: {e}")))?;
+        let now = match self
+            .conn
+            .query(&redis::cmd("TIME"))
+            .await
+            .map_err(classify)?
+        {
+            Value::Array(v) if v.len() == 2 => {
+                let secs: u64 = redis::from_redis_value(v[0].clone()).unwrap_or(0);
+                let micros: u64 = redis::from_redis_value(v[1].clone()).unwrap_or(0);
+                secs * 1_000_000 + micros
+            }
+            other => return Err(StoreError::Misconfigured(format!("TIME replied {other:?}"))),
+        };
+        Ok((fields, ttl, now))
+    }
+
     /// Reads `maxmemory-policy`; bucket keys must not be evicted (a lost bucket resets
     /// its budget), so anything but `noeviction` or a `volatile-*` policy is a warning.
     pub async fn maxmemory_policy(&self) -> Result<String, StoreError> {

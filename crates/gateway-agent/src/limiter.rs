@@ -29,7 +29,7 @@ use arc_swap::ArcSwap;
 use lease_core::bucket::Level;
 use lease_core::key::{BucketKey, SubjectError};
 use lease_core::model::{AgentId, Op, Reply};
-use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule, RuleName};
+use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
 use lease_core::{Rate, Spend, lease_request};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
@@ -754,11 +754,7 @@ impl Limiter {
             }
             return Ok(Fast::Slow(ks.clone(), entry.clone()));
         }
-        let name = RuleName::new(rule).map_err(|_| UnknownRule {
-            name: rule.to_owned(),
-            known: String::new(),
-        })?;
-        let bucket = BucketKey::new(&name, subject)?;
+        let bucket = BucketKey::new(entry.rule.name(), subject)?;
         let ks = keys.get_or_insert_with(
             KeyId::new(rule, subject),
             || {
@@ -1283,18 +1279,18 @@ impl Limiter {
                 && now.saturating_sub(last_io) >= idle_after;
             let deadline = ks.lease.deadline_ns();
             if ks.hot.load(Ordering::Acquire) || held > 0 {
-                if idle && held > 0 {
+                if idle {
                     if entry.rule.leasing() == Leasing::Auto {
                         ks.hot.store(false, Ordering::Release);
                     }
-                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
-                    tokio::spawn(async move {
-                        let _io = io;
-                        let _ = this.release(&ks, &entry).await;
-                    });
-                } else if idle && entry.rule.leasing() == Leasing::Auto {
-                    ks.hot.store(false, Ordering::Release);
-                } else if !idle && held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
+                    if held > 0 {
+                        let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                        tokio::spawn(async move {
+                            let _io = io;
+                            let _ = this.release(&ks, &entry).await;
+                        });
+                    }
+                } else if held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
                     let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                     tokio::spawn(async move {
                         let mut io = io;

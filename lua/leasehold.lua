@@ -10,13 +10,20 @@
 -- written with %d because Redis would otherwise format them with 14 digits.
 --
 -- ARGV: capacity, rate_tokens, rate_period_us, lease_ttl_us, grace_us, max_outstanding
---       (0 = strict), agent (hex), seq, then per function:
+--       (0 = strict), agent (hex), seq, part_gen, part_until, part_tokens,
+--       part_outstanding, part_drop (all 0 unless the key is a part of a split bucket),
+--       then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
--- Reply: {granted, ttl_us, remaining, retry_us, now_us}
+--   lh_split: parts, salt, until_us
+-- Reply: {granted, ttl_us, remaining, retry_us, now_us, scale_ppm, moved,
+--         split_parts, split_salt, split_gen, split_until, split_tokens,
+--         split_outstanding, split_drop}
 
 local MAX = 9007199254740991
 local MAX_HELD = 1099511627776
 local MAX_UNITS = 4503599627370496
+local MAX_PARTS = 64
+local RESERVATION = '0000000000000000'
 
 local function fail(msg)
   error({err = msg})
@@ -61,6 +68,11 @@ local function params(args)
     maxout = int(args[6], 'max_outstanding', MAX),
     id = args[7],
     seq = int(args[8], 'seq', MAX),
+    pgen = int(args[9], 'part_gen', MAX),
+    puntil = int(args[10], 'part_until', MAX),
+    ptok = int(args[11], 'part_tokens', MAX),
+    pout = int(args[12], 'part_outstanding', MAX_HELD),
+    pdrop = int(args[13], 'part_drop', MAX),
   }
   if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
     fail('LH_ARG invalid bucket parameters: capacity ' .. tostring(args[1]) ..
@@ -115,25 +127,39 @@ local function decode(reply)
   return out
 end
 
+local function no_split()
+  return {parts = 0, salt = 0, gen = 0, untl = 0, tok = 0, out = 0, drop = 0}
+end
+
+local function fresh(p, now)
+  return {tok = p.cap, car = 0, p = p.per, ts = now, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
+          pg = 0, pu = 0, split = no_split()}
+end
+
 -- Loads the bucket and the agent's record; returns (state, record, now, replay).
 local function begin(key, p)
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local id = p.id
-  local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx',
+  local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
+    'sg', 'sk', 'ss', 'su', 'st', 'so', 'sm', 'pg', 'pu',
     id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d')
   local s
   if f[1] then
-    s = {tok = tonumber(f[1]), car = tonumber(f[2]), p = tonumber(f[3]), ts = tonumber(f[4]),
-         out = tonumber(f[5]), nexp = tonumber(f[6]), mx = tonumber(f[7])}
+    local function num(i) return tonumber(f[i] or '0') end
+    s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
+         mx = num(7), ds = num(8), sg = num(9), pg = num(16), pu = num(17),
+         split = {parts = num(10), salt = num(11), gen = num(9), untl = num(12), tok = num(13),
+                  out = num(14), drop = num(15)}}
+    if s.split.parts == 0 then s.split = no_split() end
   else
-    s = {tok = p.cap, car = 0, p = p.per, ts = server_now, out = 0, nexp = 0, mx = 0}
+    s = fresh(p, server_now)
   end
   local now = math.max(server_now, s.ts)
   local rec = nil
-  if f[1] and f[8] then
-    rec = {held = tonumber(f[8]), x = tonumber(f[9]), seq = tonumber(f[10]), reply = f[11],
-           demand = tonumber(f[12])}
+  if f[1] and f[18] then
+    rec = {held = tonumber(f[18]), x = tonumber(f[19]), seq = tonumber(f[20]), reply = f[21],
+           demand = tonumber(f[22])}
     if rec.x > now then
       if p.seq == rec.seq then
         return s, rec, now, decode(rec.reply)
@@ -153,11 +179,20 @@ local function advance(key, s, p, now, rec)
   if s.p ~= p.per then
     s.car, s.p = 0, p.per
   end
+  -- A split parent refills nothing during the term: its rate belongs to the parts.
+  if s.split.parts ~= 0 then
+    if now < s.split.untl then
+      s.ts = now
+    else
+      s.ts = math.max(s.ts, s.split.untl)
+      s.split = no_split()
+    end
+  end
   if s.nexp ~= 0 and now >= s.nexp then
     local all = redis.call('HGETALL', key)
     local recs = {}
     for i = 1, #all, 2 do
-      local aid, field = string.match(all[i], '^(%x+):([hx])$')
+      local aid, field = string.match(all[i], '^(%x+):([hxd])$')
       if aid then
         recs[aid] = recs[aid] or {}
         recs[aid][field] = tonumber(all[i + 1])
@@ -166,7 +201,7 @@ local function advance(key, s, p, now, rec)
     local expired, nexp, mx = {}, 0, 0
     for aid, r in pairs(recs) do
       if r.x <= now then
-        expired[#expired + 1] = {x = r.x, id = aid, h = r.h}
+        expired[#expired + 1] = {x = r.x, id = aid, h = r.h, d = r.d}
       else
         if nexp == 0 then nexp = r.x else nexp = math.min(nexp, r.x) end
         mx = math.max(mx, r.x)
@@ -179,6 +214,7 @@ local function advance(key, s, p, now, rec)
     for _, e in ipairs(expired) do
       refill_to(s, p, e.x)
       s.out = s.out - e.h
+      s.ds = s.ds - e.d
       redis.call('HDEL', key, e.id .. ':h', e.id .. ':x', e.id .. ':s', e.id .. ':r', e.id .. ':d')
       if e.id == p.id then rec = nil end
     end
@@ -189,102 +225,214 @@ local function advance(key, s, p, now, rec)
 end
 
 -- Stores the state and the agent's record, and sets the key to expire only once every
--- record is dropped and the bucket would be full again (I6).
+-- record is dropped, the split's term is over, and the bucket would be full again (I6).
 local function finish(key, s, p, now, rec, reply)
+  reply[8], reply[9], reply[10], reply[11] = s.split.parts, s.split.salt, s.split.gen, s.split.untl
+  reply[12], reply[13], reply[14] = s.split.tok, s.split.out, s.split.drop
+  reply[3] = s.tok
   local x = rec.x
   if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
   s.mx = math.max(s.mx, x)
   local id = p.id
-  local encoded = fmt(reply[1]) .. ',' .. fmt(reply[2]) .. ',' .. fmt(reply[3]) .. ',' ..
-    fmt(reply[4]) .. ',' .. fmt(reply[5])
+  local parts = {}
+  for i = 1, #reply do parts[i] = fmt(reply[i]) end
+  local encoded = table.concat(parts, ',')
   redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
-    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx),
+    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds),
     id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq), id .. ':r', encoded,
     id .. ':d', fmt(rec.demand))
-  local life = math.max(s.mx - now, 0) + time_until(s, p.cap, p)
+  if s.sg ~= 0 then redis.call('HSET', key, 'sg', fmt(s.sg)) end
+  if s.split.parts ~= 0 then
+    redis.call('HSET', key, 'sk', fmt(s.split.parts), 'ss', fmt(s.split.salt),
+      'su', fmt(s.split.untl), 'st', fmt(s.split.tok), 'so', fmt(s.split.out),
+      'sm', fmt(s.split.drop))
+  else
+    redis.call('HDEL', key, 'sk', 'ss', 'su', 'st', 'so', 'sm')
+  end
+  if s.pg ~= 0 then redis.call('HSET', key, 'pg', fmt(s.pg), 'pu', fmt(s.pu)) end
+  local busy = math.max(s.mx, s.split.untl)
+  local life = math.max(busy - now, 0) + time_until(s, p.cap, p)
   local at_ms = divmod(now + life, 1000) + 1
   redis.call('PEXPIREAT', key, fmt(at_ms))
   return reply
 end
 
+-- A part's first call of a newer split starts it from its seed: its share of the
+-- parent's tokens, and a reservation of its share of the parent's outstanding tokens
+-- until they drop. Whatever an older split left is void (that split's term is over).
+local function seed_part(key, s, p, now, rec)
+  if p.pgen == 0 then return s, rec end
+  if s.pg < p.pgen then
+    redis.call('DEL', key)
+    s = fresh(p, now)
+    s.pg, s.pu = p.pgen, p.puntil
+    if p.pout > 0 and p.pdrop > now then
+      s.out, s.nexp, s.mx = p.pout, p.pdrop, p.pdrop
+      local r = RESERVATION
+      redis.call('HSET', key, r .. ':h', fmt(p.pout), r .. ':x', fmt(p.pdrop), r .. ':s', '0',
+        r .. ':r', '0,0,0,0,0,0,0,0,0,0,0,0,0,0', r .. ':d', '0')
+    end
+    s.tok = p.ptok
+    clamp(s, p)
+    return s, nil
+  end
+  if s.pg == p.pgen then s.pu = math.max(s.pu, p.puntil) end
+  return s, rec
+end
+
+-- Common start of every operation: returns (state, record, now, moved, ttl) or a replay.
+local function open(key, p)
+  local s, rec, now, replay = begin(key, p)
+  if replay then return nil, nil, now, replay end
+  s, rec = seed_part(key, s, p, now, rec)
+  rec = advance(key, s, p, now, rec)
+  return s, rec, now, nil
+end
+
+local function where(s, p, now)
+  local moved = s.split.parts ~= 0 or (s.pg ~= 0 and now >= s.pu)
+  local ttl = p.ttl
+  if s.pg ~= 0 then ttl = math.min(ttl, math.max(s.pu - (now + p.grace), 0)) end
+  return moved, ttl
+end
+
+-- r / demand_sum in millionths, at most one (proportional share); floating point with
+-- the same operations as the model, so both round alike.
+local function scale_ppm(p, ds)
+  if ds == 0 then return 1000000 end
+  local x = (p.n * 1e15) / (p.per * ds)
+  if x > 1e6 then x = 1e6 end
+  return math.floor(x)
+end
+
+local function new_reply(now, moved)
+  local m = 0
+  if moved then m = 1 end
+  return {0, 0, 0, 0, now, 0, m, 0, 0, 0, 0, 0, 0, 0}
+end
+
 local function acquire(keys, args)
   local p = params(args)
-  local held = int(args[9], 'held', MAX_HELD)
-  local demand = int(args[12], 'demand', MAX)
-  local min = int(args[11], 'min', MAX)
-  local want = int(args[10], 'want', MAX)
+  local held = int(args[14], 'held', MAX_HELD)
+  local demand = int(args[17], 'demand', MAX)
+  local min = int(args[16], 'min', MAX)
+  local want = int(args[15], 'want', MAX)
   if min == 0 then fail('LH_ARG invalid argument min = 0') end
   if min > p.cap then
     fail('LH_CAPACITY ' .. fmt(min) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
   end
   if want < min or want > p.cap then fail('LH_ARG invalid argument want = ' .. fmt(want)) end
   local key = keys[1]
-  local s, rec, now, replay = begin(key, p)
+  local s, rec, now, replay = open(key, p)
   if replay then return replay end
-  rec = advance(key, s, p, now, rec)
+  local moved, ttl = where(s, p, now)
   local prior_held = rec and rec.held or 0
+  local prior_demand = rec and rec.demand or 0
   -- State-based report: the agent's own count replaces ours; declaring more than we
   -- knew (a grant lost in a failover) lowers the tokens instead of minting any.
   s.out = s.out - prior_held + held
+  s.ds = s.ds - prior_demand + demand
   clamp(s, p)
   local tok = s.tok
   local avail = tok
-  if p.maxout ~= 0 then avail = math.min(tok, math.max(p.maxout - s.out, 0)) end
+  if moved or ttl == 0 then
+    avail = 0
+  elseif p.maxout ~= 0 then
+    avail = math.min(tok, math.max(p.maxout - s.out, 0))
+  end
   local g = math.min(want, avail)
   if g < min then g = 0 end
   s.tok, s.out = s.tok - g, s.out + g
-  local retry = 0
+  local reply = new_reply(now, moved)
   if g == 0 then
-    local blocked = 0
-    if p.maxout ~= 0 and tok >= min then blocked = math.max(s.nexp - now, 0) end
-    retry = math.max(time_until(s, min, p), blocked, 1)
+    if moved then
+      reply[4] = 1
+    elseif ttl == 0 then
+      reply[4] = math.max(s.pu - now, 1)
+    else
+      local blocked = 0
+      if p.maxout ~= 0 and tok >= min then blocked = math.max(s.nexp - now, 0) end
+      reply[4] = math.max(time_until(s, min, p), blocked, 1)
+    end
   end
-  return finish(key, s, p, now,
-    {held = held + g, x = now + p.ttl + p.grace, demand = demand},
-    {g, p.ttl, s.tok, retry, now})
+  reply[1], reply[2], reply[6] = g, ttl, scale_ppm(p, s.ds)
+  return finish(key, s, p, now, {held = held + g, x = now + ttl + p.grace, demand = demand}, reply)
 end
 
 local function release(keys, args)
   local p = params(args)
-  local returned = int(args[9], 'returned', MAX_HELD)
+  local returned = int(args[14], 'returned', MAX_HELD)
   local key = keys[1]
-  local s, rec, now, replay = begin(key, p)
+  local s, rec, now, replay = open(key, p)
   if replay then return replay end
-  rec = advance(key, s, p, now, rec)
+  local moved = where(s, p, now)
   local prior_held = rec and rec.held or 0
   -- Credit no more than we know the agent held: returns cannot mint tokens.
   local credit = math.min(returned, prior_held)
   s.out = s.out - prior_held
+  s.ds = s.ds - (rec and rec.demand or 0)
   s.tok = s.tok + credit
   clamp(s, p)
-  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0},
-    {credit, 0, s.tok, 0, now})
+  local reply = new_reply(now, moved)
+  reply[1] = credit
+  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0}, reply)
+end
+
+-- The record of an operation that leaves the agent's holding and demand as they were.
+local function kept(rec, p, now)
+  local x = now + p.grace
+  if rec and rec.x > x then x = rec.x end
+  return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0}
 end
 
 local function exact(keys, args)
   local p = params(args)
-  local cost = int(args[9], 'cost', MAX)
+  local cost = int(args[14], 'cost', MAX)
   if cost == 0 then fail('LH_ARG invalid argument cost = 0') end
   if cost > p.cap then
     fail('LH_CAPACITY ' .. fmt(cost) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
   end
   local key = keys[1]
-  local s, rec, now, replay = begin(key, p)
+  local s, rec, now, replay = open(key, p)
   if replay then return replay end
-  rec = advance(key, s, p, now, rec)
-  local granted, retry = 0, 0
-  if s.tok >= cost then
-    s.tok, granted = s.tok - cost, cost
+  local moved = where(s, p, now)
+  local reply = new_reply(now, moved)
+  if moved then
+    reply[4] = 1
+  elseif s.tok >= cost then
+    s.tok, reply[1] = s.tok - cost, cost
   else
-    retry = time_until(s, cost, p)
+    reply[4] = time_until(s, cost, p)
   end
-  local x = now + p.grace
-  if rec and rec.x > x then x = rec.x end
-  return finish(key, s, p, now,
-    {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0},
-    {granted, 0, s.tok, retry, now})
+  return finish(key, s, p, now, kept(rec, p, now), reply)
+end
+
+local function split(keys, args)
+  local p = params(args)
+  local parts = int(args[14], 'parts', MAX)
+  if parts < 2 or parts > MAX_PARTS or parts > p.cap or p.pgen ~= 0 then
+    fail('LH_ARG invalid argument parts = ' .. fmt(parts))
+  end
+  local salt = int(args[15], 'salt', MAX)
+  local untl = int(args[16], 'until', MAX)
+  local key = keys[1]
+  local s, rec, now, replay = open(key, p)
+  if replay then return replay end
+  local moved = where(s, p, now)
+  if s.split.parts == 0 and untl > now then
+    -- Start: the parent's tokens go to the parts, its refill stops.
+    local gen = math.max(now, s.sg + 1)
+    s.split = {parts = parts, salt = salt, gen = gen, untl = untl, tok = s.tok, out = s.out,
+               drop = s.mx}
+    s.sg = gen
+    s.tok, s.car = 0, 0
+  elseif s.split.parts == parts and s.split.salt == salt then
+    s.split.untl = math.max(s.split.untl, untl)
+  end
+  return finish(key, s, p, now, kept(rec, p, now), new_reply(now, moved))
 end
 
 redis.register_function('lh_acquire', acquire)
 redis.register_function('lh_release', release)
 redis.register_function('lh_exact', exact)
+redis.register_function('lh_split', split)

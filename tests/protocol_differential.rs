@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use gateway_agent::StoreError;
 use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request};
+use lease_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request, Split};
 use lease_core::rule::{BucketParams, RuleName};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -65,26 +65,36 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     let rule = RuleName::new(case.name).expect("rule name");
     let key = BucketKey::new(&rule, format!("subject-{}", rng.random::<u32>())).expect("key");
     let mut model = GlobalBucket::new();
+    // Part 0 of the key, called with the split the parent last reported.
+    let part_key = key.part_of(0, 0);
+    let mut part_model = GlobalBucket::new();
+    let mut split: Option<Split> = None;
     let agents: Vec<AgentId> = (0..3).map(|_| AgentId(rng.random())).collect();
     let mut seqs = [0u64; 3];
     // A retry re-sends the original command: same request, same rule parameters.
-    let mut last: [Option<(Request, BucketParams)>; 3] = [None; 3];
+    let mut last: [Option<(Request, BucketParams, bool)>; 3] = [None; 3];
     let mut last_now = 0;
-    let (mut replays, mut stales, mut denials) = (0, 0, 0);
+    let (mut replays, mut stales, mut denials, mut splits, mut part_calls) = (0, 0, 0, 0, 0);
     for step in 0..steps() {
         let i = rng.random_range(0..agents.len());
         let roll = rng.random_range(0..100);
-        let (req, p) = match (roll, last[i]) {
+        let (req, p, on_part) = match (roll, last[i]) {
             (0..8, Some(prev)) => prev,
-            (8..12, Some((prev, p))) if prev.seq > 1 => (
+            (8..12, Some((prev, p, on_part))) if prev.seq > 1 => (
                 Request {
                     seq: prev.seq - 1,
                     ..prev
                 },
                 p,
+                on_part,
             ),
             _ => {
-                let p = case.params[rng.random_range(0..case.params.len())];
+                let parent = case.params[rng.random_range(0..case.params.len())];
+                let part = split
+                    .filter(|_| rng.random_range(0..3) == 0)
+                    .and_then(|s| s.part_params(&parent, 0));
+                let on_part = part.is_some();
+                let p = part.unwrap_or(parent);
                 seqs[i] += 1;
                 let cap = p.capacity;
                 let op = match rng.random_range(0..10) {
@@ -100,6 +110,11 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                     5..7 => Op::Release {
                         returned: rng.random_range(0..=cap),
                     },
+                    7 if !on_part && rng.random_range(0..4) == 0 => Op::Split {
+                        parts: rng.random_range(2..=3),
+                        salt: rng.random_range(0..2),
+                        until_us: last_now + rng.random_range(0..400_000),
+                    },
                     _ => Op::Exact {
                         cost: rng.random_range(1..=cap.min(10)),
                     },
@@ -111,8 +126,15 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                         op,
                     },
                     p,
+                    on_part,
                 )
             }
+        };
+        let (key, model) = if on_part {
+            part_calls += 1;
+            (&part_key, &mut part_model)
+        } else {
+            (&key, &mut model)
         };
         let ctx = format!("in case {} step {step}: {req:?} with {p:?}", case.name);
         match st.call(&key, &p, &req).await {
@@ -121,10 +143,15 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                     .apply(&p, reply.now_us, &req)
                     .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
                 assert_eq!(reply, expected, "reply differs {ctx}");
-                if last[i].is_some_and(|(prev, _)| prev.seq >= req.seq) {
+                if last[i].is_some_and(|(prev, _, _)| prev.seq >= req.seq) {
                     replays += 1;
                 }
-                if reply.granted == 0 && !matches!(req.op, Op::Release { .. }) {
+                if !on_part {
+                    split = Some(reply.split).filter(|s| s.parts != 0).or(split);
+                }
+                if matches!(req.op, Op::Split { .. }) {
+                    splits += 1;
+                } else if reply.granted == 0 && !matches!(req.op, Op::Release { .. }) {
                     denials += 1;
                     assert!(reply.retry_us > 0, "denial without retry time {ctx}");
                 }
@@ -141,10 +168,10 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
             }
             Err(e) => panic!("store error {e} {ctx}"),
         }
-        if last[i].is_none_or(|(prev, _)| req.seq > prev.seq) {
-            last[i] = Some((req, p));
+        if last[i].is_none_or(|(prev, _, _)| req.seq > prev.seq) {
+            last[i] = Some((req, p, on_part));
         }
-        check_same(server, &key, &model, &ctx);
+        check_same(server, key, model, &ctx);
         if rng.random_range(0..10) == 0 {
             tokio::time::sleep(Duration::from_millis(
                 rng.random_range(0..=case.max_pause_ms),
@@ -153,7 +180,8 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
         }
     }
     println!(
-        "case {}: {} steps, {replays} replays, {stales} stale, {denials} denials, tok={} out={}",
+        "case {}: {} steps, {replays} replays, {stales} stale, {denials} denials, \
+         {splits} splits, {part_calls} part calls, tok={} out={}",
         case.name,
         steps(),
         field(server, key.as_str(), "tok"),
@@ -259,12 +287,24 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
             &["00ab", "1", "x"],
             "LH_ARG invalid argument returned = x",
         ),
+        (
+            "lh_split",
+            &["00ab", "1", "1", "0", "5"],
+            "LH_ARG invalid argument parts = 1",
+        ),
+        (
+            "lh_split",
+            &["00ab", "1", "65", "0", "5"],
+            "LH_ARG invalid argument parts = 65",
+        ),
     ];
     let mut conn = server.connection().expect("connection");
     for (f, tail, want) in cases {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg(*f).arg(1).arg("lh:{t|bad}");
-        for a in base.iter().chain(tail.iter()) {
+        // Agent and seq, then the part seed (not a part), then the function's arguments.
+        let seed = ["0"; 5];
+        for a in base.iter().chain(&tail[..2]).chain(&seed).chain(&tail[2..]) {
             cmd.arg(*a);
         }
         let err = cmd
@@ -283,7 +323,7 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
     let mut cmd = redis::cmd("FCALL");
     cmd.arg("lh_exact").arg(1).arg("lh:{t|bad}");
     for a in [
-        "0", "1", "1000000", "1000000", "100000", "0", "00ab", "1", "1",
+        "0", "1", "1000000", "1000000", "100000", "0", "00ab", "1", "0", "0", "0", "0", "0", "1",
     ] {
         cmd.arg(a);
     }

@@ -319,7 +319,9 @@ pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
         Op::Acquire { .. } => "lh_acquire",
         Op::Release { .. } => "lh_release",
         Op::Exact { .. } => "lh_exact",
+        Op::Split { .. } => "lh_split",
     };
+    let seed = &p.part;
     let mut cmd = redis::cmd("FCALL");
     cmd.arg(function)
         .arg(1)
@@ -331,7 +333,12 @@ pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
         .arg(p.grace_us)
         .arg(p.max_outstanding)
         .arg(req.agent.to_string())
-        .arg(req.seq);
+        .arg(req.seq)
+        .arg(seed.gen_us)
+        .arg(seed.until_us)
+        .arg(seed.tokens)
+        .arg(seed.outstanding)
+        .arg(seed.drop_us);
     match req.op {
         Op::Acquire {
             held,
@@ -341,6 +348,11 @@ pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
         } => cmd.arg(held).arg(want).arg(min).arg(demand),
         Op::Release { returned } => cmd.arg(returned),
         Op::Exact { cost } => cmd.arg(cost),
+        Op::Split {
+            parts,
+            salt,
+            until_us,
+        } => cmd.arg(parts).arg(salt).arg(until_us),
     };
     cmd
 }
@@ -383,16 +395,10 @@ fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
     let v = v.map_err(classify)?;
     let nums: Vec<u64> = redis::from_redis_value(v.clone())
         .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
-    match nums[..] {
-        [granted, ttl_us, remaining, retry_us, now_us] => Ok(Reply {
-            granted,
-            ttl_us,
-            remaining,
-            retry_us,
-            now_us,
-        }),
-        _ => Err(StoreError::Misconfigured(format!(
-            "unexpected reply {nums:?}"
+    match <[u64; 14]>::try_from(nums) {
+        Ok(a) => Ok(Reply::from_array(a)),
+        Err(nums) => Err(StoreError::Misconfigured(format!(
+            "unexpected reply {nums:?}; is an older leasehold library loaded?"
         ))),
     }
 }

@@ -36,23 +36,10 @@ pub enum SubjectError {
 impl BucketKey {
     /// The key for `subject` under `rule`. Any bytes are accepted except an empty string.
     pub fn new(rule: &RuleName, subject: impl AsRef<[u8]>) -> Result<Self, SubjectError> {
-        Self::with_suffix(rule, subject.as_ref(), None)
+        Self::build(rule, subject.as_ref())
     }
 
-    /// The key of sub-bucket `part` of a split bucket: same subject, its own tag and slot.
-    pub fn part(
-        rule: &RuleName,
-        subject: impl AsRef<[u8]>,
-        part: u16,
-    ) -> Result<Self, SubjectError> {
-        Self::with_suffix(rule, subject.as_ref(), Some(part))
-    }
-
-    fn with_suffix(
-        rule: &RuleName,
-        subject: &[u8],
-        part: Option<u16>,
-    ) -> Result<Self, SubjectError> {
+    fn build(rule: &RuleName, subject: &[u8]) -> Result<Self, SubjectError> {
         if subject.is_empty() {
             return Err(SubjectError::Empty);
         }
@@ -71,11 +58,16 @@ impl BucketKey {
                 key.push_str(&format!("{b:02x}"));
             }
         }
-        if let Some(part) = part {
-            key.push_str(&format!("|{part}"));
-        }
         key.push('}');
         Ok(Self(key))
+    }
+
+    /// The key of sub-bucket `part` of this bucket when split with `salt`: the parent's
+    /// hash tag plus `|salt.part`, so each part has its own slot (the coordinator picks a
+    /// salt that puts the parts on distinct shards).
+    pub fn part_of(&self, salt: u64, part: u64) -> Self {
+        let tag_end = self.0.len() - 1;
+        Self(format!("{}|{salt}.{part}}}", &self.0[..tag_end]))
     }
 
     /// The key.
@@ -229,11 +221,15 @@ mod tests {
 
     #[test]
     fn parts_of_a_split_key_have_their_own_tags() {
-        let parts: Vec<_> = (0..3)
-            .map(|i| BucketKey::part(&rule(), "hot", i).unwrap())
-            .collect();
+        let parent = BucketKey::new(&rule(), "{hot}").unwrap();
+        let parts: Vec<_> = (0..3).map(|i| parent.part_of(7, i)).collect();
         assert_ne!(parts[0], parts[1]);
-        assert!(parts.iter().all(|k| k.as_str().ends_with('}')));
-        assert_ne!(parts[0], BucketKey::new(&rule(), "hot").unwrap());
+        assert_eq!(parts[2].as_str(), "lh:{api.write|%7Bhot%7D|7.2}");
+        assert!(
+            parts
+                .iter()
+                .all(|k| k.hash_tag().starts_with(parent.hash_tag()))
+        );
+        assert_ne!(parts[0].slot(), parts[1].slot());
     }
 }

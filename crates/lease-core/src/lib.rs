@@ -27,7 +27,9 @@ mod sync;
 pub use bucket::{Level, retry_after_secs};
 pub use key::{BucketKey, SubjectError};
 pub use lease::{LocalLease, Spend};
-pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request};
+pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request, Split};
 pub use rate::{MAX_EXACT, Rate, RateError};
-pub use rule::{BucketParams, FailurePolicy, Leasing, Mode, Rule, RuleError, RuleName, RuleSpec};
+pub use rule::{
+    BucketParams, FailurePolicy, Leasing, Mode, PartSeed, Rule, RuleError, RuleName, RuleSpec,
+};
 pub use sizing::{LeaseRequest, lease_request};

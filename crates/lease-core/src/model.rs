@@ -65,6 +65,92 @@ pub enum Op {
         /// Tokens the decision costs.
         cost: u64,
     },
+    /// Split the bucket into `parts` sub-buckets until `until_us` (server time), or extend
+    /// the split in force. The coordinator's operation; see [`Split`].
+    Split {
+        /// How many parts (2..=[`MAX_PARTS`]).
+        parts: u64,
+        /// Chooses the parts' keys (and so their slots).
+        salt: u64,
+        /// The end of the split's term, server µs.
+        until_us: u64,
+    },
+}
+
+/// The most parts a bucket may be split into.
+pub const MAX_PARTS: u64 = 64;
+
+/// The agent id that holds, in each part, the reservation of the parent's outstanding
+/// tokens (agents draw random non-zero ids).
+pub const RESERVATION: AgentId = AgentId(0);
+
+/// A split in force on a bucket too hot for one shard.
+///
+/// For its term the parent grants nothing and refills nothing: its rate and capacity
+/// move to `parts` sub-buckets (part `i` gets `B/k` and `r/k`, the remainders going to the
+/// first parts, so they sum to the parent's). The parent's tokens at the split are shared
+/// among the parts, and each part reserves its share of the parent's outstanding tokens
+/// until the parent's last lease record drops. So at every moment the parent's
+/// `tokens + outstanding` plus every part's is at most `B`, and the refill of all of them
+/// together is at most `r`: I1 bounds the whole. A part serves only until the term ends
+/// (its leases end by then too), and the parent resumes from then: merging needs no step
+/// that could overlap. The coordinator keeps extending the term while the key is hot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Split {
+    /// Number of parts; 0 = no split.
+    pub parts: u64,
+    /// Chooses the parts' keys (see [`crate::BucketKey::part_of`]).
+    pub salt: u64,
+    /// When the split began (server µs); identifies it.
+    pub gen_us: u64,
+    /// When its term ends (server µs).
+    pub until_us: u64,
+    /// The parent's tokens at the split.
+    pub tokens: u64,
+    /// The parent's outstanding tokens at the split.
+    pub outstanding: u64,
+    /// When the parent's last lease record drops.
+    pub drop_us: u64,
+}
+
+fn share(x: u64, k: u64, i: u64) -> u64 {
+    x / k + u64::from(i < x % k)
+}
+
+impl Split {
+    /// The parameters an agent sends to part `i` of a bucket with parameters `parent`;
+    /// `None` when the part's rate or size cannot be represented exactly.
+    pub fn part_params(&self, parent: &BucketParams, i: u64) -> Option<BucketParams> {
+        let k = self.parts;
+        if k < 2 || i >= k || parent.capacity < k {
+            return None;
+        }
+        let tokens = std::num::NonZeroU64::new(parent.rate.tokens())?;
+        let period = parent.rate.period_us().checked_mul(k)?;
+        let rate = crate::Rate::new(tokens, std::time::Duration::from_micros(period)).ok()?;
+        let capacity = share(parent.capacity, k, i);
+        let units = u128::from(capacity) * u128::from(rate.period_us()) + u128::from(rate.tokens());
+        if units > u128::from(crate::rule::MAX_BUCKET_UNITS) {
+            return None;
+        }
+        Some(BucketParams {
+            capacity,
+            rate,
+            max_outstanding: if parent.max_outstanding == 0 {
+                0
+            } else {
+                share(parent.max_outstanding, k, i).max(1)
+            },
+            part: crate::rule::PartSeed {
+                gen_us: self.gen_us,
+                until_us: self.until_us,
+                tokens: share(self.tokens, k, i),
+                outstanding: share(self.outstanding, k, i),
+                drop_us: self.drop_us,
+            },
+            ..*parent
+        })
+    }
 }
 
 /// An operation from one agent, with its idempotency key `(agent, seq)`.
@@ -91,15 +177,64 @@ pub struct Reply {
     pub retry_us: u64,
     /// The server time the operation used, µs.
     pub now_us: u64,
+    /// Acquire: the fraction of its demand each agent may have, in millionths: `r / Σ
+    /// demand` over the agents holding records, at most 1 000 000 (proportional share).
+    pub scale_ppm: u64,
+    /// 1 when this bucket is not the one to use now (a parent during a split, or a part
+    /// whose term is over): nothing was granted, ask the parent.
+    pub moved: u64,
+    /// The split in force on this (parent) bucket, if any.
+    pub split: Split,
 }
 
 impl Reply {
-    /// The stored form: `granted,ttl,remaining,retry,now`.
+    /// The reply as the Lua functions return it: 14 integers.
+    pub fn to_array(&self) -> [u64; 14] {
+        let s = &self.split;
+        [
+            self.granted,
+            self.ttl_us,
+            self.remaining,
+            self.retry_us,
+            self.now_us,
+            self.scale_ppm,
+            self.moved,
+            s.parts,
+            s.salt,
+            s.gen_us,
+            s.until_us,
+            s.tokens,
+            s.outstanding,
+            s.drop_us,
+        ]
+    }
+
+    /// The inverse of [`Reply::to_array`].
+    pub fn from_array(a: [u64; 14]) -> Self {
+        Self {
+            granted: a[0],
+            ttl_us: a[1],
+            remaining: a[2],
+            retry_us: a[3],
+            now_us: a[4],
+            scale_ppm: a[5],
+            moved: a[6],
+            split: Split {
+                parts: a[7],
+                salt: a[8],
+                gen_us: a[9],
+                until_us: a[10],
+                tokens: a[11],
+                outstanding: a[12],
+                drop_us: a[13],
+            },
+        }
+    }
+
+    /// The stored form: the array, comma separated.
     pub fn encode(&self) -> String {
-        format!(
-            "{},{},{},{},{}",
-            self.granted, self.ttl_us, self.remaining, self.retry_us, self.now_us
-        )
+        let a = self.to_array().map(|v| v.to_string());
+        a.join(",")
     }
 }
 
@@ -164,6 +299,16 @@ pub struct BucketState {
     pub last_drop_us: u64,
     /// Agent records.
     pub agents: BTreeMap<AgentId, AgentRecord>,
+    /// Sum of the records' demand.
+    pub demand_sum: u64,
+    /// The split in force (parent).
+    pub split: Split,
+    /// The start of the latest split, kept after it ends so the next one differs.
+    pub last_split_us: u64,
+    /// The split this bucket is a part of (0: none), and the end of its term.
+    pub part_gen_us: u64,
+    /// The end of the term this part serves.
+    pub part_until_us: u64,
     /// Redis key expiry, ms (PEXPIREAT).
     pub expire_at_ms: u64,
 }
@@ -215,9 +360,27 @@ fn check_amount(what: &'static str, value: u64, capacity: u64) -> Result<(), Pro
     Ok(())
 }
 
+/// `r / demand_sum` in millionths, at most one: the proportional share of every agent.
+/// Computed in floating point with the same operations as the Lua, so both round alike;
+/// it only guides lease sizes.
+fn scale_ppm(p: &BucketParams, demand_sum: u64) -> u64 {
+    if demand_sum == 0 {
+        return 1_000_000;
+    }
+    let rate_milli_scaled = p.rate.tokens() as f64 * 1e15;
+    let x = rate_milli_scaled / (p.rate.period_us() as f64 * demand_sum as f64);
+    x.min(1e6).floor() as u64
+}
+
 /// Validates what the Lua validates, in the same order.
 pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
     check("seq", req.seq, MAX_EXACT)?;
+    let seed = &p.part;
+    check("part_gen", seed.gen_us, MAX_EXACT)?;
+    check("part_until", seed.until_us, MAX_EXACT)?;
+    check("part_tokens", seed.tokens, MAX_EXACT)?;
+    check("part_outstanding", seed.outstanding, MAX_HELD)?;
+    check("part_drop", seed.drop_us, MAX_EXACT)?;
     match req.op {
         Op::Acquire {
             held,
@@ -237,6 +400,20 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
         Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
+        Op::Split {
+            parts,
+            salt,
+            until_us,
+        } => {
+            if !(2..=MAX_PARTS).contains(&parts) || parts > p.capacity || seed.gen_us != 0 {
+                return Err(ProtocolError::InvalidArgument {
+                    what: "parts",
+                    value: parts,
+                });
+            }
+            check("salt", salt, MAX_EXACT)?;
+            check("until", until_us, MAX_EXACT)?;
+        }
     }
     Ok(())
 }
@@ -251,8 +428,43 @@ impl BucketState {
             next_drop_us: 0,
             last_drop_us: 0,
             agents: BTreeMap::new(),
+            demand_sum: 0,
+            split: Split::default(),
+            last_split_us: 0,
+            part_gen_us: 0,
+            part_until_us: 0,
             expire_at_ms: 0,
         }
+    }
+
+    /// A part starting a new split: its share of the parent's tokens, and a reservation
+    /// of its share of the parent's outstanding tokens until they drop.
+    fn seeded(p: &BucketParams, now_us: u64) -> Self {
+        let seed = &p.part;
+        let mut s = Self::fresh(p, now_us);
+        s.part_gen_us = seed.gen_us;
+        s.part_until_us = seed.until_us;
+        if seed.outstanding > 0 && seed.drop_us > now_us {
+            s.outstanding = seed.outstanding;
+            s.next_drop_us = seed.drop_us;
+            s.last_drop_us = seed.drop_us;
+            s.agents.insert(
+                RESERVATION,
+                AgentRecord {
+                    held: seed.outstanding,
+                    drop_us: seed.drop_us,
+                    seq: 0,
+                    reply: Reply::default(),
+                    demand: 0,
+                },
+            );
+        }
+        s.level = Level {
+            tokens: seed.tokens,
+            carry: 0,
+        };
+        s.clamp(p);
+        s
     }
 
     fn refill_to(&mut self, p: &BucketParams, t: u64) {
@@ -271,6 +483,15 @@ impl BucketState {
             self.level.carry = 0;
             self.period_us = p.rate.period_us();
         }
+        // A split parent refills nothing during the term: its rate belongs to the parts.
+        if self.split.parts != 0 {
+            if now < self.split.until_us {
+                self.updated_us = now;
+            } else {
+                self.updated_us = self.updated_us.max(self.split.until_us);
+                self.split = Split::default();
+            }
+        }
         if self.next_drop_us != 0 && now >= self.next_drop_us {
             let mut expired: Vec<(u64, AgentId)> = self
                 .agents
@@ -283,6 +504,7 @@ impl BucketState {
                 self.refill_to(p, at);
                 if let Some(r) = self.agents.remove(&id) {
                     self.outstanding -= r.held;
+                    self.demand_sum -= r.demand;
                 }
             }
             self.next_drop_us = self.agents.values().map(|r| r.drop_us).min().unwrap_or(0);
@@ -338,10 +560,35 @@ impl GlobalBucket {
                 });
             }
         }
+        let seed = &p.part;
+        if seed.gen_us != 0 {
+            // A part: the first call of a newer split starts it from its seed (whatever
+            // an older split left is void: that split's term is over); later calls may
+            // carry a longer term.
+            if s.part_gen_us < seed.gen_us {
+                s = BucketState::seeded(p, now);
+            } else if s.part_gen_us == seed.gen_us {
+                s.part_until_us = s.part_until_us.max(seed.until_us);
+            }
+        }
         s.advance(p, now);
         let prior = s.agents.get(&req.agent).cloned();
         let prior_held = prior.as_ref().map_or(0, |r| r.held);
-        let reply;
+        let prior_demand = prior.as_ref().map_or(0, |r| r.demand);
+        // Where this bucket stands: a split parent and a part past its term serve nothing
+        // (`moved`); a part's leases end with its term.
+        let moved = s.split.parts != 0 || (s.part_gen_us != 0 && now >= s.part_until_us);
+        let ttl_us = if s.part_gen_us != 0 {
+            p.lease_ttl_us
+                .min(s.part_until_us.saturating_sub(now + p.grace_us))
+        } else {
+            p.lease_ttl_us
+        };
+        let mut reply = Reply {
+            now_us: now,
+            moved: u64::from(moved),
+            ..Reply::default()
+        };
         let record;
         match req.op {
             Op::Acquire {
@@ -353,9 +600,12 @@ impl GlobalBucket {
                 // State-based report: the agent's own count replaces ours. Declaring more
                 // than we knew (after a failover lost a grant) lowers the tokens instead.
                 s.outstanding = s.outstanding - prior_held + held;
+                s.demand_sum = s.demand_sum - prior_demand + demand;
                 s.clamp(p);
                 let tok = s.level.tokens;
-                let avail = if p.max_outstanding == 0 {
+                let avail = if moved || ttl_us == 0 {
+                    0
+                } else if p.max_outstanding == 0 {
                     tok
                 } else {
                     tok.min(p.max_outstanding.saturating_sub(s.outstanding))
@@ -367,8 +617,12 @@ impl GlobalBucket {
                 };
                 s.level = s.level.take(g);
                 s.outstanding += g;
-                let retry_us = if g > 0 {
+                reply.retry_us = if g > 0 {
                     0
+                } else if moved {
+                    1
+                } else if ttl_us == 0 {
+                    s.part_until_us.saturating_sub(now).max(1)
                 } else {
                     let blocked = if p.max_outstanding != 0 && tok >= min {
                         s.next_drop_us.saturating_sub(now)
@@ -377,16 +631,12 @@ impl GlobalBucket {
                     };
                     s.level.time_until(min, p.rate).max(blocked).max(1)
                 };
-                reply = Reply {
-                    granted: g,
-                    ttl_us: p.lease_ttl_us,
-                    remaining: s.level.tokens,
-                    retry_us,
-                    now_us: now,
-                };
+                reply.granted = g;
+                reply.ttl_us = ttl_us;
+                reply.scale_ppm = scale_ppm(p, s.demand_sum);
                 record = AgentRecord {
                     held: held + g,
-                    drop_us: now + p.lease_ttl_us + p.grace_us,
+                    drop_us: now + ttl_us + p.grace_us,
                     seq: req.seq,
                     reply,
                     demand,
@@ -396,15 +646,10 @@ impl GlobalBucket {
                 // Credit no more than we know the agent held: returns cannot mint tokens.
                 let credit = returned.min(prior_held);
                 s.outstanding -= prior_held;
+                s.demand_sum -= prior_demand;
                 s.level.tokens += credit;
                 s.clamp(p);
-                reply = Reply {
-                    granted: credit,
-                    ttl_us: 0,
-                    remaining: s.level.tokens,
-                    retry_us: 0,
-                    now_us: now,
-                };
+                reply.granted = credit;
                 record = AgentRecord {
                     held: 0,
                     drop_us: now + p.grace_us,
@@ -414,19 +659,14 @@ impl GlobalBucket {
                 };
             }
             Op::Exact { cost } => {
-                let (granted, retry_us) = if s.level.tokens >= cost {
+                if moved {
+                    reply.retry_us = 1;
+                } else if s.level.tokens >= cost {
                     s.level = s.level.take(cost);
-                    (cost, 0)
+                    reply.granted = cost;
                 } else {
-                    (0, s.level.time_until(cost, p.rate))
-                };
-                reply = Reply {
-                    granted,
-                    ttl_us: 0,
-                    remaining: s.level.tokens,
-                    retry_us,
-                    now_us: now,
-                };
+                    reply.retry_us = s.level.time_until(cost, p.rate);
+                }
                 record = AgentRecord {
                     held: prior_held,
                     drop_us: prior
@@ -435,10 +675,46 @@ impl GlobalBucket {
                         .max(now + p.grace_us),
                     seq: req.seq,
                     reply,
-                    demand: prior.as_ref().map_or(0, |r| r.demand),
+                    demand: prior_demand,
+                };
+            }
+            Op::Split {
+                parts,
+                salt,
+                until_us,
+            } => {
+                if s.split.parts == 0 && until_us > now {
+                    // Start: the parent's tokens go to the parts, its refill stops.
+                    let gen_us = now.max(s.last_split_us + 1);
+                    s.split = Split {
+                        parts,
+                        salt,
+                        gen_us,
+                        until_us,
+                        tokens: s.level.tokens,
+                        outstanding: s.outstanding,
+                        drop_us: s.last_drop_us,
+                    };
+                    s.last_split_us = gen_us;
+                    s.level = Level::default();
+                } else if s.split.parts == parts && s.split.salt == salt {
+                    s.split.until_us = s.split.until_us.max(until_us);
+                }
+                record = AgentRecord {
+                    held: prior_held,
+                    drop_us: prior
+                        .as_ref()
+                        .map_or(0, |r| r.drop_us)
+                        .max(now + p.grace_us),
+                    seq: req.seq,
+                    reply,
+                    demand: prior_demand,
                 };
             }
         }
+        reply.split = s.split;
+        reply.remaining = s.level.tokens;
+        let record = AgentRecord { reply, ..record };
         let x = record.drop_us;
         s.next_drop_us = if s.next_drop_us == 0 {
             x
@@ -447,7 +723,10 @@ impl GlobalBucket {
         };
         s.last_drop_us = s.last_drop_us.max(x);
         s.agents.insert(req.agent, record);
-        let life = s.last_drop_us.saturating_sub(now) + s.level.time_until(p.capacity, p.rate);
+        // The key lives until every record is dropped, the split's term is over, and the
+        // bucket would be full again (I6).
+        let busy_until = s.last_drop_us.max(s.split.until_us);
+        let life = busy_until.saturating_sub(now) + s.level.time_until(p.capacity, p.rate);
         s.expire_at_ms = (now + life) / 1000 + 1;
         self.state = Some(s);
         Ok(reply)
@@ -489,8 +768,26 @@ impl GlobalBucket {
             ("out", s.outstanding),
             ("nexp", s.next_drop_us),
             ("mx", s.last_drop_us),
+            ("ds", s.demand_sum),
         ] {
             f.insert(k.to_owned(), v.to_string());
+        }
+        let sp = &s.split;
+        let optional = [
+            ("sg", s.last_split_us, s.last_split_us != 0),
+            ("sk", sp.parts, sp.parts != 0),
+            ("ss", sp.salt, sp.parts != 0),
+            ("su", sp.until_us, sp.parts != 0),
+            ("st", sp.tokens, sp.parts != 0),
+            ("so", sp.outstanding, sp.parts != 0),
+            ("sm", sp.drop_us, sp.parts != 0),
+            ("pg", s.part_gen_us, s.part_gen_us != 0),
+            ("pu", s.part_until_us, s.part_gen_us != 0),
+        ];
+        for (k, v, present) in optional {
+            if present {
+                f.insert(k.to_owned(), v.to_string());
+            }
         }
         for (id, r) in &s.agents {
             f.insert(format!("{id}:h"), r.held.to_string());
@@ -648,5 +945,100 @@ mod tests {
         // The key expires only once full again: 1.1 s + 10 s.
         let s = b.state().unwrap();
         assert_eq!(s.expire_at_ms, (T0 + 11_100_000) / 1000 + 1);
+    }
+
+    /// I1 across a split: the parent's `tokens + outstanding` plus every part's never
+    /// exceeds B, from the split through the parts' term to the parent's resumption.
+    #[test]
+    fn a_split_never_holds_more_than_the_parent_could() {
+        let p = params(100, "50/s");
+        let mut parent = GlobalBucket::new();
+        // Agent 1 holds 30, 70 left in the bucket.
+        parent.apply(&p, T0, &acquire(1, 1, 0, 30)).unwrap();
+        let req = |seq, until_us| Request {
+            agent: AgentId(9),
+            seq,
+            op: Op::Split {
+                parts: 3,
+                salt: 0,
+                until_us,
+            },
+        };
+        let r = parent.apply(&p, T0 + 10, &req(1, T0 + 5_000_000)).unwrap();
+        let split = r.split;
+        assert_eq!((split.parts, split.tokens, split.outstanding), (3, 70, 30));
+        // The parent now grants nothing and says where to go.
+        let r = parent.apply(&p, T0 + 20, &acquire(2, 1, 0, 5)).unwrap();
+        assert_eq!((r.granted, r.moved), (0, 1));
+        let part_params: Vec<BucketParams> =
+            (0..3).map(|i| split.part_params(&p, i).unwrap()).collect();
+        assert_eq!(part_params.iter().map(|q| q.capacity).sum::<u64>(), 100);
+        let mut parts: Vec<GlobalBucket> = (0..3).map(|_| GlobalBucket::new()).collect();
+        let total = |parent: &GlobalBucket, parts: &[GlobalBucket], t: u64| {
+            let v = parent.view_at(&p, t);
+            let mut sum = v.level.tokens + v.outstanding;
+            for (b, q) in parts.iter().zip(&part_params) {
+                if b.state().is_some() {
+                    let v = b.view_at(q, t);
+                    // The reservation stands for the parent's outstanding tokens, already
+                    // counted in the parent.
+                    let reserved = b.state().unwrap().agents.get(&RESERVATION);
+                    let reserved = reserved.filter(|r| r.drop_us > t).map_or(0, |r| r.held);
+                    // A part's tokens are dead once its term is over.
+                    let usable = if t < split.until_us {
+                        v.level.tokens
+                    } else {
+                        0
+                    };
+                    sum += usable + v.outstanding - reserved;
+                }
+            }
+            sum
+        };
+        for step in 0..60u64 {
+            let t = T0 + 100 + step * 100_000;
+            for (i, (b, q)) in parts.iter_mut().zip(&part_params).enumerate() {
+                let r = b
+                    .apply(q, t, &acquire(10 + i as u64, step + 1, 0, 2))
+                    .unwrap();
+                if t + p.grace_us < T0 + 5_000_000 {
+                    assert_eq!(r.moved, 0);
+                }
+            }
+            assert!(total(&parent, &parts, t) <= 100, "over B at step {step}");
+        }
+        // Past the term: parts refuse, the parent serves again and refills from then.
+        let r = parts[0]
+            .apply(&part_params[0], T0 + 6_100_000, &acquire(10, 100, 0, 1))
+            .unwrap();
+        assert_eq!((r.granted, r.moved), (0, 1));
+        let r = parent
+            .apply(&p, T0 + 6_000_000, &acquire(2, 2, 0, 5))
+            .unwrap();
+        assert_eq!((r.moved, r.split.parts), (0, 0));
+        assert!(r.granted > 0);
+    }
+
+    #[test]
+    fn scale_is_the_rate_over_the_sum_of_demands() {
+        let p = params(1000, "100/s");
+        let mut b = GlobalBucket::new();
+        let ask = |agent, demand| Request {
+            agent: AgentId(agent),
+            seq: 1,
+            op: Op::Acquire {
+                held: 0,
+                want: 1,
+                min: 1,
+                demand,
+            },
+        };
+        // 50 tokens/s of demand: under the rate, everyone gets all it asks for.
+        let r = b.apply(&p, T0, &ask(1, 50_000)).unwrap();
+        assert_eq!(r.scale_ppm, 1_000_000);
+        // 400/s in all: each agent may have a quarter of its demand.
+        let r = b.apply(&p, T0, &ask(2, 350_000)).unwrap();
+        assert_eq!(r.scale_ppm, 250_000);
+        assert_eq!(b.state().unwrap().demand_sum, 400_000);
     }
 }

@@ -214,6 +214,26 @@ pub struct BucketParams {
     pub grace_us: u64,
     /// 0 in strict mode; the cap on outstanding tokens in relaxed mode.
     pub max_outstanding: u64,
+    /// Set when the bucket is one part of a split bucket (see [`crate::model::Split`]).
+    pub part: PartSeed,
+}
+
+/// What a part of a split bucket starts from, carried by every call to it so the part
+/// needs nothing from its parent: its share of the parent's tokens, and a reservation of
+/// its share of the parent's outstanding tokens until the parent's last lease ends. All
+/// zero for a bucket that is not a part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PartSeed {
+    /// The split this part belongs to (its start, server µs); 0 = not a part.
+    pub gen_us: u64,
+    /// The end of the split's term as the caller knows it; the part serves until then.
+    pub until_us: u64,
+    /// The part's share of the parent's tokens at the split.
+    pub tokens: u64,
+    /// The part's share of the parent's outstanding tokens at the split.
+    pub outstanding: u64,
+    /// When the parent's last lease record drops.
+    pub drop_us: u64,
 }
 
 const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
@@ -462,6 +482,7 @@ impl Rule {
                 Mode::Strict => 0,
                 Mode::Relaxed { max_outstanding } => max_outstanding.get(),
             },
+            part: PartSeed::default(),
         }
     }
 }

@@ -137,7 +137,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
             (&key, &mut model)
         };
         let ctx = format!("in case {} step {step}: {req:?} with {p:?}", case.name);
-        match st.call(&key, &p, &req).await {
+        match st.call(key, &p, &req).await {
             Ok(reply) => {
                 let expected = model
                     .apply(&p, reply.now_us, &req)

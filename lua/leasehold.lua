@@ -296,10 +296,11 @@ local function where(s, p, now)
   return moved, ttl
 end
 
--- r / demand_sum in millionths, at most one (proportional share); floating point with
--- the same operations as the model, so both round alike.
-local function scale_ppm(p, ds)
-  if ds == 0 then return 1000000 end
+-- r / demand_sum in millionths, at most one (proportional share; whole for an agent
+-- alone with demand); floating point with the same operations as the model, so both
+-- round alike.
+local function scale_ppm(p, ds, demand)
+  if ds <= demand then return 1000000 end
   local x = (p.n * 1e15) / (p.per * ds)
   if x > 1e6 then x = 1e6 end
   return math.floor(x)
@@ -355,7 +356,7 @@ local function acquire(keys, args)
       reply[4] = math.max(time_until(s, min, p), blocked, 1)
     end
   end
-  reply[1], reply[2], reply[6] = g, ttl, scale_ppm(p, s.ds)
+  reply[1], reply[2], reply[6] = g, ttl, scale_ppm(p, s.ds, demand)
   return finish(key, s, p, now, {held = held + g, x = now + ttl + p.grace, demand = demand}, reply)
 end
 

@@ -70,9 +70,11 @@ pub enum Counter {
     LeaseGrants,
     /// Releases sent.
     LeaseReturns,
+    /// Releases of tokens the agent was not spending, or held beyond its share.
+    Reclaims,
 }
 
-const KINDS: usize = 13;
+const KINDS: usize = 14;
 
 /// The counters of one rule.
 #[derive(Debug)]
@@ -135,6 +137,7 @@ impl RuleCounters {
             lease_tokens_returned: self.get(LeaseTokensReturned),
             lease_grants: self.get(LeaseGrants),
             lease_returns: self.get(LeaseReturns),
+            reclaims: self.get(Reclaims),
         }
     }
 
@@ -170,6 +173,7 @@ impl RuleCounters {
             ),
             ("leasehold_lease_grants_total", s.lease_grants),
             ("leasehold_lease_returns_total", s.lease_returns),
+            ("leasehold_reclaims_total", s.reclaims),
         ] {
             metrics::counter!(name, "rule" => rule.clone()).absolute(v);
         }
@@ -205,6 +209,8 @@ pub struct RuleStats {
     pub lease_grants: u64,
     /// [`Counter::LeaseReturns`].
     pub lease_returns: u64,
+    /// [`Counter::Reclaims`].
+    pub reclaims: u64,
 }
 
 impl RuleStats {

@@ -8,6 +8,7 @@
 //!   handling; [`breaker`]: circuit breakers and bulkheads per shard.
 //! - [`store`]: Redis or the embedded store; [`counters`]: sharded hot-path counters.
 //! - [`http`]: the tower `Layer` that answers 429 and 503.
+//! - [`report`]: what agents report to the coordinator every second.
 //!
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ pub mod counters;
 pub mod http;
 pub mod limiter;
 pub mod redis_store;
+pub mod report;
 pub mod rules;
 pub mod store;
 

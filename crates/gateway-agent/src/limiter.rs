@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 use lease_core::bucket::Level;
 use lease_core::key::{BucketKey, SubjectError};
-use lease_core::model::{AgentId, Op, Reply};
+use lease_core::model::{AgentId, Op, Reply, Split};
 use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
 use lease_core::{Rate, Spend, lease_request};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
@@ -148,6 +148,10 @@ pub struct LimiterConfig {
     /// A leased key whose lease saw no spending for this long returns its tokens and
     /// becomes cold again (capped at half the lease lifetime).
     pub idle_after: Duration,
+    /// A lease that saw no spending for this long returns its tokens (the key stays
+    /// leased), so budget stranded with an agent whose demand moved elsewhere is back in
+    /// the bucket within about this long (capped at `idle_after`).
+    pub return_after: Duration,
     /// A cold key with no activity for this long is forgotten (memory released).
     pub forget_after: Duration,
     /// A lease covers about this much of the key's local demand.
@@ -170,6 +174,7 @@ impl Default for LimiterConfig {
         Self {
             hot_above_per_sec: 20,
             idle_after: Duration::from_secs(2),
+            return_after: Duration::from_millis(500),
             forget_after: Duration::from_secs(30),
             horizon: lease_core::sizing::DEFAULT_HORIZON,
             margin: Duration::from_millis(50),
@@ -285,7 +290,8 @@ impl LimiterBuilder {
         let (tx, rx) = mpsc::channel(4096);
         let clock = quanta::Clock::new();
         let inner = Arc::new(Inner {
-            agent: AgentId(self.agent.unwrap_or_else(rand::random)),
+            // Id 0 is the store's reservation in the parts of a split bucket.
+            agent: AgentId(self.agent.unwrap_or_else(rand::random).max(1)),
             seq: AtomicU64::new(0),
             store,
             rules: ArcSwap::from_pointee(RuleTable::new(&rules, None)),
@@ -428,7 +434,42 @@ struct Io {
     cold_tokens: u64,
     seen_held: u64,
     seen_at_ns: u64,
+    /// The proportional share the store last reported, millionths (0: none yet).
+    scale_ppm: u64,
+    /// The key's denied tokens when demand was last measured.
+    denied_seen: u64,
+    /// Where calls go while the bucket is split.
+    route: Option<Route>,
+    /// Totals the coordinator's accounting reads: tokens leased in, tokens that left the
+    /// lease unspent (returned or forfeited), tokens admitted by exact calls, store calls.
+    granted_total: u64,
+    unspent_total: u64,
+    exact_total: u64,
+    calls_total: u64,
 }
+
+impl Io {
+    /// Tokens admitted against the bucket so far (the lease's spent tokens and exact
+    /// admissions), given what the lease holds now.
+    fn admitted(&self, held: u64) -> u64 {
+        (self.granted_total + self.exact_total).saturating_sub(self.unspent_total + held)
+    }
+}
+
+/// The part of a split bucket this agent uses, as the parent last described the split.
+#[derive(Debug)]
+struct Route {
+    split: Split,
+    key: BucketKey,
+    params: BucketParams,
+    /// When the split was read: local clock (ns) and server time (µs).
+    seen_ns: u64,
+    seen_server_us: u64,
+}
+
+/// A route whose term ends within this long is read again from the parent (at most once
+/// a second), so a term the coordinator extends is followed without a gap.
+const ROUTE_REFRESH_US: u64 = 10_000_000;
 
 #[derive(Debug)]
 struct Emergency {
@@ -454,6 +495,8 @@ struct KeyState {
     bucket: BucketKey,
     slot: u16,
     deny_until_ns: AtomicU64,
+    /// Tokens denied on this key (offered demand = spent + denied).
+    denied_tokens: AtomicU64,
     share_milli: AtomicU64,
     last_io_ns: AtomicU64,
     io: Arc<AsyncMutex<Io>>,
@@ -750,6 +793,7 @@ impl Limiter {
             let until = ks.deny_until_ns.load(Ordering::Relaxed);
             if now < until {
                 entry.counters.incr(Counter::Denied);
+                ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return Ok(Fast::Done(denied(until - now)));
             }
             return Ok(Fast::Slow(ks.clone(), entry.clone()));
@@ -767,6 +811,7 @@ impl Limiter {
                     lease: lease_core::LocalLease::new(),
                     hot: AtomicBool::new(entry.rule.leasing() == Leasing::Lease),
                     deny_until_ns: AtomicU64::new(0),
+                    denied_tokens: AtomicU64::new(0),
                     low_water: AtomicU64::new(1),
                     prefetching: AtomicBool::new(false),
                     share_milli: AtomicU64::new(0),
@@ -817,6 +862,7 @@ impl Limiter {
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         if now < until {
             entry.counters.incr(Counter::Denied);
+            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
             return denied(until - now);
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
@@ -869,6 +915,7 @@ impl Limiter {
             }
         }
         entry.counters.incr(Counter::Denied);
+        ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         Ok(denied(if now < until {
@@ -885,7 +932,7 @@ impl Limiter {
         entry: &RuleEntry,
         cost: u64,
     ) -> Result<Decision, CallError> {
-        let reply = self.call(ks, entry, Op::Exact { cost }).await?;
+        let reply = self.call(ks, io, entry, Op::Exact { cost }).await?;
         let now = self.now_ns();
         // Promotion: a cold key used faster than the threshold starts leasing.
         if now.saturating_sub(io.cold_window_ns) >= 1_000_000_000 {
@@ -903,6 +950,7 @@ impl Limiter {
             ks.hot.store(true, Ordering::Release);
         }
         if reply.granted == cost {
+            io.exact_total += cost;
             entry.counters.incr(Counter::AdmittedExact);
             Ok(Decision::Allowed {
                 remaining: reply.remaining,
@@ -912,6 +960,7 @@ impl Limiter {
             let wait = reply.retry_us.max(1) * 1000;
             ks.deny_until_ns.store(now + wait, Ordering::Release);
             entry.counters.incr(Counter::Denied);
+            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
             Ok(denied(wait))
         }
     }
@@ -927,9 +976,14 @@ impl Limiter {
         needed: u64,
     ) -> Result<Reply, CallError> {
         let sent = self.now_ns();
-        let held = ks.lease.declare(sent);
+        let (held, forfeited) = ks.lease.declare_counting(sent);
+        io.unspent_total += forfeited;
+        let denied = ks.denied_tokens.load(Ordering::Relaxed);
+        let denied_since = denied - io.denied_seen;
+        io.denied_seen = denied;
         if io.grant_ns != 0 && sent > io.grant_ns {
-            let consumed = io.held_after_grant.saturating_sub(held);
+            // Offered demand: what was spent from the lease and what was denied.
+            let consumed = io.held_after_grant.saturating_sub(held + forfeited) + denied_since;
             let dt = sent - io.grant_ns;
             let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(dt);
             let rate = u64::try_from(rate).unwrap_or(u64::MAX);
@@ -941,9 +995,19 @@ impl Limiter {
             let w = (dt as f64 / REPORT_WINDOW_NS).min(1.0);
             io.reported_milli += (rate as f64 - io.reported_milli) * w;
         }
+        // Proportional share: under contention every agent leases the same fraction of
+        // its demand, r / (sum of demands), as the store computed it.
+        let scale = if io.scale_ppm == 0 {
+            1_000_000
+        } else {
+            io.scale_ppm
+        };
+        let sizing_demand =
+            u64::try_from(u128::from(io.demand_milli) * u128::from(scale) / 1_000_000)
+                .unwrap_or(u64::MAX);
         let mut want = lease_request(
             &entry.rule,
-            io.demand_milli,
+            sizing_demand,
             self.inner.config.horizon,
             needed,
         );
@@ -957,6 +1021,7 @@ impl Limiter {
         let reply = self
             .call(
                 ks,
+                io,
                 entry,
                 Op::Acquire {
                     held,
@@ -969,6 +1034,10 @@ impl Limiter {
         let ttl_ns = reply.ttl_us * 1000;
         let margin = (self.inner.config.margin.as_nanos() as u64).min(ttl_ns / 4);
         ks.lease.grant(reply.granted, sent + ttl_ns - margin);
+        io.granted_total += reply.granted;
+        if reply.scale_ppm != 0 {
+            io.scale_ppm = reply.scale_ppm;
+        }
         let now = self.now_ns();
         io.grant_ns = now;
         io.held_after_grant = ks.lease.held();
@@ -991,15 +1060,24 @@ impl Limiter {
         Ok(reply)
     }
 
-    async fn release(&self, ks: &KeyState, entry: &RuleEntry) -> Result<(), CallError> {
+    async fn release(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+    ) -> Result<(), CallError> {
         let now = self.now_ns();
         let expired = now >= ks.lease.deadline_ns();
         let returned = ks.lease.take_all();
+        io.unspent_total += returned;
         // An expired lease is forfeited: the store may already have dropped the record.
         if returned == 0 || expired {
             return Ok(());
         }
-        let reply = self.call(ks, entry, Op::Release { returned }).await?;
+        let (key, params) = target(ks, io, entry);
+        let reply = self
+            .send(ks, entry, key, params, &Op::Release { returned })
+            .await?;
         entry.counters.incr(Counter::LeaseReturns);
         entry
             .counters
@@ -1007,10 +1085,88 @@ impl Limiter {
         Ok(())
     }
 
+    /// An acquire or exact call to wherever the key's bucket is now: its own key, or the
+    /// part of a split this agent uses. A reply saying the bucket moved (the parent is
+    /// split, or the part's term is over) switches the route, after returning what the
+    /// lease holds to the bucket that leased it, and the call is sent again.
+    async fn call(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+        mut op: Op,
+    ) -> Result<Reply, CallError> {
+        let now = self.now_ns();
+        if io.route.as_ref().is_some_and(|r| {
+            let server_now = r.seen_server_us + now.saturating_sub(r.seen_ns) / 1000;
+            r.split.until_us.saturating_sub(server_now) < ROUTE_REFRESH_US
+                && now.saturating_sub(r.seen_ns) > 1_000_000_000
+        }) {
+            self.switch(ks, io, entry, None, &mut op).await?;
+        }
+        let mut hops = 0;
+        loop {
+            io.calls_total += 1;
+            let (key, params) = target(ks, io, entry);
+            let reply = self.send(ks, entry, key, params, &op).await?;
+            if reply.moved == 0 || hops == 2 {
+                return Ok(reply);
+            }
+            hops += 1;
+            let next = if io.route.is_some() {
+                None
+            } else {
+                let split = reply.split;
+                let part = self.inner.agent.0 % split.parts.max(1);
+                match split.part_params(&entry.params, part) {
+                    Some(params) => Some(Route {
+                        split,
+                        key: ks.bucket.part_of(split.salt, part),
+                        params,
+                        seen_ns: self.now_ns(),
+                        seen_server_us: reply.now_us,
+                    }),
+                    None => {
+                        tracing::warn!(key = %ks.bucket, parts = split.parts, "split cannot be represented exactly; waiting for its end");
+                        return Ok(reply);
+                    }
+                }
+            };
+            self.switch(ks, io, entry, next, &mut op).await?;
+        }
+    }
+
+    /// Moves the key to another bucket (a part, or back to its own key): what the lease
+    /// holds goes back to the bucket that leased it, and `op` declares an empty lease.
+    async fn switch(
+        &self,
+        ks: &KeyState,
+        io: &mut Io,
+        entry: &RuleEntry,
+        next: Option<Route>,
+        op: &mut Op,
+    ) -> Result<(), CallError> {
+        self.release(ks, io, entry).await?;
+        io.route = next;
+        io.last_want = 0;
+        if let Op::Acquire { held, .. } = op {
+            *held = 0;
+        }
+        Ok(())
+    }
+
     /// One store call through the key's breaker. Retries of a call whose outcome is
     /// unknown reuse its sequence number, so the store applies it at most once (I2).
-    async fn call(&self, ks: &KeyState, entry: &RuleEntry, op: Op) -> Result<Reply, CallError> {
-        let breaker = self.inner.breakers.for_slot(ks.slot);
+    async fn send(
+        &self,
+        ks: &KeyState,
+        entry: &RuleEntry,
+        key: &BucketKey,
+        params: &BucketParams,
+        op: &Op,
+    ) -> Result<Reply, CallError> {
+        let op = *op;
+        let breaker = self.inner.breakers.for_slot(key.slot());
         let _permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
         let req = lease_core::Request {
             agent: self.inner.agent,
@@ -1022,7 +1178,7 @@ impl Limiter {
         let mut attempt = 0;
         loop {
             entry.counters.incr(Counter::StoreCalls);
-            match self.inner.store.call(&ks.bucket, &entry.params, &req).await {
+            match self.inner.store.call(key, params, &req).await {
                 Ok(reply) => {
                     breaker.success();
                     return Ok(reply);
@@ -1141,8 +1297,8 @@ impl Limiter {
         let rules = self.inner.rules.load_full();
         for ks in keys {
             if let Ok(entry) = rules.get(&ks.rule) {
-                let _io = ks.io.lock().await;
-                let _ = self.release(&ks, entry).await;
+                let mut io = ks.io.lock().await;
+                let _ = self.release(&ks, &mut io, entry).await;
             }
         }
     }
@@ -1150,6 +1306,18 @@ impl Limiter {
     /// The rule parameters the store receives for `rule`.
     pub fn bucket_params(&self, rule: &str) -> Result<BucketParams, UnknownRule> {
         Ok(self.inner.rules.load().get(rule)?.params)
+    }
+}
+
+/// The bucket calls for `ks` go to now, with the parameters to send.
+fn target<'a>(
+    ks: &'a KeyState,
+    io: &'a Io,
+    entry: &'a RuleEntry,
+) -> (&'a BucketKey, &'a BucketParams) {
+    match &io.route {
+        Some(r) => (&r.key, &r.params),
+        None => (&ks.bucket, &entry.params),
     }
 }
 
@@ -1184,7 +1352,13 @@ async fn background(
         return;
     };
     let mut sweep = tokio::time::interval(sweep_every);
-    let mut publish = tokio::time::interval(Duration::from_secs(1));
+    // Metrics and the coordinator's report, on the whole seconds of the wall clock so
+    // every agent's report covers the same second.
+    let mut publish = tokio::time::interval_at(
+        Instant::now() + Duration::from_millis(1000 - wall_ms() % 1000),
+        Duration::from_secs(1),
+    );
+    publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut topology = tokio::time::interval(TOPOLOGY_EVERY);
     topology.tick().await;
     let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
@@ -1207,6 +1381,9 @@ async fn background(
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
+                if matches!(inner.store, Store::Redis(_)) {
+                    tokio::spawn(report(Limiter { inner }));
+                }
             }
             _ = topology.tick() => {
                 let Some(inner) = inner.upgrade() else { return };
@@ -1235,6 +1412,56 @@ async fn background(
                 }
             }
         }
+    }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Writes this agent's report for the coordinator (see [`crate::report`]): running
+/// totals of the buckets it used recently.
+async fn report(limiter: Limiter) {
+    use crate::report::{KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report};
+    let Store::Redis(store) = &limiter.inner.store else {
+        return;
+    };
+    let at_ms = wall_ms();
+    let now = limiter.now_ns();
+    let mut keys: Vec<(u64, Arc<KeyState>)> = {
+        let guard = limiter.inner.keys.guard();
+        limiter
+            .inner
+            .keys
+            .iter(&guard)
+            .map(|(_, ks)| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
+            .filter(|(last, ks)| {
+                ks.lease.held() > 0 || now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000
+            })
+            .collect()
+    };
+    keys.sort_unstable_by_key(|(last, _)| std::cmp::Reverse(*last));
+    keys.truncate(MAX_KEYS_PER_REPORT);
+    let mut lines = Vec::with_capacity(keys.len());
+    for (_, ks) in keys {
+        let io = ks.io.lock().await;
+        if io.calls_total == 0 {
+            continue;
+        }
+        let held = ks.lease.held();
+        let totals = KeyReport {
+            admitted: io.admitted(held),
+            calls: io.calls_total,
+            demand_milli: io.reported_milli as u64,
+            held,
+        };
+        lines.push((ks.bucket.as_str().to_owned(), totals));
+    }
+    let text = Report::encode(at_ms, lines.iter().map(|(k, r)| (k.as_str(), *r)));
+    if let Err(e) = store.report(limiter.inner.agent, at_ms, &text).await {
+        tracing::debug!(error = %e, "report to the coordinator failed");
     }
 }
 
@@ -1278,6 +1505,17 @@ impl Limiter {
             let idle = now.saturating_sub(io.seen_at_ns) >= idle_after
                 && now.saturating_sub(last_io) >= idle_after;
             let deadline = ks.lease.deadline_ns();
+            let unspent_for = now.saturating_sub(io.seen_at_ns);
+            let return_after = (inner.config.return_after.as_nanos() as u64).min(idle_after);
+            // The lease this agent's share of a contended key justifies (no limit when the
+            // key is not contended).
+            let fair = if io.scale_ppm == 0 || io.scale_ppm >= 1_000_000 {
+                u64::MAX / 4
+            } else {
+                let share = io.reported_milli as u64 / 1_000_000 * io.scale_ppm
+                    + io.reported_milli as u64 % 1_000_000 * io.scale_ppm / 1_000_000;
+                lease_request(&entry.rule, share, inner.config.horizon, 0).want
+            };
             if ks.hot.load(Ordering::Acquire) || held > 0 {
                 if idle {
                     if entry.rule.leasing() == Leasing::Auto {
@@ -1286,10 +1524,20 @@ impl Limiter {
                     if held > 0 {
                         let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                         tokio::spawn(async move {
-                            let _io = io;
-                            let _ = this.release(&ks, &entry).await;
+                            let mut io = io;
+                            let _ = this.release(&ks, &mut io, &entry).await;
                         });
                     }
+                } else if held > 0 && (unspent_for >= return_after || held > 2 * fair + 1) {
+                    // Reclaim: tokens this agent is not spending, or more than its share
+                    // of a contended key, go back where other agents can lease them.
+                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                    tokio::spawn(async move {
+                        let mut io = io;
+                        if this.release(&ks, &mut io, &entry).await.is_ok() {
+                            entry.counters.incr(Counter::Reclaims);
+                        }
+                    });
                 } else if held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
                     let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                     tokio::spawn(async move {

@@ -225,6 +225,37 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(limit))?
     }
 
+    /// Runs one plain command (agent reports, the coordinator's reads), bounded by the
+    /// call timeout.
+    pub async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        let limit = self.config.call_timeout;
+        let v = tokio::time::timeout(limit, self.conn.query(cmd))
+            .await
+            .map_err(|_| StoreError::Timeout(limit))?
+            .map_err(classify)?;
+        redis::from_redis_value(v.clone())
+            .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))
+    }
+
+    /// Replaces `agent`'s report (see [`crate::report`]) and scores it live at `at_ms`.
+    pub async fn report(
+        &self,
+        agent: lease_core::model::AgentId,
+        at_ms: u64,
+        text: &str,
+    ) -> Result<(), StoreError> {
+        use crate::report::{AGENTS_KEY, REPORT_TTL_MS, report_key};
+        let mut set = redis::cmd("SET");
+        set.arg(report_key(agent))
+            .arg(text)
+            .arg("PX")
+            .arg(REPORT_TTL_MS);
+        self.query::<()>(&set).await?;
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(AGENTS_KEY).arg(at_ms).arg(agent.to_string());
+        self.query::<i64>(&zadd).await.map(drop)
+    }
+
     /// The slot ranges of the store's primaries, named `host:port`: one range covering
     /// every slot for a single Redis, `CLUSTER SLOTS` for a cluster.
     pub async fn shards(&self) -> Result<Vec<crate::breaker::ShardRange>, StoreError> {

@@ -87,12 +87,16 @@ impl LocalLease {
     /// is live, else 0 after forfeiting the expired tokens (they may no longer be spent,
     /// and the store may already have forgotten them).
     pub fn declare(&self, now_ns: u64) -> u64 {
+        self.declare_counting(now_ns).0
+    }
+
+    /// [`LocalLease::declare`], also saying how many expired tokens were forfeited.
+    pub fn declare_counting(&self, now_ns: u64) -> (u64, u64) {
         self.epoch.fetch_add(1, Ordering::AcqRel);
         if now_ns >= self.deadline_ns() {
-            self.tokens.swap(0, Ordering::AcqRel);
-            0
+            (0, self.tokens.swap(0, Ordering::AcqRel))
         } else {
-            self.held()
+            (self.held(), 0)
         }
     }
 

@@ -178,7 +178,8 @@ pub struct Reply {
     /// The server time the operation used, µs.
     pub now_us: u64,
     /// Acquire: the fraction of its demand each agent may have, in millionths: `r / Σ
-    /// demand` over the agents holding records, at most 1 000 000 (proportional share).
+    /// demand` over the agents holding records, at most 1 000 000 (proportional share;
+    /// 1 000 000 for an agent alone with demand).
     pub scale_ppm: u64,
     /// 1 when this bucket is not the one to use now (a parent during a split, or a part
     /// whose term is over): nothing was granted, ask the parent.
@@ -361,10 +362,11 @@ fn check_amount(what: &'static str, value: u64, capacity: u64) -> Result<(), Pro
 }
 
 /// `r / demand_sum` in millionths, at most one: the proportional share of every agent.
+/// An agent alone with demand has the whole bucket.
 /// Computed in floating point with the same operations as the Lua, so both round alike;
 /// it only guides lease sizes.
-fn scale_ppm(p: &BucketParams, demand_sum: u64) -> u64 {
-    if demand_sum == 0 {
+fn scale_ppm(p: &BucketParams, demand_sum: u64, demand: u64) -> u64 {
+    if demand_sum <= demand {
         return 1_000_000;
     }
     let rate_milli_scaled = p.rate.tokens() as f64 * 1e15;
@@ -633,7 +635,7 @@ impl GlobalBucket {
                 };
                 reply.granted = g;
                 reply.ttl_us = ttl_us;
-                reply.scale_ppm = scale_ppm(p, s.demand_sum);
+                reply.scale_ppm = scale_ppm(p, s.demand_sum, demand);
                 record = AgentRecord {
                     held: held + g,
                     drop_us: now + ttl_us + p.grace_us,

@@ -23,19 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Serves the coordinator's admin endpoint: health, metrics and a JSON view of any
-    /// bucket (`GET /keys/RULE/SUBJECT`).
-    Coordinator {
-        /// The Redis holding the buckets (redis://HOST:PORT).
-        #[arg(long)]
-        redis: String,
-        /// The rules file the agents use.
-        #[arg(long)]
-        config: PathBuf,
-        /// Where to serve (keep it on loopback unless fronted).
-        #[arg(long, default_value = "127.0.0.1:9470")]
-        listen: std::net::SocketAddr,
-    },
+    /// Runs the coordinator: accounting of admitted tokens against each key's bound,
+    /// hot-key splitting, and the admin endpoint (health, metrics, JSON views of keys).
+    Coordinator(leasehold::coordinator::cli::Args),
     /// Runs agents against a global store under a workload and reports Leasehold, the
     /// naive per-request Lua bucket and governor side by side.
     Simulate {
@@ -80,11 +70,7 @@ enum Command {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::CheckConfig { file } => check_config(&file),
-        Command::Coordinator {
-            redis,
-            config,
-            listen,
-        } => coordinator(&redis, &config, listen),
+        Command::Coordinator(args) => coordinator(args),
         Command::Simulate {
             scenario,
             scenario_file,
@@ -162,34 +148,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn coordinator(redis: &str, config: &PathBuf, listen: std::net::SocketAddr) -> ExitCode {
-    let rules = match Rules::from_file(config) {
-        Ok(r) => r,
-        Err(e) => return fail(&e.to_string()),
-    };
+fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => return fail(&format!("tokio runtime: {e}")),
     };
-    let served = rt.block_on(async {
-        let store = leasehold::agent::RedisStore::connect(redis, Default::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .map_err(|e| format!("listen {listen}: {e}"))?;
-        println!(
-            "coordinator admin endpoint on http://{}",
-            listener.local_addr().map_err(|e| e.to_string())?
-        );
-        let admin = leasehold::coordinator::Admin::new(store, rules);
-        leasehold::coordinator::serve(listener, admin, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .map_err(|e| e.to_string())
-    });
-    match served {
+    let done = rt.block_on(leasehold::coordinator::cli::run(args, async {
+        let _ = tokio::signal::ctrl_c().await;
+    }));
+    match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),
     }

@@ -1,4 +1,5 @@
-//! The admin endpoint: `GET /health`, `GET /metrics` (Prometheus), and
+//! The admin endpoint: `GET /health`, `GET /metrics` (Prometheus), `GET /keys` (the
+//! keys agents report, hottest first, with their accounting and split state) and
 //! `GET /keys/{rule}/{subject}` (the JSON [`KeyView`](crate::KeyView) of one bucket).
 //! It only reads, so any number of coordinators can serve it.
 
@@ -15,7 +16,10 @@ use lease_core::key::BucketKey;
 use lease_core::rule::RuleName;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
+use crate::service::Snapshot;
 use crate::view::key_view;
+
+type Shared = Arc<parking_lot::RwLock<Snapshot>>;
 
 /// What the admin endpoint serves from.
 #[derive(Clone)]
@@ -23,6 +27,7 @@ pub struct Admin {
     store: RedisStore,
     rules: Arc<Rules>,
     prometheus: PrometheusHandle,
+    snapshot: Option<Shared>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -47,7 +52,14 @@ impl Admin {
             store,
             rules: Arc::new(rules),
             prometheus,
+            snapshot: None,
         }
+    }
+
+    /// Also serves what a running coordinator knows (accounting, splits).
+    pub fn with_snapshot(mut self, snapshot: Shared) -> Self {
+        self.snapshot = Some(snapshot);
+        self
     }
 
     /// The routes.
@@ -55,6 +67,7 @@ impl Admin {
         Router::new()
             .route("/health", get(|| async { "ok\n" }))
             .route("/metrics", get(metrics_text))
+            .route("/keys", get(keys))
             .route("/keys/{rule}/{subject}", get(key))
             .with_state(self)
     }
@@ -96,7 +109,36 @@ async fn key(
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
     match admin.store.bucket(&key).await {
-        Ok((fields, pttl, now)) => Json(key_view(&key, &found, &fields, pttl, now)).into_response(),
+        Ok((fields, pttl, now)) => {
+            let mut view = key_view(&key, &found, &fields, pttl, now);
+            if let Some(snap) = &admin.snapshot {
+                view.accounting = snap.read().keys.get(key.as_str()).map(|s| s.stats.clone());
+            }
+            Json(view).into_response()
+        }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
+}
+
+/// The keys agents report, by store calls per second (at most 1000), with the
+/// coordinator's state.
+async fn keys(State(admin): State<Admin>) -> Response {
+    let Some(snap) = &admin.snapshot else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this endpoint serves no coordinator".to_owned(),
+        );
+    };
+    let snap = snap.read();
+    let mut keys: Vec<_> = snap.keys.values().collect();
+    keys.sort_by(|a, b| b.stats.calls_per_sec.total_cmp(&a.stats.calls_per_sec));
+    keys.truncate(1000);
+    Json(serde_json::json!({
+        "leader": snap.leader,
+        "agents": snap.agents,
+        "at_ms": snap.at_ms,
+        "splits_started": snap.splits_started,
+        "keys": keys,
+    }))
+    .into_response()
 }

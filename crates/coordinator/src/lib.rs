@@ -13,8 +13,13 @@
 //! then agents size their leases from their own measured demand.
 #![forbid(unsafe_code)]
 
+pub mod accounting;
 pub mod admin;
+pub mod cli;
+pub mod plan;
+pub mod service;
 pub mod view;
 
 pub use admin::{Admin, serve};
-pub use view::{AgentView, KeyView, key_view};
+pub use service::{Coordinator, CoordinatorConfig, KeyStatus, Snapshot};
+pub use view::{AgentView, KeyView, SplitView, key_view};

@@ -49,8 +49,35 @@ pub struct KeyView {
     pub expires_in_ms: Option<i64>,
     /// The agents, by id.
     pub agents: Vec<AgentView>,
-    /// Sub-buckets of a split key; none until splitting exists.
-    pub split: Option<Vec<String>>,
+    /// The split in force, if any.
+    pub split: Option<SplitView>,
+    /// The coordinator's accounting of the key (admitted, calls, overshoot), when it has
+    /// seen agents report it.
+    pub accounting: Option<crate::accounting::KeyStats>,
+}
+
+/// A split as the admin endpoint shows it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SplitView {
+    /// Number of parts.
+    pub parts: u64,
+    /// The parts' keys.
+    pub keys: Vec<String>,
+    /// Milliseconds until the term ends unless extended.
+    pub ends_in_ms: i64,
+}
+
+impl SplitView {
+    /// The view of a split of `key` with `parts` and `salt` ending at `until_us`.
+    pub fn new(key: &BucketKey, parts: u64, salt: u64, until_us: u64, now_us: u64) -> Self {
+        Self {
+            parts,
+            keys: (0..parts)
+                .map(|i| key.part_of(salt, i).as_str().to_owned())
+                .collect(),
+            ends_in_ms: (until_us as i64 - now_us as i64) / 1000,
+        }
+    }
 }
 
 fn num(fields: &HashMap<String, String>, name: &str) -> u64 {
@@ -121,7 +148,16 @@ pub fn key_view(
         updated_us: num(fields, "ts"),
         expires_in_ms: (pttl_ms >= 0).then_some(pttl_ms),
         agents,
-        split: None,
+        split: (num(fields, "sk") != 0 && num(fields, "su") > now_us).then(|| {
+            SplitView::new(
+                key,
+                num(fields, "sk"),
+                num(fields, "ss"),
+                num(fields, "su"),
+                now_us,
+            )
+        }),
+        accounting: None,
     }
 }
 

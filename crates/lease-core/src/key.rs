@@ -70,6 +70,19 @@ impl BucketKey {
         Self(format!("{}|{salt}.{part}}}", &self.0[..tag_end]))
     }
 
+    /// A key as stored (in an agent's report, say), with its rule; `None` unless it has
+    /// the shape [`BucketKey::new`] gives (parts of split buckets are not accepted).
+    pub fn parse(text: &str) -> Option<(Self, RuleName)> {
+        let tag = text.strip_prefix("lh:{")?.strip_suffix('}')?;
+        let (rule, subject) = tag.split_once('|')?;
+        let safe = |c: char| c.is_ascii_graphic() && !matches!(c, '{' | '}' | '|');
+        if subject.is_empty() || subject.len() > MAX_INLINE || !subject.chars().all(safe) {
+            return None;
+        }
+        let rule = RuleName::new(rule).ok()?;
+        Some((Self(text.to_owned()), rule))
+    }
+
     /// The key.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -217,6 +230,24 @@ mod tests {
                 .contains('#')
         );
         assert_eq!(BucketKey::new(&rule(), ""), Err(SubjectError::Empty));
+    }
+
+    #[test]
+    fn stored_keys_parse_back_and_nothing_else_does() {
+        for subject in ["t", "{x}|y", "é", &"z".repeat(500)] {
+            let k = BucketKey::new(&rule(), subject).unwrap();
+            assert_eq!(BucketKey::parse(k.as_str()), Some((k.clone(), rule())));
+        }
+        let part = BucketKey::new(&rule(), "t").unwrap().part_of(1, 2);
+        for bad in [
+            "lh:{api.write}",
+            "lh:{|t}",
+            "x:{api.write|t}",
+            "lh:{api.write|t",
+            part.as_str(),
+        ] {
+            assert_eq!(BucketKey::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -1,0 +1,111 @@
+//! The command line of the coordinator, shared by `leasehold-coordinator` and
+//! `leasehold coordinator`.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gateway_agent::{RedisStore, Rules, StoreConfig};
+
+use crate::plan::SplitPolicy;
+use crate::{Admin, Coordinator, CoordinatorConfig};
+
+/// Runs the coordinator: reads the agents' reports, accounts admitted tokens against
+/// each key's bound, splits keys too hot for one shard, and serves the admin endpoint.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Args {
+    /// The Redis holding the buckets: redis://HOST:PORT, or cluster://HOST:PORT,HOST:PORT.
+    #[arg(long)]
+    pub redis: String,
+    /// The rules file the agents use.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Where to serve the admin endpoint (keep it on loopback unless fronted).
+    #[arg(long, default_value = "127.0.0.1:9470")]
+    pub listen: std::net::SocketAddr,
+    /// Split a key whose store calls exceed this many per second (its per-shard budget).
+    #[arg(long, default_value_t = 5000.0)]
+    pub split_above: f64,
+    /// Seconds each extension of a split's term adds.
+    #[arg(long, default_value_t = 30)]
+    pub term: u64,
+}
+
+/// Connects to `redis://…` or `cluster://host:port,host:port`.
+pub async fn connect(url: &str) -> Result<RedisStore, String> {
+    let store = match url.strip_prefix("cluster://") {
+        Some(nodes) => {
+            let nodes: Vec<String> = nodes
+                .split(',')
+                .filter(|n| !n.is_empty())
+                .map(|n| format!("redis://{n}"))
+                .collect();
+            RedisStore::connect_cluster(&nodes, StoreConfig::default()).await
+        }
+        None => RedisStore::connect(url, StoreConfig::default()).await,
+    };
+    store.map_err(|e| format!("{url}: {e}"))
+}
+
+/// Runs until `shutdown` completes; errors name what is wrong (rules file, Redis, port).
+pub async fn run(
+    args: Args,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    if !(args.split_above > 0.0 && args.split_above.is_finite()) {
+        return Err(format!(
+            "--split-above {}: must be a positive number",
+            args.split_above
+        ));
+    }
+    if !(1..=3600).contains(&args.term) {
+        return Err(format!(
+            "--term {}: must be between 1 and 3600 seconds",
+            args.term
+        ));
+    }
+    let rules = Rules::from_file(&args.config).map_err(|e| e.to_string())?;
+    let store = connect(&args.redis).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("listen {}: {e}", args.listen))?;
+    let config = CoordinatorConfig {
+        split: SplitPolicy {
+            split_above: args.split_above,
+            merge_below: args.split_above / 4.0,
+            term: Duration::from_secs(args.term),
+        },
+        ..CoordinatorConfig::default()
+    };
+    let coordinator = Arc::new(Coordinator::new(store.clone(), rules.clone(), config));
+    let admin = Admin::new(store, rules).with_snapshot(coordinator.snapshot());
+    println!(
+        "coordinator admin endpoint on http://{}",
+        listener.local_addr().map_err(|e| e.to_string())?
+    );
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let serving = tokio::spawn(crate::serve(listener, admin, {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }));
+    let running = {
+        let c = coordinator.clone();
+        let mut rx = stop_rx;
+        tokio::spawn(async move {
+            c.run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+        })
+    };
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    let _ = running.await;
+    serving
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())
+}

@@ -1,0 +1,355 @@
+//! The coordinator's loop: once a second (half a second after the agents report) it
+//! reads the live agents' reports, updates the accounting, publishes metrics, and — when
+//! it holds the leader lock — splits keys too hot for one shard and extends the term of
+//! split keys that are still hot.
+//!
+//! Everything it knows is in Redis: the reports, the split state (in each parent
+//! bucket), the lock. A restarted coordinator rebuilds its accounting within a few
+//! seconds; agents see nothing of a restart except that a split term is not extended
+//! while no coordinator runs. Several may run: only the holder of `lh:coordinator` acts,
+//! and its actions are idempotent anyway (a split in force is only extended; a different
+//! split of the same key is refused by the bucket).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use gateway_agent::report::{AGENTS_KEY, REPORT_TTL_MS, Report, report_key};
+use gateway_agent::{RedisStore, Rules, StoreError};
+use lease_core::key::BucketKey;
+use lease_core::model::{AgentId, Op, Request, Split};
+use parking_lot::RwLock;
+use serde::Serialize;
+
+use crate::accounting::{Bound, FORGET_AFTER_MS, KeyStats, Ledger};
+use crate::plan::{SplitPolicy, Step, choose_salt, step};
+use crate::view::SplitView;
+
+/// The leader lock.
+pub const LOCK_KEY: &str = "lh:coordinator";
+
+/// Tuning of the coordinator.
+#[derive(Clone, Debug)]
+pub struct CoordinatorConfig {
+    /// How often it runs.
+    pub tick: Duration,
+    /// When to split and merge.
+    pub split: SplitPolicy,
+    /// The leader lock expires this long after its last renewal.
+    pub lock_ttl: Duration,
+}
+
+impl Default for CoordinatorConfig {
+    fn default() -> Self {
+        Self {
+            tick: Duration::from_secs(1),
+            split: SplitPolicy::default(),
+            lock_ttl: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the coordinator knows of a key.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KeyStatus {
+    /// Accounting.
+    #[serde(flatten)]
+    pub stats: KeyStats,
+    /// The rule.
+    pub rule: String,
+    /// The split in force, if the coordinator looked (keys above the merge threshold).
+    pub split: Option<SplitView>,
+}
+
+/// The coordinator's latest picture, shared with the admin endpoint.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Snapshot {
+    /// Whether this instance holds the leader lock.
+    pub leader: bool,
+    /// Agents that reported in the last [`REPORT_TTL_MS`].
+    pub agents: usize,
+    /// When the last tick ran, wall-clock ms.
+    pub at_ms: u64,
+    /// Keys reported, by Redis key.
+    pub keys: BTreeMap<String, KeyStatus>,
+    /// Splits started by this instance.
+    pub splits_started: u64,
+}
+
+/// The coordinator.
+#[derive(Debug)]
+pub struct Coordinator {
+    store: RedisStore,
+    rules: Rules,
+    config: CoordinatorConfig,
+    id: AgentId,
+    seq: AtomicU64,
+    ledger: parking_lot::Mutex<Ledger>,
+    snapshot: Arc<RwLock<Snapshot>>,
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn num(v: &Option<String>) -> u64 {
+    v.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+impl Coordinator {
+    /// A coordinator of `rules`' buckets in `store`.
+    pub fn new(store: RedisStore, rules: Rules, config: CoordinatorConfig) -> Self {
+        Self {
+            store,
+            rules,
+            config,
+            id: AgentId(rand::random::<u64>().max(1)),
+            seq: AtomicU64::new(0),
+            ledger: parking_lot::Mutex::new(Ledger::new()),
+            snapshot: Arc::default(),
+        }
+    }
+
+    /// The picture the admin endpoint serves.
+    pub fn snapshot(&self) -> Arc<RwLock<Snapshot>> {
+        self.snapshot.clone()
+    }
+
+    /// Runs a tick every `config.tick`, half a second after the agents' whole-second
+    /// reports, until `shutdown` completes; then gives up the lock.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let first =
+            tokio::time::Instant::now() + Duration::from_millis((1500 - wall_ms() % 1000) % 1000);
+        let mut ticks = tokio::time::interval_at(first, self.config.tick);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {
+                    if let Err(e) = self.tick().await {
+                        metrics::counter!("leasehold_coordinator_errors_total").increment(1);
+                        tracing::warn!(error = %e, "coordinator tick failed");
+                    }
+                }
+                () = &mut shutdown => break,
+            }
+        }
+        if self.snapshot.read().leader {
+            let _ = self.unlock().await;
+        }
+    }
+
+    /// Takes or renews the leader lock; true when this instance holds it.
+    async fn lock(&self) -> Result<bool, StoreError> {
+        let ttl = self.config.lock_ttl.as_millis() as u64;
+        let id = self.id.to_string();
+        let mut set = redis::cmd("SET");
+        set.arg(LOCK_KEY).arg(&id).arg("NX").arg("PX").arg(ttl);
+        if self.store.query::<Option<String>>(&set).await?.is_some() {
+            return Ok(true);
+        }
+        let holder: Option<String> = self.store.query(redis::cmd("GET").arg(LOCK_KEY)).await?;
+        if holder.as_deref() != Some(id.as_str()) {
+            return Ok(false);
+        }
+        let mut renew = redis::cmd("PEXPIRE");
+        renew.arg(LOCK_KEY).arg(ttl);
+        Ok(self.store.query::<i64>(&renew).await? == 1)
+    }
+
+    async fn unlock(&self) -> Result<(), StoreError> {
+        let holder: Option<String> = self.store.query(redis::cmd("GET").arg(LOCK_KEY)).await?;
+        if holder == Some(self.id.to_string()) {
+            self.store
+                .query::<i64>(redis::cmd("DEL").arg(LOCK_KEY))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn server_now_us(&self) -> Result<u64, StoreError> {
+        let (secs, micros): (u64, u64) = self.store.query(&redis::cmd("TIME")).await?;
+        Ok(secs * 1_000_000 + micros)
+    }
+
+    /// The split in force on `key`, read from its bucket.
+    async fn split_of(&self, key: &BucketKey, now_us: u64) -> Result<Option<Split>, StoreError> {
+        let mut hmget = redis::cmd("HMGET");
+        hmget.arg(key.as_str()).arg(&["sk", "ss", "sg", "su"][..]);
+        let f: Vec<Option<String>> = self.store.query(&hmget).await?;
+        let split = Split {
+            parts: num(&f[0]),
+            salt: num(&f[1]),
+            gen_us: num(&f[2]),
+            until_us: num(&f[3]),
+            ..Split::default()
+        };
+        Ok((split.parts != 0 && split.until_us > now_us).then_some(split))
+    }
+
+    /// One round: reports in, accounting and metrics out, splits when leader.
+    pub async fn tick(&self) -> Result<(), StoreError> {
+        let started = std::time::Instant::now();
+        let leader = self.lock().await?;
+        let now_ms = wall_ms();
+        let mut live = redis::cmd("ZRANGEBYSCORE");
+        live.arg(AGENTS_KEY)
+            .arg(now_ms.saturating_sub(REPORT_TTL_MS))
+            .arg("+inf");
+        let agents: Vec<String> = self.store.query(&live).await?;
+        if leader {
+            let mut prune = redis::cmd("ZREMRANGEBYSCORE");
+            prune
+                .arg(AGENTS_KEY)
+                .arg("-inf")
+                .arg(now_ms.saturating_sub(FORGET_AFTER_MS));
+            self.store.query::<i64>(&prune).await?;
+        }
+        for agent in &agents {
+            let Ok(id) = u64::from_str_radix(agent, 16) else {
+                continue;
+            };
+            let text: Option<String> = self
+                .store
+                .query(redis::cmd("GET").arg(report_key(AgentId(id))))
+                .await?;
+            if let Some(text) = text {
+                self.ledger.lock().record(agent, &Report::parse(&text));
+            }
+        }
+        let mut statuses = BTreeMap::new();
+        {
+            let mut ledger = self.ledger.lock();
+            ledger.forget(now_ms);
+            let keys: Vec<String> = ledger.keys().map(str::to_owned).collect();
+            for key in keys {
+                let Some((_, rule)) = BucketKey::parse(&key) else {
+                    continue;
+                };
+                let Ok(r) = self.rules.get(rule.as_str()) else {
+                    continue;
+                };
+                let bound = Bound {
+                    capacity: r.capacity().get(),
+                    rate_per_sec: r.rate().per_sec_f64(),
+                };
+                if let Some(stats) = ledger.stats(&key, bound, now_ms) {
+                    statuses.insert(
+                        key,
+                        KeyStatus {
+                            stats,
+                            rule: rule.as_str().to_owned(),
+                            split: None,
+                        },
+                    );
+                }
+            }
+        }
+        let mut started_splits = 0;
+        let policy = &self.config.split;
+        let warm: Vec<String> = statuses
+            .iter()
+            .filter(|(_, s)| s.stats.calls_per_sec >= policy.merge_below)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !warm.is_empty() {
+            let now_us = self.server_now_us().await?;
+            let ranges = self.store.shards().await?;
+            let shard_of = |slot: u16| {
+                ranges
+                    .iter()
+                    .position(|(lo, hi, _)| (*lo..=*hi).contains(&slot))
+                    .unwrap_or(usize::MAX)
+            };
+            let mut primaries: Vec<&str> = ranges.iter().map(|(_, _, n)| n.as_str()).collect();
+            primaries.sort_unstable();
+            primaries.dedup();
+            for key in warm {
+                let Some((bucket, rule)) = BucketKey::parse(&key) else {
+                    continue;
+                };
+                let Ok(r) = self.rules.get(rule.as_str()) else {
+                    continue;
+                };
+                let params = r.bucket_params();
+                let split = self.split_of(&bucket, now_us).await?;
+                let calls = statuses[&key].stats.calls_per_sec;
+                let until_us = now_us + policy.term.as_micros() as u64;
+                let op = match (leader, step(policy, calls, split.as_ref(), primaries.len())) {
+                    (true, Step::Split(parts)) => {
+                        let shard_of = |slot| {
+                            let name = ranges.get(shard_of(slot)).map(|(_, _, n)| n.as_str());
+                            primaries.iter().position(|p| Some(*p) == name).unwrap_or(0)
+                        };
+                        choose_salt(&bucket, &params, parts, shard_of).map(|salt| Op::Split {
+                            parts,
+                            salt,
+                            until_us,
+                        })
+                    }
+                    (true, Step::Extend) => split.map(|s| Op::Split {
+                        parts: s.parts,
+                        salt: s.salt,
+                        until_us,
+                    }),
+                    _ => None,
+                };
+                let mut view = split;
+                if let Some(op) = op {
+                    let req = Request {
+                        agent: self.id,
+                        seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+                        op,
+                    };
+                    let reply = self.store.call(&bucket, &params, &req).await?;
+                    if split.is_none() && reply.split.parts != 0 {
+                        started_splits += 1;
+                        tracing::info!(key = %bucket, parts = reply.split.parts, calls_per_sec = calls, "split");
+                    }
+                    view = Some(reply.split).filter(|s| s.parts != 0);
+                }
+                if let (Some(s), Some(status)) = (view, statuses.get_mut(&key)) {
+                    status.split =
+                        Some(SplitView::new(&bucket, s.parts, s.salt, s.until_us, now_us));
+                }
+            }
+        }
+        publish(leader, agents.len(), &statuses, started_splits);
+        let mut snap = self.snapshot.write();
+        snap.leader = leader;
+        snap.agents = agents.len();
+        snap.at_ms = now_ms;
+        snap.keys = statuses;
+        snap.splits_started += started_splits;
+        metrics::gauge!("leasehold_coordinator_tick_seconds").set(started.elapsed().as_secs_f64());
+        Ok(())
+    }
+}
+
+fn publish(leader: bool, agents: usize, keys: &BTreeMap<String, KeyStatus>, splits: u64) {
+    metrics::gauge!("leasehold_coordinator_leader").set(if leader { 1.0 } else { 0.0 });
+    metrics::gauge!("leasehold_coordinator_agents").set(agents as f64);
+    metrics::gauge!("leasehold_coordinator_keys").set(keys.len() as f64);
+    metrics::counter!("leasehold_coordinator_splits_total").increment(splits);
+    let mut by_rule: BTreeMap<&str, (f64, f64, u64, f64, usize)> = BTreeMap::new();
+    for s in keys.values() {
+        let e = by_rule.entry(s.rule.as_str()).or_default();
+        e.0 = e.0.max(s.stats.overshoot);
+        e.1 = e.1.max(s.stats.worst_overshoot);
+        e.2 += s.stats.admitted_total;
+        e.3 = e.3.max(s.stats.calls_per_sec);
+        e.4 += usize::from(s.split.is_some());
+    }
+    for (rule, (overshoot, worst, admitted, calls, split)) in by_rule {
+        let rule = rule.to_owned();
+        metrics::gauge!("leasehold_overshoot_ratio", "rule" => rule.clone()).set(overshoot);
+        metrics::gauge!("leasehold_overshoot_worst_ratio", "rule" => rule.clone()).set(worst);
+        metrics::gauge!("leasehold_admitted_tokens", "rule" => rule.clone()).set(admitted as f64);
+        metrics::gauge!("leasehold_key_calls_per_second_max", "rule" => rule.clone()).set(calls);
+        metrics::gauge!("leasehold_split_keys", "rule" => rule).set(split as f64);
+    }
+}

@@ -143,7 +143,7 @@ local function begin(key, p)
   local id = p.id
   local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
     'sg', 'sk', 'ss', 'su', 'st', 'so', 'sm', 'pg', 'pu',
-    id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d')
+    id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
   local s
   if f[1] then
     local function num(i) return tonumber(f[i] or '0') end
@@ -159,7 +159,7 @@ local function begin(key, p)
   local rec = nil
   if f[1] and f[18] then
     rec = {held = tonumber(f[18]), x = tonumber(f[19]), seq = tonumber(f[20]), reply = f[21],
-           demand = tonumber(f[22])}
+           demand = tonumber(f[22]), credit = tonumber(f[23] or '0')}
     if rec.x > now then
       if p.seq == rec.seq then
         return s, rec, now, decode(rec.reply)
@@ -215,7 +215,8 @@ local function advance(key, s, p, now, rec)
       refill_to(s, p, e.x)
       s.out = s.out - e.h
       s.ds = s.ds - e.d
-      redis.call('HDEL', key, e.id .. ':h', e.id .. ':x', e.id .. ':s', e.id .. ':r', e.id .. ':d')
+      redis.call('HDEL', key, e.id .. ':h', e.id .. ':x', e.id .. ':s', e.id .. ':r', e.id .. ':d',
+        e.id .. ':c')
       if e.id == p.id then rec = nil end
     end
     s.nexp, s.mx = nexp, mx
@@ -240,7 +241,7 @@ local function finish(key, s, p, now, rec, reply)
   redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
     'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds),
     id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq), id .. ':r', encoded,
-    id .. ':d', fmt(rec.demand))
+    id .. ':d', fmt(rec.demand), id .. ':c', fmt(rec.credit))
   if s.sg ~= 0 then redis.call('HSET', key, 'sg', fmt(s.sg)) end
   if s.split.parts ~= 0 then
     redis.call('HSET', key, 'sk', fmt(s.split.parts), 'ss', fmt(s.split.salt),
@@ -270,7 +271,7 @@ local function seed_part(key, s, p, now, rec)
       s.out, s.nexp, s.mx = p.pout, p.pdrop, p.pdrop
       local r = RESERVATION
       redis.call('HSET', key, r .. ':h', fmt(p.pout), r .. ':x', fmt(p.pdrop), r .. ':s', '0',
-        r .. ':r', '0,0,0,0,0,0,0,0,0,0,0,0,0,0', r .. ':d', '0')
+        r .. ':r', '0,0,0,0,0,0,0,0,0,0,0,0,0,0', r .. ':d', '0', r .. ':c', '0')
     end
     s.tok = p.ptok
     clamp(s, p)
@@ -306,6 +307,26 @@ local function scale_ppm(p, ds, demand)
   return math.floor(x)
 end
 
+-- A full allowance: the whole capacity, in thousandths.
+local function full_credit(p)
+  return p.cap * 1000
+end
+
+-- Proportional share, enforced (model.rs, Allowance): while the key is contended an
+-- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
+local function allowance(p, ds, demand, scale, min, rec, now)
+  if scale >= 1000000 then return nil end
+  local share = math.max(demand, math.ceil(ds / 100))
+  local per_us = p.n * 1000 / p.per * share / ds
+  local cap = math.max(min * 1000, math.floor(p.cap * 1000 * share / ds))
+  local banked, elapsed = cap, 0
+  if rec then
+    banked = rec.credit
+    elapsed = math.max(now - decode(rec.reply)[5], 0)
+  end
+  return {credit = math.min(banked + math.floor(elapsed * per_us), cap), per_us = per_us}
+end
+
 local function new_reply(now, moved)
   local m = 0
   if moved then m = 1 end
@@ -315,7 +336,7 @@ end
 local function acquire(keys, args)
   local p = params(args)
   local held = int(args[14], 'held', MAX_HELD)
-  local demand = int(args[17], 'demand', MAX)
+  local demand = int(args[17], 'demand', MAX_HELD)
   local min = int(args[16], 'min', MAX)
   local want = int(args[15], 'want', MAX)
   if min == 0 then fail('LH_ARG invalid argument min = 0') end
@@ -335,15 +356,26 @@ local function acquire(keys, args)
   s.ds = s.ds - prior_demand + demand
   clamp(s, p)
   local tok = s.tok
+  local scale = scale_ppm(p, s.ds, demand)
+  local a = allowance(p, s.ds, demand, scale, min, rec, now)
   local avail = tok
   if moved or ttl == 0 then
     avail = 0
   elseif p.maxout ~= 0 then
     avail = math.min(tok, math.max(p.maxout - s.out, 0))
   end
+  -- Work conserving: tokens piling up (an eighth of B) mean the agents with credit are
+  -- not taking them; anyone may.
+  local plenty = tok >= ceil_div(p.cap, 8)
+  if a and not plenty then avail = math.min(avail, math.floor(a.credit / 1000)) end
   local g = math.min(want, avail)
   if g < min then g = 0 end
   s.tok, s.out = s.tok - g, s.out + g
+  local credit = full_credit(p)
+  if a then
+    a.credit = math.max(a.credit - g * 1000, 0)
+    credit = a.credit
+  end
   local reply = new_reply(now, moved)
   if g == 0 then
     if moved then
@@ -353,11 +385,17 @@ local function acquire(keys, args)
     else
       local blocked = 0
       if p.maxout ~= 0 and tok >= min then blocked = math.max(s.nexp - now, 0) end
-      reply[4] = math.max(time_until(s, min, p), blocked, 1)
+      local turn = 0
+      if a then
+        local need = min * 1000 - a.credit
+        if need > 0 then turn = math.ceil(need / a.per_us) end
+      end
+      reply[4] = math.max(time_until(s, min, p), blocked, turn, 1)
     end
   end
-  reply[1], reply[2], reply[6] = g, ttl, scale_ppm(p, s.ds, demand)
-  return finish(key, s, p, now, {held = held + g, x = now + ttl + p.grace, demand = demand}, reply)
+  reply[1], reply[2], reply[6] = g, ttl, scale
+  return finish(key, s, p, now,
+    {held = held + g, x = now + ttl + p.grace, demand = demand, credit = credit}, reply)
 end
 
 local function release(keys, args)
@@ -376,14 +414,18 @@ local function release(keys, args)
   clamp(s, p)
   local reply = new_reply(now, moved)
   reply[1] = credit
-  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0}, reply)
+  local credit = full_credit(p)
+  if rec then credit = rec.credit end
+  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0, credit = credit}, reply)
 end
 
 -- The record of an operation that leaves the agent's holding and demand as they were.
 local function kept(rec, p, now)
   local x = now + p.grace
   if rec and rec.x > x then x = rec.x end
-  return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0}
+  local credit = full_credit(p)
+  if rec then credit = rec.credit end
+  return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit}
 end
 
 local function exact(keys, args)

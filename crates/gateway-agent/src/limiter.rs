@@ -433,6 +433,7 @@ struct Io {
     cold_window_ns: u64,
     cold_tokens: u64,
     seen_held: u64,
+    seen_denied: u64,
     seen_at_ns: u64,
     /// The proportional share the store last reported, millionths (0: none yet).
     scale_ppm: u64,
@@ -1027,7 +1028,7 @@ impl Limiter {
                     held,
                     want: want.want,
                     min: want.min,
-                    demand: io.reported_milli as u64,
+                    demand: (io.reported_milli as u64).min(lease_core::model::MAX_HELD),
                 },
             )
             .await?;
@@ -1060,18 +1061,29 @@ impl Limiter {
         Ok(reply)
     }
 
+    /// Returns what the lease holds. `withdraw` (the agent went idle on the key) also
+    /// clears the demand it reported, even with nothing to return, so it stops counting
+    /// in the key's proportional shares.
     async fn release(
         &self,
         ks: &KeyState,
         io: &mut Io,
         entry: &RuleEntry,
+        withdraw: bool,
     ) -> Result<(), CallError> {
         let now = self.now_ns();
         let expired = now >= ks.lease.deadline_ns();
         let returned = ks.lease.take_all();
         io.unspent_total += returned;
-        // An expired lease is forfeited: the store may already have dropped the record.
-        if returned == 0 || expired {
+        // An expired lease is forfeited: it can no longer be spent, so saying so early
+        // only frees room.
+        let returned = if expired { 0 } else { returned };
+        let withdraw = withdraw && io.reported_milli > 0.0;
+        if withdraw {
+            io.reported_milli = 0.0;
+            io.demand_milli = 0;
+        }
+        if returned == 0 && !withdraw {
             return Ok(());
         }
         let (key, params) = target(ks, io, entry);
@@ -1146,7 +1158,7 @@ impl Limiter {
         next: Option<Route>,
         op: &mut Op,
     ) -> Result<(), CallError> {
-        self.release(ks, io, entry).await?;
+        self.release(ks, io, entry, false).await?;
         io.route = next;
         io.last_want = 0;
         if let Op::Acquire { held, .. } = op {
@@ -1298,7 +1310,7 @@ impl Limiter {
         for ks in keys {
             if let Ok(entry) = rules.get(&ks.rule) {
                 let mut io = ks.io.lock().await;
-                let _ = self.release(&ks, &mut io, entry).await;
+                let _ = self.release(&ks, &mut io, entry, true).await;
             }
         }
     }
@@ -1495,8 +1507,11 @@ impl Limiter {
                 continue;
             };
             let held = ks.lease.held();
-            if held != io.seen_held {
+            // Activity: spending from the lease, or being denied.
+            let denied = ks.denied_tokens.load(Ordering::Relaxed);
+            if held != io.seen_held || denied != io.seen_denied {
                 io.seen_held = held;
+                io.seen_denied = denied;
                 io.seen_at_ns = now;
             }
             let ttl_ns = entry.params.lease_ttl_us * 1000;
@@ -1525,16 +1540,19 @@ impl Limiter {
                         let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                         tokio::spawn(async move {
                             let mut io = io;
-                            let _ = this.release(&ks, &mut io, &entry).await;
+                            let _ = this.release(&ks, &mut io, &entry, true).await;
                         });
                     }
-                } else if held > 0 && (unspent_for >= return_after || held > 2 * fair + 1) {
+                } else if (held > 0 || io.reported_milli > 0.0)
+                    && (unspent_for >= return_after || held > 2 * fair + 1)
+                {
                     // Reclaim: tokens this agent is not spending, or more than its share
                     // of a contended key, go back where other agents can lease them.
                     let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                     tokio::spawn(async move {
                         let mut io = io;
-                        if this.release(&ks, &mut io, &entry).await.is_ok() {
+                        let idle = unspent_for >= return_after;
+                        if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
                             entry.counters.incr(Counter::Reclaims);
                         }
                     });

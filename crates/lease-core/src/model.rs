@@ -281,6 +281,8 @@ pub struct AgentRecord {
     pub reply: Reply,
     /// Last reported demand, thousandths of a token per second.
     pub demand: u64,
+    /// What it may still lease while the key is contended, thousandths of a token.
+    pub credit_milli: u64,
 }
 
 /// The state of a bucket key.
@@ -374,6 +376,76 @@ fn scale_ppm(p: &BucketParams, demand_sum: u64, demand: u64) -> u64 {
     x.min(1e6).floor() as u64
 }
 
+/// A full allowance: the whole capacity, in thousandths (what an agent has while the key
+/// is not contended).
+fn full_credit(p: &BucketParams) -> u64 {
+    (p.capacity as f64 * 1000.0) as u64
+}
+
+/// Proportional share, enforced. While the key is contended (the agents' demand sums
+/// to more than r, and not all of it is this agent's), an agent earns the right to
+/// lease tokens at `r * share` per second, `share = demand / Σ demand` (at least 1% of
+/// the sum, so a newcomer is not starved before its demand is measured), and may bank
+/// `B * share` of it. Grants spend the credit; an agent out of credit waits its turn
+/// while the others lease. The arithmetic is in floating point with the same operations
+/// as the Lua, so both round alike.
+#[derive(Clone, Copy, Debug)]
+struct Allowance {
+    /// Credit, thousandths of a token.
+    credit: f64,
+    /// Credit earned per µs, thousandths of a token.
+    per_us: f64,
+    cap: f64,
+}
+
+impl Allowance {
+    fn new(p: &BucketParams, demand_sum: u64, demand: u64, scale: u64, min: u64) -> Option<Self> {
+        if scale >= 1_000_000 {
+            return None;
+        }
+        let ds = demand_sum as f64;
+        let share = (demand as f64).max((ds / 100.0).ceil());
+        let per_us = p.rate.tokens() as f64 * 1000.0 / p.rate.period_us() as f64 * share / ds;
+        let cap = (min as f64 * 1000.0).max((p.capacity as f64 * 1000.0 * share / ds).floor());
+        Some(Self {
+            credit: 0.0,
+            per_us,
+            cap,
+        })
+    }
+
+    /// Adds what was earned since the agent's last operation to its banked credit.
+    fn earn(&mut self, prior: Option<&AgentRecord>, now: u64) {
+        let (banked, elapsed) = match prior {
+            Some(r) => (
+                r.credit_milli as f64,
+                now.saturating_sub(r.reply.now_us) as f64,
+            ),
+            None => (self.cap, 0.0),
+        };
+        self.credit = (banked + (elapsed * self.per_us).floor()).min(self.cap);
+    }
+
+    fn tokens(&self) -> u64 {
+        (self.credit / 1000.0).floor() as u64
+    }
+
+    /// Spends credit for a grant, down to zero (a grant from plenty may exceed it).
+    fn spend(&mut self, tokens: u64) {
+        self.credit = (self.credit - tokens as f64 * 1000.0).max(0.0);
+    }
+
+    /// µs until the credit covers `min` tokens.
+    fn wait_us(&self, min: u64) -> u64 {
+        let need = min as f64 * 1000.0 - self.credit;
+        if need <= 0.0 {
+            0
+        } else {
+            (need / self.per_us).ceil() as u64
+        }
+    }
+}
+
 /// Validates what the Lua validates, in the same order.
 pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
     check("seq", req.seq, MAX_EXACT)?;
@@ -391,7 +463,7 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             demand,
         } => {
             check("held", held, MAX_HELD)?;
-            check("demand", demand, MAX_EXACT)?;
+            check("demand", demand, MAX_HELD)?;
             check_amount("min", min, p.capacity)?;
             if want < min || want > p.capacity {
                 return Err(ProtocolError::InvalidArgument {
@@ -458,6 +530,7 @@ impl BucketState {
                     seq: 0,
                     reply: Reply::default(),
                     demand: 0,
+                    credit_milli: 0,
                 },
             );
         }
@@ -577,6 +650,9 @@ impl GlobalBucket {
         let prior = s.agents.get(&req.agent).cloned();
         let prior_held = prior.as_ref().map_or(0, |r| r.held);
         let prior_demand = prior.as_ref().map_or(0, |r| r.demand);
+        let prior_credit = prior
+            .as_ref()
+            .map_or_else(|| full_credit(p), |r| r.credit_milli);
         // Where this bucket stands: a split parent and a part past its term serve nothing
         // (`moved`); a part's leases end with its term.
         let moved = s.split.parts != 0 || (s.part_gen_us != 0 && now >= s.part_until_us);
@@ -605,12 +681,24 @@ impl GlobalBucket {
                 s.demand_sum = s.demand_sum - prior_demand + demand;
                 s.clamp(p);
                 let tok = s.level.tokens;
+                let scale = scale_ppm(p, s.demand_sum, demand);
+                let mut share = Allowance::new(p, s.demand_sum, demand, scale, min);
+                if let Some(a) = &mut share {
+                    a.earn(prior.as_ref(), now);
+                }
                 let avail = if moved || ttl_us == 0 {
                     0
                 } else if p.max_outstanding == 0 {
                     tok
                 } else {
                     tok.min(p.max_outstanding.saturating_sub(s.outstanding))
+                };
+                // Work conserving: tokens piling up (an eighth of B) mean the agents with
+                // credit are not taking them; anyone may.
+                let plenty = tok >= p.capacity.div_ceil(8);
+                let avail = match &share {
+                    Some(a) if !plenty => avail.min(a.tokens()),
+                    _ => avail,
                 };
                 let g = if want.min(avail) >= min {
                     want.min(avail)
@@ -619,6 +707,9 @@ impl GlobalBucket {
                 };
                 s.level = s.level.take(g);
                 s.outstanding += g;
+                if let Some(a) = &mut share {
+                    a.spend(g);
+                }
                 reply.retry_us = if g > 0 {
                     0
                 } else if moved {
@@ -631,17 +722,23 @@ impl GlobalBucket {
                     } else {
                         0
                     };
-                    s.level.time_until(min, p.rate).max(blocked).max(1)
+                    let turn = share.as_ref().map_or(0, |a| a.wait_us(min));
+                    s.level
+                        .time_until(min, p.rate)
+                        .max(blocked)
+                        .max(turn)
+                        .max(1)
                 };
                 reply.granted = g;
                 reply.ttl_us = ttl_us;
-                reply.scale_ppm = scale_ppm(p, s.demand_sum, demand);
+                reply.scale_ppm = scale;
                 record = AgentRecord {
                     held: held + g,
                     drop_us: now + ttl_us + p.grace_us,
                     seq: req.seq,
                     reply,
                     demand,
+                    credit_milli: share.map_or_else(|| full_credit(p), |a| a.credit as u64),
                 };
             }
             Op::Release { returned } => {
@@ -658,6 +755,7 @@ impl GlobalBucket {
                     seq: req.seq,
                     reply,
                     demand: 0,
+                    credit_milli: prior_credit,
                 };
             }
             Op::Exact { cost } => {
@@ -678,6 +776,7 @@ impl GlobalBucket {
                     seq: req.seq,
                     reply,
                     demand: prior_demand,
+                    credit_milli: prior_credit,
                 };
             }
             Op::Split {
@@ -711,6 +810,7 @@ impl GlobalBucket {
                     seq: req.seq,
                     reply,
                     demand: prior_demand,
+                    credit_milli: prior_credit,
                 };
             }
         }
@@ -797,6 +897,7 @@ impl GlobalBucket {
             f.insert(format!("{id}:s"), r.seq.to_string());
             f.insert(format!("{id}:r"), r.reply.encode());
             f.insert(format!("{id}:d"), r.demand.to_string());
+            f.insert(format!("{id}:c"), r.credit_milli.to_string());
         }
         f
     }
@@ -1042,5 +1143,39 @@ mod tests {
         let r = b.apply(&p, T0, &ask(2, 350_000)).unwrap();
         assert_eq!(r.scale_ppm, 250_000);
         assert_eq!(b.state().unwrap().demand_sum, 400_000);
+    }
+
+    /// Under contention an agent leases at most its share of the rate: with demand 1:9
+    /// on a key whose rate is a tenth of the total, the small agent banks a tenth of B,
+    /// then earns a tenth of the refill, and waits its turn for more.
+    #[test]
+    fn contended_agents_lease_their_share_and_wait_their_turn() {
+        let p = params(80, "100/s");
+        let mut b = GlobalBucket::new();
+        let ask = |agent, seq, demand| Request {
+            agent: AgentId(agent),
+            seq,
+            op: Op::Acquire {
+                held: 0,
+                want: 40,
+                min: 1,
+                demand,
+            },
+        };
+        // Agent 2 (900/s) alone drains the bucket; agent 1 (100/s) joins.
+        b.apply(&p, T0, &ask(2, 1, 900_000)).unwrap();
+        b.apply(&p, T0, &ask(2, 2, 900_000)).unwrap();
+        let r = b.apply(&p, T0, &ask(1, 1, 100_000)).unwrap();
+        assert_eq!((r.granted, r.scale_ppm), (0, 100_000));
+        // 90 ms: 9 tokens refilled (under B/8, so not plenty). Agent 1 takes its banked
+        // credit, B/10 = 8 tokens, not the 9 there are.
+        let r = b.apply(&p, T0 + 90_000, &ask(1, 2, 100_000)).unwrap();
+        assert_eq!(r.granted, 8);
+        // Out of credit: one token takes 100 ms to earn at 10 tokens/s.
+        let r = b.apply(&p, T0 + 90_000, &ask(1, 3, 100_000)).unwrap();
+        assert_eq!((r.granted, r.retry_us), (0, 100_000));
+        // Agent 2 takes what is left.
+        let r = b.apply(&p, T0 + 90_000, &ask(2, 3, 900_000)).unwrap();
+        assert_eq!(r.granted, 1);
     }
 }

@@ -388,7 +388,11 @@ local function acquire(keys, args)
       local turn = 0
       if a then
         local need = min * 1000 - a.credit
-        if need > 0 then turn = math.ceil(need / a.per_us) end
+        if need > 0 then
+          -- Out of credit, an agent's turn comes when it has earned min, or when tokens
+          -- pile up to plenty, whichever is first.
+          turn = math.min(math.ceil(need / a.per_us), time_until(s, ceil_div(p.cap, 8), p))
+        end
       end
       reply[4] = math.max(time_until(s, min, p), blocked, turn, 1)
     end

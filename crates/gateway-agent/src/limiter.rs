@@ -30,7 +30,7 @@ use lease_core::bucket::Level;
 use lease_core::key::{BucketKey, SubjectError};
 use lease_core::model::{AgentId, Op, Reply, Split};
 use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
-use lease_core::{Rate, Spend, lease_request};
+use lease_core::{Rate, Reclaim, Spend, lease_request};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
@@ -41,9 +41,6 @@ use crate::rules::{Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// The averaging window of the demand an agent reports, ns.
-const REPORT_WINDOW_NS: f64 = 1e9;
 
 /// How often the shard map behind the breakers is read again.
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
@@ -428,6 +425,8 @@ struct Io {
     last_want: u64,
     /// Demand reported to the store, thousandths of a token per second.
     reported_milli: f64,
+    /// How long the reported demand has been measured (capped at a second).
+    measured_ns: u64,
     held_after_grant: u64,
     demand_milli: u64,
     cold_window_ns: u64,
@@ -947,6 +946,7 @@ impl Limiter {
             let elapsed_ms = (now - io.cold_window_ns).max(1_000_000) / 1_000_000;
             io.demand_milli = io.cold_tokens * 1_000_000 / elapsed_ms;
             io.reported_milli = io.demand_milli as f64;
+            io.measured_ns = (elapsed_ms * 1_000_000).min(1_000_000_000);
             ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);
         }
@@ -993,31 +993,20 @@ impl Limiter {
             io.demand_milli = io.demand_milli / 2 + rate / 2;
             // What is reported (shares, emergency limits) is a time-weighted average over
             // about a second: a burst spent in microseconds barely moves it.
-            let w = (dt as f64 / REPORT_WINDOW_NS).min(1.0);
-            io.reported_milli += (rate as f64 - io.reported_milli) * w;
+            (io.reported_milli, io.measured_ns) =
+                lease_core::sizing::report_demand(io.reported_milli, rate, dt, io.measured_ns);
         }
         // Proportional share: under contention every agent leases the same fraction of
         // its demand, r / (sum of demands), as the store computed it.
-        let scale = if io.scale_ppm == 0 {
-            1_000_000
-        } else {
-            io.scale_ppm
-        };
-        let sizing_demand =
-            u64::try_from(u128::from(io.demand_milli) * u128::from(scale) / 1_000_000)
-                .unwrap_or(u64::MAX);
-        let mut want = lease_request(
+        let want = lease_core::sizing::size_lease(
             &entry.rule,
-            sizing_demand,
+            io.demand_milli,
+            io.scale_ppm,
             self.inner.config.horizon,
             needed,
+            io.last_want,
+            held,
         );
-        if held == 0 && io.last_want > 0 {
-            // The lease ran dry: what was measured is a lower bound of the demand. Ask
-            // for at least twice the last lease (a slow start) instead of trickling.
-            let doubled = (io.last_want * 2).min(entry.rule.lease_max().get());
-            want.want = want.want.max(doubled);
-        }
         io.last_want = want.want;
         let reply = self
             .call(
@@ -1049,8 +1038,12 @@ impl Limiter {
         ks.share_milli
             .store(io.reported_milli as u64, Ordering::Relaxed);
         if reply.granted == 0 {
-            ks.deny_until_ns
-                .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);
+            // A refused prefetch waited for a quarter of a lease; callers need less, and
+            // try for themselves when the lease runs dry.
+            if needed > 0 {
+                ks.deny_until_ns
+                    .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);
+            }
         } else {
             ks.deny_until_ns.store(0, Ordering::Release);
             entry.counters.incr(Counter::LeaseGrants);
@@ -1081,6 +1074,7 @@ impl Limiter {
         let withdraw = withdraw && io.reported_milli > 0.0;
         if withdraw {
             io.reported_milli = 0.0;
+            io.measured_ns = 0;
             io.demand_milli = 0;
         }
         if returned == 0 && !withdraw {
@@ -1524,13 +1518,17 @@ impl Limiter {
             let return_after = (inner.config.return_after.as_nanos() as u64).min(idle_after);
             // The lease this agent's share of a contended key justifies (no limit when the
             // key is not contended).
-            let fair = if io.scale_ppm == 0 || io.scale_ppm >= 1_000_000 {
-                u64::MAX / 4
-            } else {
-                let share = io.reported_milli as u64 / 1_000_000 * io.scale_ppm
-                    + io.reported_milli as u64 % 1_000_000 * io.scale_ppm / 1_000_000;
+            let fair = (io.scale_ppm != 0 && io.scale_ppm < 1_000_000).then(|| {
+                let share = lease_core::scaled(io.reported_milli as u64, io.scale_ppm);
                 lease_request(&entry.rule, share, inner.config.horizon, 0).want
-            };
+            });
+            let reclaim = lease_core::reclaim(
+                held,
+                io.reported_milli as u64,
+                unspent_for,
+                return_after,
+                fair,
+            );
             if ks.hot.load(Ordering::Acquire) || held > 0 {
                 if idle {
                     if entry.rule.leasing() == Leasing::Auto {
@@ -1543,15 +1541,13 @@ impl Limiter {
                             let _ = this.release(&ks, &mut io, &entry, true).await;
                         });
                     }
-                } else if (held > 0 || io.reported_milli > 0.0)
-                    && (unspent_for >= return_after || held > 2 * fair + 1)
-                {
+                } else if reclaim != Reclaim::Keep {
                     // Reclaim: tokens this agent is not spending, or more than its share
                     // of a contended key, go back where other agents can lease them.
                     let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                     tokio::spawn(async move {
                         let mut io = io;
-                        let idle = unspent_for >= return_after;
+                        let idle = reclaim == Reclaim::Idle;
                         if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
                             entry.counters.incr(Counter::Reclaims);
                         }

@@ -32,4 +32,4 @@ pub use rate::{MAX_EXACT, Rate, RateError};
 pub use rule::{
     BucketParams, FailurePolicy, Leasing, Mode, PartSeed, Rule, RuleError, RuleName, RuleSpec,
 };
-pub use sizing::{LeaseRequest, lease_request};
+pub use sizing::{LeaseRequest, Reclaim, lease_request, reclaim, scaled};

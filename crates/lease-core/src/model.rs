@@ -722,7 +722,10 @@ impl GlobalBucket {
                     } else {
                         0
                     };
-                    let turn = share.as_ref().map_or(0, |a| a.wait_us(min));
+                    // Out of credit, an agent's turn comes when it has earned `min`, or
+                    // when tokens pile up to plenty, whichever is first.
+                    let plenty_in = s.level.time_until(p.capacity.div_ceil(8), p.rate);
+                    let turn = share.as_ref().map_or(0, |a| a.wait_us(min).min(plenty_in));
                     s.level
                         .time_until(min, p.rate)
                         .max(blocked)
@@ -1171,9 +1174,10 @@ mod tests {
         // credit, B/10 = 8 tokens, not the 9 there are.
         let r = b.apply(&p, T0 + 90_000, &ask(1, 2, 100_000)).unwrap();
         assert_eq!(r.granted, 8);
-        // Out of credit: one token takes 100 ms to earn at 10 tokens/s.
+        // Out of credit: one token takes 100 ms to earn at 10 tokens/s, but in 90 ms the
+        // bucket could hold B/8 = 10 tokens (plenty, when credit no longer binds).
         let r = b.apply(&p, T0 + 90_000, &ask(1, 3, 100_000)).unwrap();
-        assert_eq!((r.granted, r.retry_us), (0, 100_000));
+        assert_eq!((r.granted, r.retry_us), (0, 90_000));
         // Agent 2 takes what is left.
         let r = b.apply(&p, T0 + 90_000, &ask(2, 3, 900_000)).unwrap();
         assert_eq!(r.granted, 1);

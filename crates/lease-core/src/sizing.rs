@@ -54,6 +54,95 @@ pub fn lease_request(
     }
 }
 
+/// `demand_milli` times the proportional share the store last returned (`scale_ppm`,
+/// millionths; 0 when none was returned yet, which leaves the demand as it is).
+pub fn scaled(demand_milli: u64, scale_ppm: u64) -> u64 {
+    if scale_ppm == 0 || scale_ppm >= 1_000_000 {
+        return demand_milli;
+    }
+    let v = u128::from(demand_milli) * u128::from(scale_ppm) / 1_000_000;
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+/// The agent's whole sizing policy for one acquire: [`lease_request`] for its demand
+/// times the store's proportional share (`scale_ppm`, 0 = none yet); a lease that ran
+/// dry (`held == 0`) asks for at least twice the last one (slow start: what was measured
+/// is a lower bound of the demand); and on a contended key (`scale_ppm` below one) even a
+/// waiting caller takes nothing under a quarter of its lease, so agents of a saturated
+/// key collect their share in batches instead of one store call per decision.
+pub fn size_lease(
+    rule: &Rule,
+    demand_milli: u64,
+    scale_ppm: u64,
+    horizon: Duration,
+    needed: u64,
+    last_want: u64,
+    held: u64,
+) -> LeaseRequest {
+    let mut r = lease_request(rule, scaled(demand_milli, scale_ppm), horizon, needed);
+    if held == 0 && last_want > 0 {
+        r.want = r.want.max((last_want * 2).min(rule.lease_max().get()));
+    }
+    if scale_ppm != 0 && scale_ppm < 1_000_000 {
+        r.min = r.min.max(r.want / 4).min(r.want);
+    }
+    r
+}
+
+/// The demand an agent reports (shares, emergency limits): a time-weighted average of
+/// the rates it measures over about a second, so a burst spent in microseconds barely
+/// moves it. Until a second has been measured the average is over what has been
+/// (`measured_ns`), so a newcomer's demand is right from its first measurements instead
+/// of ramping up over a second. Returns the new average and measured time.
+pub fn report_demand(
+    reported_milli: f64,
+    rate_milli: u64,
+    dt_ns: u64,
+    measured_ns: u64,
+) -> (f64, u64) {
+    let measured = measured_ns.saturating_add(dt_ns).min(1_000_000_000);
+    if measured == 0 {
+        return (reported_milli, 0);
+    }
+    let w = (dt_ns as f64 / measured as f64).min(1.0);
+    (
+        reported_milli + (rate_milli as f64 - reported_milli) * w,
+        measured,
+    )
+}
+
+/// Why an agent gives its lease back before it runs out (reclaim).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reclaim {
+    /// Keep the lease.
+    Keep,
+    /// Nothing was spent or denied for `return_after`: return the tokens and withdraw the
+    /// reported demand, so the key's other agents get the budget and the shares.
+    Idle,
+    /// The lease is more than twice what the agent's share of a contended key justifies:
+    /// return it and lease again at the right size.
+    OverShare,
+}
+
+/// The reclaim decision for an agent holding `held` tokens, having reported
+/// `reported_milli` of demand, with no activity for `quiet_ns`; `fair_want` is the lease
+/// its share of the key justifies (`None` when the key is not contended).
+pub fn reclaim(
+    held: u64,
+    reported_milli: u64,
+    quiet_ns: u64,
+    return_after_ns: u64,
+    fair_want: Option<u64>,
+) -> Reclaim {
+    if (held > 0 || reported_milli > 0) && quiet_ns >= return_after_ns {
+        Reclaim::Idle
+    } else if fair_want.is_some_and(|f| held > 2 * f + 1) {
+        Reclaim::OverShare
+    } else {
+        Reclaim::Keep
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,6 +168,12 @@ mod tests {
                 min: 500
             }
         );
+        assert_eq!(scaled(1000, 250_000), 250);
+        assert_eq!(scaled(1000, 0), 1000);
+        assert_eq!(reclaim(5, 0, 600, 500, None), Reclaim::Idle);
+        assert_eq!(reclaim(0, 0, 600, 500, None), Reclaim::Keep);
+        assert_eq!(reclaim(50, 10, 100, 500, Some(10)), Reclaim::OverShare);
+        assert_eq!(reclaim(15, 10, 100, 500, Some(10)), Reclaim::Keep);
         assert_eq!(
             lease_request(&rule, 0, h, 5000),
             LeaseRequest {

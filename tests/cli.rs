@@ -52,3 +52,35 @@ fn check_config_names_what_is_wrong() {
     let (ok, _, stderr) = leasehold(&["check-config", "/nonexistent.toml"]);
     assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
 }
+
+#[test]
+fn coordinator_names_what_is_wrong() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        example,
+        "--split-above",
+        "0",
+    ]);
+    assert!(!ok && stderr.contains("--split-above 0"), "{stderr}");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        "/nonexistent.toml",
+    ]);
+    assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
+    // Nothing listens on port 1: the error names the address.
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        example,
+    ]);
+    assert!(!ok && stderr.contains("redis://127.0.0.1:1"), "{stderr}");
+}

@@ -136,6 +136,27 @@ fn simulate_failover_promotes_the_replica_and_keeps_deciding() {
 }
 
 #[test]
+fn simulate_hot_split_splits_the_key_and_survives_a_coordinator_restart() {
+    let r = run(&[
+        "--scenario",
+        "hot-split",
+        "--duration",
+        "8",
+        "--compare",
+        "none",
+    ]);
+    let c = &r["coordinator"];
+    println!("{c}");
+    assert!(c["splits"].as_u64().unwrap() >= 1, "{c}");
+    assert_eq!(c["instances"], 2, "stopped at 60%, started at 80%: {c}");
+    assert_eq!(c["worst_overshoot"].as_f64().unwrap(), 0.0, "{c}");
+    assert_eq!(
+        r["systems"]["leasehold"]["overshoot_1s"].as_f64().unwrap(),
+        0.0
+    );
+}
+
+#[test]
 fn simulate_refuses_bad_input_with_a_reason() {
     for (args, want) in [
         (vec!["--scenario", "nope"], "unknown scenario"),

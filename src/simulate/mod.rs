@@ -135,6 +135,7 @@ impl Env {
                 matches!(choice, StoreChoice::Embedded | StoreChoice::Spawn)
             }
             "promote-replica" => matches!(choice, StoreChoice::SpawnReplica),
+            "stop-coordinator" | "start-coordinator" => !matches!(choice, StoreChoice::Embedded),
             _ => false,
         }
     }
@@ -590,6 +591,114 @@ async fn worker(
 /// The whole report of a run.
 pub(crate) struct RunReport {
     pub(crate) systems: Vec<(String, SystemReport)>,
+    /// What the coordinator saw during Leasehold's run (Redis stores).
+    pub(crate) coordinator: Option<CoordinatorSummary>,
+}
+
+/// The coordinator's view of Leasehold's run.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub(crate) struct CoordinatorSummary {
+    /// Splits started (over every coordinator instance of the run).
+    pub(crate) splits: u64,
+    /// The largest overshoot against `B + r*W` it measured (1-10 s windows).
+    pub(crate) worst_overshoot: f64,
+    /// Tokens admitted by the agents, by their reports.
+    pub(crate) admitted: u64,
+    /// Coordinator instances started (a stop-coordinator fault ends one).
+    pub(crate) instances: u64,
+}
+
+/// An in-process coordinator of Leasehold's run, which faults stop and start.
+struct CoordinatorRun {
+    store: leasehold::agent::RedisStore,
+    rules: Rules,
+    split_above: f64,
+    running: Option<(
+        Arc<leasehold::coordinator::Coordinator>,
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    )>,
+    summary: CoordinatorSummary,
+}
+
+impl CoordinatorRun {
+    async fn connect(
+        target: &Target,
+        rules: &Rules,
+        split_above: f64,
+    ) -> Result<Option<Self>, String> {
+        let store = match target {
+            Target::Embedded(_) => return Ok(None),
+            Target::Redis(url) => leasehold::coordinator::cli::connect(url).await?,
+            Target::Cluster(nodes) => {
+                let nodes: Vec<&str> = nodes
+                    .iter()
+                    .map(|n| n.strip_prefix("redis://").unwrap_or(n))
+                    .collect();
+                leasehold::coordinator::cli::connect(&format!("cluster://{}", nodes.join(",")))
+                    .await?
+            }
+        };
+        let mut c = Self {
+            store,
+            rules: rules.clone(),
+            split_above,
+            running: None,
+            summary: CoordinatorSummary::default(),
+        };
+        c.start();
+        Ok(Some(c))
+    }
+
+    fn start(&mut self) {
+        if self.running.is_some() {
+            return;
+        }
+        let config = leasehold::coordinator::CoordinatorConfig {
+            split: leasehold::coordinator::plan::SplitPolicy {
+                split_above: self.split_above,
+                merge_below: self.split_above / 4.0,
+                term: Duration::from_secs(30),
+            },
+            ..Default::default()
+        };
+        let c = Arc::new(leasehold::coordinator::Coordinator::new(
+            self.store.clone(),
+            self.rules.clone(),
+            config,
+        ));
+        let (tx, mut rx) = tokio::sync::watch::channel(false);
+        let task = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                c.run(async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                })
+                .await;
+            })
+        };
+        self.summary.instances += 1;
+        self.running = Some((c, tx, task));
+    }
+
+    async fn stop(&mut self) {
+        if let Some((c, tx, task)) = self.running.take() {
+            let _ = tx.send(true);
+            let _ = task.await;
+            let snap = c.snapshot().read().clone();
+            self.summary.splits += snap.splits_started;
+            self.summary.admitted += snap
+                .keys
+                .values()
+                .map(|k| k.stats.admitted_total)
+                .sum::<u64>();
+            self.summary.worst_overshoot = snap
+                .keys
+                .values()
+                .map(|k| k.stats.worst_overshoot)
+                .fold(self.summary.worst_overshoot, f64::max);
+        }
+    }
 }
 
 /// Runs every system on the scenario and reports.
@@ -630,6 +739,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let capacity = rule.capacity().get() as f64;
     let rate = rule.rate().per_sec_f64();
     let mut systems = Vec::new();
+    let mut summary = None;
     for (n, name) in names.iter().enumerate() {
         progress.set_prefix(name.clone());
         let mut env = Env::start(&opts.store)?;
@@ -655,6 +765,12 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 clock: quanta::Clock::new(),
                 stop: AtomicBool::new(false),
             });
+            let mut coordinator = if name == "leasehold" {
+                let split_above = opts.scenario.split_above.unwrap_or(5000.0);
+                CoordinatorRun::connect(&env.target(), &rules, split_above).await?
+            } else {
+                None
+            };
             let mut tasks = Vec::new();
             for agent in 0..opts.scenario.agents {
                 for thread in 0..opts.scenario.threads_per_agent {
@@ -680,8 +796,14 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 progress.set_position(base + run.start.elapsed().as_millis() as u64);
                 let frac = run.start.elapsed().as_secs_f64() / opts.duration.as_secs_f64();
                 while let Some(f) = faults.next_if(|f| f.at <= frac) {
-                    // Restarting a node blocks this thread; the workers run on the runtime's.
-                    env.fault(&f.action, &naive_offline)?;
+                    match (f.action.as_str(), coordinator.as_mut()) {
+                        ("stop-coordinator", Some(c)) => c.stop().await,
+                        ("start-coordinator", Some(c)) => c.start(),
+                        ("stop-coordinator" | "start-coordinator", None) => {}
+                        // Restarting a node blocks this thread; the workers run on the
+                        // runtime's.
+                        _ => env.fault(&f.action, &naive_offline)?,
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -691,6 +813,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             }
             let calls = sys.redis_calls();
             sys.finish().await;
+            if let Some(c) = coordinator.as_mut() {
+                c.stop().await;
+                summary = Some(c.summary.clone());
+            }
             Ok::<_, String>(report::analyze(
                 all,
                 capacity,
@@ -713,6 +839,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
         "machine": { "cores": cores },
         "systems": systems.iter().map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
+        "coordinator": summary,
     });
     if let Some(path) = &opts.json {
         let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
@@ -730,7 +857,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         std::fs::write(path, report::svg(&title, rate, &series))
             .map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    Ok(RunReport { systems })
+    Ok(RunReport {
+        systems,
+        coordinator: summary,
+    })
 }
 
 /// The summary table.
@@ -763,6 +893,13 @@ pub(crate) fn table(r: &RunReport) -> String {
             s.latency_ns.p50,
             s.latency_ns.p99,
             s.latency_ns.p999
+        ));
+    }
+    if let Some(c) = &r.coordinator {
+        out.push_str(&format!(
+            "coordinator (leasehold run, {} instance(s)): {} split(s) started; measured from agent \
+             reports: {} tokens admitted, worst overshoot {:.4}\n",
+            c.instances, c.splits, c.admitted, c.worst_overshoot
         ));
     }
     out

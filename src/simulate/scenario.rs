@@ -24,8 +24,13 @@
 //! action = "crash-agent"      # the agent stops at once, abandoning its leases
 //! agent = 3
 //! # also: "kill-store" / "restore-store" (embedded or spawn stores; a spawned Redis
-//! # restarts empty), "promote-replica" (spawn-replica store)
+//! # restarts empty), "promote-replica" (spawn-replica store), "stop-coordinator" /
+//! # "start-coordinator" (Redis stores)
 //! ```
+//!
+//! On a Redis store Leasehold runs with a coordinator in the same process (accounting,
+//! hot-key splitting); `split_above = 2000.0` sets its per-shard budget of store calls
+//! per second for one key (default 5000).
 //!
 //! `store = "cluster-spawn"` (or another `--store` value) names the store the scenario
 //! runs on when `--store` is not given.
@@ -53,6 +58,9 @@ pub(crate) struct Scenario {
     pub(crate) phases: Vec<Phase>,
     #[serde(default)]
     pub(crate) faults: Vec<Fault>,
+    /// The coordinator's per-shard budget for one key, store calls per second.
+    #[serde(default)]
+    pub(crate) split_above: Option<f64>,
 }
 
 /// Which keys requests go to.
@@ -112,6 +120,7 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "redis-down",
     "failover",
     "cluster",
+    "hot-split",
 ];
 
 /// Fault actions a scenario may use.
@@ -120,6 +129,8 @@ pub(crate) const FAULTS: &[&str] = &[
     "kill-store",
     "restore-store",
     "promote-replica",
+    "stop-coordinator",
+    "start-coordinator",
 ];
 
 fn rule(capacity: u64, rate: &str) -> RuleSpec {
@@ -156,6 +167,7 @@ impl Scenario {
             keys,
             phases,
             faults: Vec::new(),
+            split_above: None,
         };
         Ok(match name {
             // Ten tenants, offered 1.6x their limit, evenly, all the time.
@@ -249,6 +261,24 @@ impl Scenario {
                     vec![phase(0.0, 0.0, None)],
                 );
                 s.store = Some("cluster-spawn".into());
+                s
+            }
+            // One tenant on a 6-node cluster, leases capped at 20 tokens so its store calls
+            // pass the coordinator's budget: the key is split over the three shards. The
+            // coordinator stops at 60% and starts again at 80%.
+            "hot-split" => {
+                let mut spec = rule(100_000, "200000/s");
+                spec.lease_max = Some(20);
+                let mut s = base(spec, keys(1, "uniform"), vec![phase(0.0, 0.0, None)]);
+                s.store = Some("cluster-spawn".into());
+                s.split_above = Some(2000.0);
+                for (at, action) in [(0.6, "stop-coordinator"), (0.8, "start-coordinator")] {
+                    s.faults.push(Fault {
+                        at,
+                        action: action.into(),
+                        agent: None,
+                    });
+                }
                 s
             }
             other => {
@@ -345,6 +375,11 @@ impl Scenario {
                     f.at, self.agents
                 ));
             }
+        }
+        if let Some(b) = self.split_above
+            && !(b > 0.0 && b.is_finite())
+        {
+            return err(format!("split_above = {b} must be a positive number"));
         }
         Ok(rule)
     }

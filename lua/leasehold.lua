@@ -151,7 +151,7 @@ local function begin(key, p)
          mx = num(7), ds = num(8), sg = num(9), pg = num(16), pu = num(17),
          split = {parts = num(10), salt = num(11), gen = num(9), untl = num(12), tok = num(13),
                   out = num(14), drop = num(15)}}
-    if s.split.parts == 0 then s.split = no_split() end
+    if s.split.parts == 0 then s.split = no_split() else s.stored_split = true end
   else
     s = fresh(p, server_now)
   end
@@ -247,7 +247,7 @@ local function finish(key, s, p, now, rec, reply)
     redis.call('HSET', key, 'sk', fmt(s.split.parts), 'ss', fmt(s.split.salt),
       'su', fmt(s.split.untl), 'st', fmt(s.split.tok), 'so', fmt(s.split.out),
       'sm', fmt(s.split.drop))
-  else
+  elseif s.stored_split then
     redis.call('HDEL', key, 'sk', 'ss', 'su', 'st', 'so', 'sm')
   end
   if s.pg ~= 0 then redis.call('HSET', key, 'pg', fmt(s.pg), 'pu', fmt(s.pu)) end

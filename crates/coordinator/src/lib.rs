@@ -1,16 +1,23 @@
 //! The Leasehold coordinator. It is never on the hot path: agents keep every invariant
 //! without it, and everything it knows is in Redis or reported by agents, so it can be
-//! restarted at any moment and several can run.
+//! restarted at any moment and several can run (one leader acts; its actions are
+//! idempotent in the bucket anyway).
 //!
-//! # Layout
-//! - [`view`]: what one bucket holds, for an operator: tokens, outstanding, each agent's
-//!   holding, demand and share of the key's demand. Built from the bucket's own hash
-//!   (one key, no keyspace scan).
-//! - [`admin`]: the admin endpoint (health, Prometheus metrics, the JSON view of a key),
-//!   bound to loopback by default.
+//! What needs no view across agents lives where the data is: each bucket computes the
+//! proportional share of its agents from the demand they report with their acquires and
+//! enforces it while the key is contended (`lease_core::model`), and each agent returns
+//! leases it is not spending (`lease_core::sizing::reclaim`). The coordinator does what
+//! needs a view across keys and agents:
 //!
-//! Demand-aware lease sizing, reclaim and hot-key splitting are still to come; until
-//! then agents size their leases from their own measured demand.
+//! - [`accounting`]: tokens admitted per key per second from the agents' reports, and
+//!   the overshoot against `B + r*W`, exported as metrics;
+//! - [`plan`] and [`service`]: splitting a key whose store calls pass a shard's budget
+//!   into parts on distinct shards, extending the split while the key stays hot, and
+//!   letting it lapse (merge) when it cools;
+//! - [`view`] and [`admin`]: the admin endpoint (health, Prometheus metrics, the keys
+//!   reported, the JSON view of a bucket), bound to loopback by default;
+//! - [`cli`]: the command line shared by `leasehold-coordinator` and
+//!   `leasehold coordinator`.
 #![forbid(unsafe_code)]
 
 pub mod accounting;

@@ -497,6 +497,8 @@ struct KeyState {
     deny_until_ns: AtomicU64,
     /// Tokens denied on this key (offered demand = spent + denied).
     denied_tokens: AtomicU64,
+    /// A refused prefetch is not tried again before this time.
+    prefetch_after_ns: AtomicU64,
     share_milli: AtomicU64,
     last_io_ns: AtomicU64,
     io: Arc<AsyncMutex<Io>>,
@@ -753,7 +755,7 @@ impl Limiter {
             return None;
         };
         if left < ks.low_water.load(Ordering::Relaxed) {
-            self.request_prefetch(ks);
+            self.request_prefetch(ks, now);
         }
         ks.counters.incr(Counter::AdmittedLease);
         Some(Decision::Allowed {
@@ -812,6 +814,7 @@ impl Limiter {
                     hot: AtomicBool::new(entry.rule.leasing() == Leasing::Lease),
                     deny_until_ns: AtomicU64::new(0),
                     denied_tokens: AtomicU64::new(0),
+                    prefetch_after_ns: AtomicU64::new(0),
                     low_water: AtomicU64::new(1),
                     prefetching: AtomicBool::new(false),
                     share_milli: AtomicU64::new(0),
@@ -828,7 +831,10 @@ impl Limiter {
         Ok(Fast::Slow(ks.clone(), entry.clone()))
     }
 
-    fn request_prefetch(&self, ks: &Arc<KeyState>) {
+    fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
+        if now < ks.prefetch_after_ns.load(Ordering::Relaxed) {
+            return;
+        }
         if !ks.prefetching.swap(true, Ordering::AcqRel)
             && self.inner.prefetch.try_send(ks.clone()).is_err()
         {
@@ -1039,10 +1045,12 @@ impl Limiter {
             .store(io.reported_milli as u64, Ordering::Relaxed);
         if reply.granted == 0 {
             // A refused prefetch waited for a quarter of a lease; callers need less, and
-            // try for themselves when the lease runs dry.
+            // try for themselves when the lease runs dry. Prefetches wait.
+            let until = now + reply.retry_us.max(1) * 1000;
             if needed > 0 {
-                ks.deny_until_ns
-                    .store(now + reply.retry_us.max(1) * 1000, Ordering::Release);
+                ks.deny_until_ns.store(until, Ordering::Release);
+            } else {
+                ks.prefetch_after_ns.store(until, Ordering::Relaxed);
             }
         } else {
             ks.deny_until_ns.store(0, Ordering::Release);
@@ -1172,7 +1180,12 @@ impl Limiter {
         op: &Op,
     ) -> Result<Reply, CallError> {
         let op = *op;
-        let breaker = self.inner.breakers.for_slot(key.slot());
+        let slot = if io_routed(key, ks) {
+            key.slot()
+        } else {
+            ks.slot
+        };
+        let breaker = self.inner.breakers.for_slot(slot);
         let _permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
         let req = lease_core::Request {
             agent: self.inner.agent,
@@ -1313,6 +1326,11 @@ impl Limiter {
     pub fn bucket_params(&self, rule: &str) -> Result<BucketParams, UnknownRule> {
         Ok(self.inner.rules.load().get(rule)?.params)
     }
+}
+
+/// True when `key` is not the key's own bucket (a part of a split).
+fn io_routed(key: &BucketKey, ks: &KeyState) -> bool {
+    !std::ptr::eq(key, &ks.bucket)
 }
 
 /// The bucket calls for `ks` go to now, with the parameters to send.
@@ -1492,7 +1510,18 @@ impl Limiter {
         let rules = inner.rules.load_full();
         let guard = inner.keys.guard();
         let mut forget = Vec::new();
+        let forget_after = inner.config.forget_after.as_nanos() as u64;
         for (id, ks) in inner.keys.iter(&guard) {
+            // Most keys are cold and hold nothing: all they need is to be forgotten once
+            // idle for long, checked without a lock or a rule lookup.
+            if !ks.hot.load(Ordering::Acquire) && ks.lease.held() == 0 {
+                if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
+                    && ks.waiters.load(Ordering::Acquire) == 0
+                {
+                    forget.push(id.clone());
+                }
+                continue;
+            }
             let Ok(entry) = rules.get(&ks.rule) else {
                 forget.push(id.clone());
                 continue;

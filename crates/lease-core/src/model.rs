@@ -4,19 +4,23 @@
 //! The state is what the Redis hash holds: the level (`tok`, `car`), the refill period the
 //! carry is counted in (`p`), the last server time (`ts`), the tokens leased and not yet
 //! reported (`out`), the earliest and latest moments an agent record may be dropped
-//! (`nexp`, `mx`), and per agent its held tokens, drop time, last sequence number, last
-//! reply and demand. Every operation is a pure function of this state, the rule's
-//! parameters and the server time:
+//! (`nexp`, `mx`), the sum of the agents' reported demand (`ds`), a split in force
+//! (`sk ss su st so sm`, and `sg` for the latest one) or the split this bucket is a part
+//! of (`pg pu`), and per agent its held tokens, drop time, last sequence number, last
+//! reply, demand and lease credit (`ID:h x s r d c`). Every operation is a pure function
+//! of this state, the rule's parameters and the server time:
 //!
 //! 1. Expired key: the state is gone, the bucket is full (I6 makes that equivalent).
 //! 2. `now = max(server time, ts)`: a clock stepping back creates nothing (I5).
 //! 3. The agent's live record with the same `seq` replays its reply and changes nothing;
 //!    an older `seq` is refused (I2).
-//! 4. Refill up to `now`, dropping agent records whose drop time passed in time order, so
-//!    the refill between two drops uses the cap in force then. In strict mode refill stops
-//!    at `B - out` (I1).
-//! 5. The operation, then the key's expiry: not before every record is dropped and the
-//!    bucket would be full again (I6).
+//! 4. A part of a split bucket starts from the seed its callers carry, once per split.
+//! 5. Refill up to `now` (none while a split is in force: the rate belongs to the parts),
+//!    dropping agent records whose drop time passed in time order, so the refill between
+//!    two drops uses the cap in force then. In strict mode refill stops at `B - out` (I1).
+//! 6. The operation — under contention within the agent's proportional share (see
+//!    `Allowance`) — then the key's expiry: not before every record is dropped, the
+//!    split's term is over, and the bucket would be full again (I6).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -619,20 +623,27 @@ impl GlobalBucket {
         {
             self.state = None;
         }
-        let mut s = match &self.state {
-            Some(s) => s.clone(),
+        // Worked on in place: nothing below fails once the replay check has passed.
+        let mut s = match self.state.take() {
+            Some(s) => s,
             None => BucketState::fresh(p, server_now_us),
         };
         let now = server_now_us.max(s.updated_us);
         if let Some(r) = s.live(req.agent, now) {
-            if req.seq == r.seq {
-                return Ok(r.reply);
-            }
-            if req.seq < r.seq {
-                return Err(ProtocolError::StaleSequence {
+            // Only an existing key has records: put it back unchanged.
+            let answer = if req.seq == r.seq {
+                Ok(r.reply)
+            } else if req.seq < r.seq {
+                Err(ProtocolError::StaleSequence {
                     seq: req.seq,
                     last: r.seq,
-                });
+                })
+            } else {
+                Ok(Reply::default())
+            };
+            if req.seq <= r.seq {
+                self.state = Some(s);
+                return answer;
             }
         }
         let seed = &p.part;

@@ -119,12 +119,27 @@ local function time_until(s, k, p)
   return ceil_div((k - s.tok) * p.per - s.car, p.n)
 end
 
-local function decode(reply)
+local function decode(text)
   local out = {}
-  for v in string.gmatch(reply, '[^,]+') do
+  for v in string.gmatch(text, '[^,]+') do
     out[#out + 1] = tonumber(v)
   end
   return out
+end
+
+-- A stored reply has 7 numbers when no split is in force (the other 7 are 0).
+local function decode_reply(text)
+  local out = decode(text)
+  for i = #out + 1, 14 do out[i] = 0 end
+  return out
+end
+
+local function encode_reply(reply)
+  local n = 14
+  if reply[8] == 0 then n = 7 end
+  local parts = {}
+  for i = 1, n do parts[i] = fmt(reply[i]) end
+  return table.concat(parts, ',')
 end
 
 local function no_split()
@@ -142,27 +157,35 @@ local function begin(key, p)
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local id = p.id
   local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
-    'sg', 'sk', 'ss', 'su', 'st', 'so', 'sm', 'pg', 'pu',
-    id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
+    'sg', 'sp', 'pt', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
   local s
   if f[1] then
     local function num(i) return tonumber(f[i] or '0') end
     s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
-         mx = num(7), ds = num(8), sg = num(9), pg = num(16), pu = num(17),
-         split = {parts = num(10), salt = num(11), gen = num(9), untl = num(12), tok = num(13),
-                  out = num(14), drop = num(15)}}
-    if s.split.parts == 0 then s.split = no_split() else s.stored_split = true end
+         mx = num(7), ds = num(8), sg = num(9), pg = 0, pu = 0, split = no_split()}
+    if f[10] then
+      -- sp: parts, salt, until, tokens, outstanding, drop of the split in force.
+      local a = decode(f[10])
+      s.split = {parts = a[1], salt = a[2], gen = s.sg, untl = a[3], tok = a[4], out = a[5],
+                 drop = a[6]}
+      s.stored_split = true
+    end
+    if f[11] then
+      -- pt: the split this part belongs to, and the end of its term.
+      local a = decode(f[11])
+      s.pg, s.pu = a[1], a[2]
+    end
   else
     s = fresh(p, server_now)
   end
   local now = math.max(server_now, s.ts)
   local rec = nil
-  if f[1] and f[18] then
-    rec = {held = tonumber(f[18]), x = tonumber(f[19]), seq = tonumber(f[20]), reply = f[21],
-           demand = tonumber(f[22]), credit = tonumber(f[23] or '0')}
+  if f[1] and f[12] then
+    rec = {held = tonumber(f[12]), x = tonumber(f[13]), seq = tonumber(f[14]), reply = f[15],
+           demand = tonumber(f[16]), credit = tonumber(f[17] or '0')}
     if rec.x > now then
       if p.seq == rec.seq then
-        return s, rec, now, decode(rec.reply)
+        return s, rec, now, decode_reply(rec.reply)
       end
       if p.seq < rec.seq then
         fail('LH_STALE sequence ' .. fmt(p.seq) .. ' is older than the last one seen (' ..
@@ -235,23 +258,25 @@ local function finish(key, s, p, now, rec, reply)
   if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
   s.mx = math.max(s.mx, x)
   local id = p.id
-  local parts = {}
-  for i = 1, #reply do parts[i] = fmt(reply[i]) end
-  local encoded = table.concat(parts, ',')
-  redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
+  local args = {'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
     'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds),
-    id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq), id .. ':r', encoded,
-    id .. ':d', fmt(rec.demand), id .. ':c', fmt(rec.credit))
-  if s.sg ~= 0 then redis.call('HSET', key, 'sg', fmt(s.sg)) end
-  if s.split.parts ~= 0 then
-    redis.call('HSET', key, 'sk', fmt(s.split.parts), 'ss', fmt(s.split.salt),
-      'su', fmt(s.split.untl), 'st', fmt(s.split.tok), 'so', fmt(s.split.out),
-      'sm', fmt(s.split.drop))
-  elseif s.stored_split then
-    redis.call('HDEL', key, 'sk', 'ss', 'su', 'st', 'so', 'sm')
+    id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq),
+    id .. ':r', encode_reply(reply), id .. ':d', fmt(rec.demand), id .. ':c', fmt(rec.credit)}
+  local function add(k, v)
+    args[#args + 1] = k
+    args[#args + 1] = v
   end
-  if s.pg ~= 0 then redis.call('HSET', key, 'pg', fmt(s.pg), 'pu', fmt(s.pu)) end
-  local busy = math.max(s.mx, s.split.untl)
+  if s.sg ~= 0 then add('sg', fmt(s.sg)) end
+  local sp = s.split
+  if sp.parts ~= 0 then
+    add('sp', fmt(sp.parts) .. ',' .. fmt(sp.salt) .. ',' .. fmt(sp.untl) .. ',' ..
+      fmt(sp.tok) .. ',' .. fmt(sp.out) .. ',' .. fmt(sp.drop))
+  elseif s.stored_split then
+    redis.call('HDEL', key, 'sp')
+  end
+  if s.pg ~= 0 then add('pt', fmt(s.pg) .. ',' .. fmt(s.pu)) end
+  redis.call('HSET', key, unpack(args))
+  local busy = math.max(s.mx, sp.untl)
   local life = math.max(busy - now, 0) + time_until(s, p.cap, p)
   local at_ms = divmod(now + life, 1000) + 1
   redis.call('PEXPIREAT', key, fmt(at_ms))
@@ -271,7 +296,7 @@ local function seed_part(key, s, p, now, rec)
       s.out, s.nexp, s.mx = p.pout, p.pdrop, p.pdrop
       local r = RESERVATION
       redis.call('HSET', key, r .. ':h', fmt(p.pout), r .. ':x', fmt(p.pdrop), r .. ':s', '0',
-        r .. ':r', '0,0,0,0,0,0,0,0,0,0,0,0,0,0', r .. ':d', '0', r .. ':c', '0')
+        r .. ':r', '0,0,0,0,0,0,0', r .. ':d', '0', r .. ':c', '0')
     end
     s.tok = p.ptok
     clamp(s, p)
@@ -322,7 +347,7 @@ local function allowance(p, ds, demand, scale, min, rec, now)
   local banked, elapsed = cap, 0
   if rec then
     banked = rec.credit
-    elapsed = math.max(now - decode(rec.reply)[5], 0)
+    elapsed = math.max(now - decode_reply(rec.reply)[5], 0)
   end
   return {credit = math.min(banked + math.floor(elapsed * per_us), cap), per_us = per_us}
 end

@@ -95,8 +95,9 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
 
 async fn split_fields(store: &RedisStore, key: &BucketKey) -> (u64, u64, u64) {
     let (f, _, now) = store.bucket(key).await.unwrap();
-    let num = |n: &str| f.get(n).and_then(|v| v.parse().ok()).unwrap_or(0u64);
-    (num("sk"), num("sg"), num("su").saturating_sub(now) / 1000)
+    let generation = f.get("sg").and_then(|v| v.parse().ok()).unwrap_or(0u64);
+    let s = coordinator::view::parse_split(f.get("sp").map(String::as_str), generation);
+    (s.parts, s.gen_us, s.until_us.saturating_sub(now) / 1000)
 }
 
 #[test]

@@ -179,15 +179,9 @@ impl Coordinator {
     /// The split in force on `key`, read from its bucket.
     async fn split_of(&self, key: &BucketKey, now_us: u64) -> Result<Option<Split>, StoreError> {
         let mut hmget = redis::cmd("HMGET");
-        hmget.arg(key.as_str()).arg(&["sk", "ss", "sg", "su"][..]);
+        hmget.arg(key.as_str()).arg("sp").arg("sg");
         let f: Vec<Option<String>> = self.store.query(&hmget).await?;
-        let split = Split {
-            parts: num(&f[0]),
-            salt: num(&f[1]),
-            gen_us: num(&f[2]),
-            until_us: num(&f[3]),
-            ..Split::default()
-        };
+        let split = crate::view::parse_split(f[0].as_deref(), num(&f[1]));
         Ok((split.parts != 0 && split.until_us > now_us).then_some(split))
     }
 

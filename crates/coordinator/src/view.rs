@@ -80,6 +80,28 @@ impl SplitView {
     }
 }
 
+/// The split stored in a bucket's `sp` field (parts, salt, until, tokens, outstanding,
+/// drop) with its start `sg`; all zero when absent or unreadable.
+pub fn parse_split(sp: Option<&str>, gen_us: u64) -> lease_core::model::Split {
+    let v: Vec<u64> = sp
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    match v[..] {
+        [parts, salt, until_us, tokens, outstanding, drop_us] => lease_core::model::Split {
+            parts,
+            salt,
+            gen_us,
+            until_us,
+            tokens,
+            outstanding,
+            drop_us,
+        },
+        _ => lease_core::model::Split::default(),
+    }
+}
+
 fn num(fields: &HashMap<String, String>, name: &str) -> u64 {
     fields.get(name).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
@@ -148,15 +170,12 @@ pub fn key_view(
         updated_us: num(fields, "ts"),
         expires_in_ms: (pttl_ms >= 0).then_some(pttl_ms),
         agents,
-        split: (num(fields, "sk") != 0 && num(fields, "su") > now_us).then(|| {
-            SplitView::new(
-                key,
-                num(fields, "sk"),
-                num(fields, "ss"),
-                num(fields, "su"),
-                now_us,
-            )
-        }),
+        split: Some(parse_split(
+            fields.get("sp").map(String::as_str),
+            num(fields, "sg"),
+        ))
+        .filter(|s| s.parts != 0 && s.until_us > now_us)
+        .map(|s| SplitView::new(key, s.parts, s.salt, s.until_us, now_us)),
         accounting: None,
     }
 }

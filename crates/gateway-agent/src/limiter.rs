@@ -1446,7 +1446,7 @@ fn wall_ms() -> u64 {
 }
 
 /// Writes this agent's report for the coordinator (see [`crate::report`]): running
-/// totals of the buckets it used recently.
+/// totals of the leased buckets it used recently.
 async fn report(limiter: Limiter) {
     use crate::report::{KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report};
     let Store::Redis(store) = &limiter.inner.store else {
@@ -1461,8 +1461,12 @@ async fn report(limiter: Limiter) {
             .keys
             .iter(&guard)
             .map(|(_, ks)| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
+            // Leased keys: exact decisions are exact by construction, and cold keys are
+            // most keys.
             .filter(|(last, ks)| {
-                ks.lease.held() > 0 || now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000
+                ks.lease.held() > 0
+                    || (ks.hot.load(Ordering::Relaxed)
+                        && now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000)
             })
             .collect()
     };

@@ -2,8 +2,8 @@
 //!
 //! Every second, on the whole second of its wall clock, an agent replaces its report
 //! with one `SET lh:agent:{ID} ... PX` (atomic, one key): a first line with the report's
-//! wall-clock time in ms, then a line per bucket it used recently (the parent key of a
-//! split bucket), `KEY admitted,calls,demand,held`, running totals. Bucket keys are
+//! wall-clock time in ms, then a line per leased bucket it used recently (the parent key
+//! of a split bucket; cold keys' exact decisions cannot overshoot), `KEY admitted,calls,demand,held`, running totals. Bucket keys are
 //! escaped, so they hold no whitespace. The report expires unless renewed, and the
 //! agent's id is scored with its time in the sorted set `lh:agents`, so the coordinator
 //! finds live agents without a keyspace scan: its work per tick is one read per live

@@ -5,8 +5,9 @@
 //! carry is counted in (`p`), the last server time (`ts`), the tokens leased and not yet
 //! reported (`out`), the earliest and latest moments an agent record may be dropped
 //! (`nexp`, `mx`), the sum of the agents' reported demand (`ds`), a split in force
-//! (`sk ss su st so sm`, and `sg` for the latest one) or the split this bucket is a part
-//! of (`pg pu`), and per agent its held tokens, drop time, last sequence number, last
+//! (`sp`: parts, salt, until, tokens, outstanding, drop; `sg`: when the latest began) or
+//! the split this bucket is a part of (`pt`: its start and the end of its term), and per
+//! agent its held tokens, drop time, last sequence number, last
 //! reply, demand and lease credit (`ID:h x s r d c`). Every operation is a pure function
 //! of this state, the rule's parameters and the server time:
 //!
@@ -236,10 +237,13 @@ impl Reply {
         }
     }
 
-    /// The stored form: the array, comma separated.
+    /// The stored form: the array, comma separated; the 7 split numbers only when a
+    /// split is in force.
     pub fn encode(&self) -> String {
-        let a = self.to_array().map(|v| v.to_string());
-        a.join(",")
+        let a = self.to_array();
+        let n = if self.split.parts == 0 { 7 } else { 14 };
+        let text: Vec<String> = a[..n].iter().map(u64::to_string).collect();
+        text.join(",")
     }
 }
 
@@ -889,21 +893,26 @@ impl GlobalBucket {
             f.insert(k.to_owned(), v.to_string());
         }
         let sp = &s.split;
-        let optional = [
-            ("sg", s.last_split_us, s.last_split_us != 0),
-            ("sk", sp.parts, sp.parts != 0),
-            ("ss", sp.salt, sp.parts != 0),
-            ("su", sp.until_us, sp.parts != 0),
-            ("st", sp.tokens, sp.parts != 0),
-            ("so", sp.outstanding, sp.parts != 0),
-            ("sm", sp.drop_us, sp.parts != 0),
-            ("pg", s.part_gen_us, s.part_gen_us != 0),
-            ("pu", s.part_until_us, s.part_gen_us != 0),
-        ];
-        for (k, v, present) in optional {
-            if present {
-                f.insert(k.to_owned(), v.to_string());
-            }
+        if s.last_split_us != 0 {
+            f.insert("sg".to_owned(), s.last_split_us.to_string());
+        }
+        if sp.parts != 0 {
+            let v = [
+                sp.parts,
+                sp.salt,
+                sp.until_us,
+                sp.tokens,
+                sp.outstanding,
+                sp.drop_us,
+            ];
+            let v: Vec<String> = v.iter().map(u64::to_string).collect();
+            f.insert("sp".to_owned(), v.join(","));
+        }
+        if s.part_gen_us != 0 {
+            f.insert(
+                "pt".to_owned(),
+                format!("{},{}", s.part_gen_us, s.part_until_us),
+            );
         }
         for (id, r) in &s.agents {
             f.insert(format!("{id}:h"), r.held.to_string());

@@ -10,7 +10,8 @@
 //! - [`bucket`]: fixed-point token bucket arithmetic (no drift, exact retry times).
 //! - [`key`]: Redis keys of buckets, safe against hostile subjects (I7).
 //! - [`lease`]: the local lease an agent spends from (I3, I4).
-//! - [`sizing`]: how large a lease to ask for, from measured demand.
+//! - [`sizing`]: the agent's lease policy: sizing from demand and share, reported demand,
+//!   reclaim.
 //! - [`model`]: the reference model of the global bucket (I1, I2, I5, I6), the oracle the
 //!   Lua must match.
 #![forbid(unsafe_code)]

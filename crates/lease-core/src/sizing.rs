@@ -1,8 +1,9 @@
-//! Lease sizing: how many tokens an agent asks for, from its measured demand.
+//! The agent's lease policy: how many tokens it asks for, what demand it reports, and
+//! when it gives a lease back. Shared by `gateway-agent` and the virtual-clock tests.
 //!
-//! An agent asks for enough to cover `horizon` of its own demand (about 200 ms), within the
-//! rule's lease bounds, so it calls the store a few times a second however hot the key is,
-//! and an idle agent holds little.
+//! An agent asks for enough to cover `horizon` of its demand (100 ms by default) times
+//! the proportional share the store returns, within the rule's lease bounds, so it calls
+//! the store a few times a second however hot the key is, and an idle agent holds little.
 
 use std::time::Duration;
 

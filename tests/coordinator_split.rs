@@ -18,6 +18,9 @@ use gateway_agent::{Decision, Limiter, LimiterConfig, RedisStore, Rules};
 use lease_core::{BucketKey, RuleName};
 use redis_harness::Cluster;
 
+/// The split's term: each extension sets its end this far ahead.
+const TERM_SECS: u64 = 8;
+
 const RULES: &str =
     "[rules.api]\ncapacity = 2000\nrate = \"20000/s\"\nleasing = \"lease\"\nlease_max = 4\n";
 
@@ -69,7 +72,7 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
         split: SplitPolicy {
             split_above,
             merge_below: split_above / 4.0,
-            term: Duration::from_secs(20),
+            term: Duration::from_secs(TERM_SECS),
         },
         ..CoordinatorConfig::default()
     };
@@ -206,10 +209,64 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
         assert_eq!((parts_now, generation_now), (3, generation));
         assert!(left > left_before, "the new coordinator extends the term");
 
+        // The heat passes: one agent goes on at 200 decisions/s. Its calls fall under a
+        // quarter of the budget, the coordinator stops extending the term, the term
+        // lapses and the parent serves again, with the agent hardly ever refused.
         stop.store(true, Ordering::Relaxed);
         for t in load {
             t.await.unwrap();
         }
+        // Saturated until now, through the split, the stop and the restart: the total
+        // is within one bucket's bound.
+        let hot_t = started.elapsed().as_secs_f64();
+        let hot_admitted = admitted.load(Ordering::Relaxed);
+        let hot_bound = 2000.0 + 20000.0 * hot_t;
+        println!("saturated phase: admitted {hot_admitted} in {hot_t:.2} s; bound B + r*t = {hot_bound:.0}");
+        assert!(hot_admitted as f64 <= hot_bound);
+        let paced_stop = Arc::new(AtomicBool::new(false));
+        let paced_denied = Arc::new(AtomicU64::new(0));
+        let paced = {
+            let (l, stop, admitted, denied) = (
+                agents[0].clone(),
+                paced_stop.clone(),
+                admitted.clone(),
+                paced_denied.clone(),
+            );
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(5));
+                while !stop.load(Ordering::Relaxed) {
+                    tick.tick().await;
+                    match l.check("hot", "api", 1).await.unwrap() {
+                        Decision::Allowed { .. } => admitted.fetch_add(1, Ordering::Relaxed),
+                        _ => denied.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        };
+        let cooled = Instant::now();
+        while split_fields(&store, &key).await.0 != 0 {
+            assert!(
+                cooled.elapsed() < Duration::from_secs(TERM_SECS + 10),
+                "the split did not end after the heat passed"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        println!("merged {:?} after the heat passed", cooled.elapsed());
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let merged = rates(&c, 2.0).await;
+        println!("after the merge: {}", spread(&merged));
+        let total_merged: f64 = merged.values().sum();
+        assert!(
+            merged[&owner] > 0.9 * total_merged,
+            "the parent's shard serves the key again: {merged:?}"
+        );
+        paced_stop.store(true, Ordering::Relaxed);
+        paced.await.unwrap();
+        let refused = paced_denied.load(Ordering::Relaxed);
+        println!("paced agent refused {refused} times through the merge");
+        // The parent resumes empty (what the parts held is unknown to it, so it cannot
+        // be handed back without risking B + r*W): a refusal or two as it refills.
+        assert!(refused <= 5, "200/s on a 20 000/s key is refused {refused} times");
         let t = started.elapsed().as_secs_f64();
         let admitted = admitted.load(Ordering::Relaxed);
         let bound = 2000.0 + 20000.0 * t;

@@ -916,6 +916,11 @@ impl Limiter {
             if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
                 return Ok(d);
             }
+            if term_ending(io, &reply) {
+                // No lease can outlive the term; each decision is one exact call until
+                // it ends (at most the rule's grace).
+                return self.exact(ks, io, entry, cost).await;
+            }
             if reply.granted == 0 {
                 break;
             }
@@ -1027,9 +1032,14 @@ impl Limiter {
                 },
             )
             .await?;
-        let ttl_ns = reply.ttl_us * 1000;
-        let margin = (self.inner.config.margin.as_nanos() as u64).min(ttl_ns / 4);
-        ks.lease.grant(reply.granted, sent + ttl_ns - margin);
+        // A part in the last moments of its split's term leases nothing (ttl 0): the
+        // lease keeps its deadline, which ends before the part's records do.
+        let ending = term_ending(io, &reply);
+        if !ending {
+            let ttl_ns = reply.ttl_us * 1000;
+            let margin = (self.inner.config.margin.as_nanos() as u64).min(ttl_ns / 4);
+            ks.lease.grant(reply.granted, sent + ttl_ns - margin);
+        }
         io.granted_total += reply.granted;
         if reply.scale_ppm != 0 {
             io.scale_ppm = reply.scale_ppm;
@@ -1047,9 +1057,10 @@ impl Limiter {
             // A refused prefetch waited for a quarter of a lease; callers need less, and
             // try for themselves when the lease runs dry. Prefetches wait.
             let until = now + reply.retry_us.max(1) * 1000;
-            if needed > 0 {
+            // A part whose term is ending: callers decide with exact calls instead.
+            if !ending && needed > 0 {
                 ks.deny_until_ns.store(until, Ordering::Release);
-            } else {
+            } else if !ending {
                 ks.prefetch_after_ns.store(until, Ordering::Relaxed);
             }
         } else {
@@ -1326,6 +1337,11 @@ impl Limiter {
     pub fn bucket_params(&self, rule: &str) -> Result<BucketParams, UnknownRule> {
         Ok(self.inner.rules.load().get(rule)?.params)
     }
+}
+
+/// True when `reply` comes from a part whose split's term ends too soon for a lease.
+fn term_ending(io: &Io, reply: &Reply) -> bool {
+    io.route.is_some() && reply.moved == 0 && reply.ttl_us == 0 && reply.granted == 0
 }
 
 /// True when `key` is not the key's own bucket (a part of a split).

@@ -24,6 +24,8 @@ local MAX_HELD = 1099511627776
 local MAX_UNITS = 4503599627370496
 local MAX_PARTS = 64
 local RESERVATION = '0000000000000000'
+-- A record's demand stops counting this long after the agent's last call (model.rs).
+local DEMAND_TTL = 1000000
 
 local function fail(msg)
   error({err = msg})
@@ -148,7 +150,7 @@ end
 
 local function fresh(p, now)
   return {tok = p.cap, car = 0, p = p.per, ts = now, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
-          pg = 0, pu = 0, split = no_split()}
+          dx = 0, pg = 0, pu = 0, split = no_split()}
 end
 
 -- Loads the bucket and the agent's record; returns (state, record, now, replay).
@@ -157,12 +159,12 @@ local function begin(key, p)
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local id = p.id
   local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
-    'sg', 'sp', 'pt', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
+    'sg', 'sp', 'pt', 'dx', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
   local s
   if f[1] then
     local function num(i) return tonumber(f[i] or '0') end
     s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
-         mx = num(7), ds = num(8), sg = num(9), pg = 0, pu = 0, split = no_split()}
+         mx = num(7), ds = num(8), sg = num(9), dx = num(12), pg = 0, pu = 0, split = no_split()}
     if f[10] then
       -- sp: parts, salt, until, tokens, outstanding, drop of the split in force.
       local a = decode(f[10])
@@ -180,9 +182,9 @@ local function begin(key, p)
   end
   local now = math.max(server_now, s.ts)
   local rec = nil
-  if f[1] and f[12] then
-    rec = {held = tonumber(f[12]), x = tonumber(f[13]), seq = tonumber(f[14]), reply = f[15],
-           demand = tonumber(f[16]), credit = tonumber(f[17] or '0')}
+  if f[1] and f[13] then
+    rec = {held = tonumber(f[13]), x = tonumber(f[14]), seq = tonumber(f[15]), reply = f[16],
+           demand = tonumber(f[17]), credit = tonumber(f[18] or '0')}
     if rec.x > now then
       if p.seq == rec.seq then
         return s, rec, now, decode_reply(rec.reply)
@@ -211,16 +213,41 @@ local function advance(key, s, p, now, rec)
       s.split = no_split()
     end
   end
-  if s.nexp ~= 0 and now >= s.nexp then
+  local stale_due = s.dx ~= 0 and now >= s.dx
+  local drop_due = s.nexp ~= 0 and now >= s.nexp
+  local recs = {}
+  if stale_due or drop_due then
     local all = redis.call('HGETALL', key)
-    local recs = {}
     for i = 1, #all, 2 do
-      local aid, field = string.match(all[i], '^(%x+):([hxd])$')
+      local aid, field = string.match(all[i], '^(%x+):([hxdr])$')
       if aid then
         recs[aid] = recs[aid] or {}
-        recs[aid][field] = tonumber(all[i + 1])
+        if field == 'r' then
+          recs[aid].at = decode_reply(all[i + 1])[5]
+        else
+          recs[aid][field] = tonumber(all[i + 1])
+        end
       end
     end
+  end
+  if stale_due then
+    -- Demand of agents silent for DEMAND_TTL stops counting in the shares.
+    local dx = 0
+    for aid, r in pairs(recs) do
+      if r.d > 0 and r.at + DEMAND_TTL <= now then
+        s.ds = s.ds - r.d
+        r.d = 0
+        redis.call('HSET', key, aid .. ':d', '0')
+        if rec and aid == p.id then rec.demand = 0 end
+      end
+      if r.d > 0 then
+        local t = r.at + DEMAND_TTL
+        if dx == 0 then dx = t else dx = math.min(dx, t) end
+      end
+    end
+    s.dx = dx
+  end
+  if drop_due then
     local expired, nexp, mx = {}, 0, 0
     for aid, r in pairs(recs) do
       if r.x <= now then
@@ -257,9 +284,13 @@ local function finish(key, s, p, now, rec, reply)
   local x = rec.x
   if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
   s.mx = math.max(s.mx, x)
+  if rec.demand > 0 then
+    local t = now + DEMAND_TTL
+    if s.dx == 0 then s.dx = t else s.dx = math.min(s.dx, t) end
+  end
   local id = p.id
   local args = {'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
-    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds),
+    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx),
     id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq),
     id .. ':r', encode_reply(reply), id .. ':d', fmt(rec.demand), id .. ':c', fmt(rec.credit)}
   local function add(k, v)

@@ -215,6 +215,12 @@ fn differential_lua_matches_model() {
             max_pause_ms: 60,
         },
         Case {
+            // Pauses past DEMAND_TTL: agents' demand goes stale between calls.
+            name: "stale-demand",
+            params: vec![params(40, "20/s", "2s", "500ms", None)],
+            max_pause_ms: 1100,
+        },
+        Case {
             name: "rule-changes",
             params: vec![
                 params(30, "10/s", "80ms", "20ms", None),

@@ -4,7 +4,8 @@
 //! The state is what the Redis hash holds: the level (`tok`, `car`), the refill period the
 //! carry is counted in (`p`), the last server time (`ts`), the tokens leased and not yet
 //! reported (`out`), the earliest and latest moments an agent record may be dropped
-//! (`nexp`, `mx`), the sum of the agents' reported demand (`ds`), a split in force
+//! (`nexp`, `mx`), the sum of the agents' reported demand (`ds`) and the earliest moment
+//! one of them goes stale (`dx`, a second after the agent's last call), a split in force
 //! (`sp`: parts, salt, until, tokens, outstanding, drop; `sg`: when the latest began) or
 //! the split this bucket is a part of (`pt`: its start and the end of its term), and per
 //! agent its held tokens, drop time, last sequence number, last
@@ -33,6 +34,11 @@ use crate::rule::BucketParams;
 /// The largest `held` or `returned` an agent may declare (2^40): a sum over thousands of
 /// agents stays exact in Lua.
 pub const MAX_HELD: u64 = 1 << 40;
+
+/// A record's demand stops counting in the key's shares this long after the agent's
+/// last operation (a crashed or partitioned agent's demand would otherwise hold the
+/// others back until its lease and grace run out).
+pub const DEMAND_TTL_US: u64 = 1_000_000;
 
 /// An agent instance: random per process start, so a restarted agent never replays the
 /// sequence numbers of its previous life.
@@ -312,6 +318,8 @@ pub struct BucketState {
     pub agents: BTreeMap<AgentId, AgentRecord>,
     /// Sum of the records' demand.
     pub demand_sum: u64,
+    /// The earliest moment a record's demand goes stale (0: no demand recorded).
+    pub next_stale_us: u64,
     /// The split in force (parent).
     pub split: Split,
     /// The start of the latest split, kept after it ends so the next one differs.
@@ -511,6 +519,7 @@ impl BucketState {
             last_drop_us: 0,
             agents: BTreeMap::new(),
             demand_sum: 0,
+            next_stale_us: 0,
             split: Split::default(),
             last_split_us: 0,
             part_gen_us: 0,
@@ -574,6 +583,21 @@ impl BucketState {
                 self.updated_us = self.updated_us.max(self.split.until_us);
                 self.split = Split::default();
             }
+        }
+        if self.next_stale_us != 0 && now >= self.next_stale_us {
+            for r in self.agents.values_mut() {
+                if r.demand > 0 && r.reply.now_us + DEMAND_TTL_US <= now {
+                    self.demand_sum -= r.demand;
+                    r.demand = 0;
+                }
+            }
+            self.next_stale_us = self
+                .agents
+                .values()
+                .filter(|r| r.demand > 0)
+                .map(|r| r.reply.now_us + DEMAND_TTL_US)
+                .min()
+                .unwrap_or(0);
         }
         if self.next_drop_us != 0 && now >= self.next_drop_us {
             let mut expired: Vec<(u64, AgentId)> = self
@@ -842,6 +866,14 @@ impl GlobalBucket {
             s.next_drop_us.min(x)
         };
         s.last_drop_us = s.last_drop_us.max(x);
+        if record.demand > 0 {
+            let stale = now + DEMAND_TTL_US;
+            s.next_stale_us = if s.next_stale_us == 0 {
+                stale
+            } else {
+                s.next_stale_us.min(stale)
+            };
+        }
         s.agents.insert(req.agent, record);
         // The key lives until every record is dropped, the split's term is over, and the
         // bucket would be full again (I6).
@@ -889,6 +921,7 @@ impl GlobalBucket {
             ("nexp", s.next_drop_us),
             ("mx", s.last_drop_us),
             ("ds", s.demand_sum),
+            ("dx", s.next_stale_us),
         ] {
             f.insert(k.to_owned(), v.to_string());
         }
@@ -1201,5 +1234,33 @@ mod tests {
         // Agent 2 takes what is left.
         let r = b.apply(&p, T0 + 90_000, &ask(2, 3, 900_000)).unwrap();
         assert_eq!(r.granted, 1);
+    }
+
+    /// A silent agent's demand stops counting a second after its last call, so the
+    /// others' shares grow back without waiting for its lease to run out.
+    #[test]
+    fn demand_of_a_silent_agent_goes_stale() {
+        let p = params(100, "10/s");
+        let mut b = GlobalBucket::new();
+        let ask = |agent, seq, demand| Request {
+            agent: AgentId(agent),
+            seq,
+            op: Op::Acquire {
+                held: 0,
+                want: 1,
+                min: 1,
+                demand,
+            },
+        };
+        b.apply(&p, T0, &ask(1, 1, 30_000)).unwrap();
+        let r = b.apply(&p, T0 + 500_000, &ask(2, 1, 10_000)).unwrap();
+        assert_eq!(r.scale_ppm, 250_000);
+        // Agent 1 says nothing more; a second after its call its demand is gone.
+        let r = b.apply(&p, T0 + 1_000_000, &ask(2, 2, 10_000)).unwrap();
+        assert_eq!(
+            (r.scale_ppm, b.state().unwrap().demand_sum),
+            (1_000_000, 10_000)
+        );
+        assert_eq!(b.state().unwrap().agents[&AgentId(1)].demand, 0);
     }
 }

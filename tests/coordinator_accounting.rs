@@ -10,21 +10,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use coordinator::{Admin, Coordinator, CoordinatorConfig};
-use gateway_agent::{Decision, Limiter, LimiterConfig, Rules};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use gateway_agent::Rules;
+use support::http_get as get;
 
 const RULES: &str = "[rules.api]\ncapacity = 500\nrate = \"2000/s\"\nleasing = \"lease\"\n";
-
-async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).await.unwrap();
-    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-    (status, body)
-}
 
 #[test]
 fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
@@ -32,18 +21,7 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
     support::runtime().block_on(async {
         let mut agents = Vec::new();
         for _ in 0..3 {
-            agents.push(
-                Limiter::builder()
-                    .redis(server.url())
-                    .rules(Rules::from_toml(RULES).unwrap())
-                    .config(LimiterConfig {
-                        store: support::config(),
-                        ..LimiterConfig::default()
-                    })
-                    .build()
-                    .await
-                    .unwrap(),
-            );
+            agents.push(support::limiter(&server.url(), RULES).await);
         }
         let store = support::store(&server.url()).await;
         let coordinator = Arc::new(Coordinator::new(
@@ -55,40 +33,20 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         let addr = listener.local_addr().unwrap();
         let admin = Admin::new(store, Rules::from_toml(RULES).unwrap())
             .with_snapshot(coordinator.snapshot());
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let serving = tokio::spawn(coordinator::serve(listener, admin, {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
-            }
+        let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(coordinator::serve(listener, admin, async {
+            let _ = stopped.await;
         }));
-        let running = {
-            let (c, mut rx) = (coordinator.clone(), stop_rx.clone());
-            tokio::spawn(async move {
-                c.run(async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                })
-                .await;
-            })
-        };
-        // Three agents flat out on one key: 2000/s can be admitted in all.
+        let running = coordinator.clone().spawn();
+        // Three agents flat out on one key: 2000/s can be admitted in all (a denial
+        // yields; the negative cache answers it without a store call).
         let stop = Arc::new(AtomicBool::new(false));
         let admitted = Arc::new(AtomicU64::new(0));
         let started = Instant::now();
-        let mut load = Vec::new();
-        for l in &agents {
-            let (l, stop, admitted) = (l.clone(), stop.clone(), admitted.clone());
-            load.push(tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    match l.check("tenant-1", "api", 1).await.unwrap() {
-                        Decision::Allowed { .. } => {
-                            admitted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        _ => tokio::time::sleep(Duration::from_millis(1)).await,
-                    }
-                }
-            }));
-        }
+        let load: Vec<_> = agents
+            .iter()
+            .map(|l| support::hammer(l, "tenant-1", "api", &stop, &admitted))
+            .collect();
         // Reports every whole second; a second is settled 1.5 s after it ends.
         let key = "lh:{api|tenant-1}";
         let waited = Instant::now();
@@ -148,8 +106,8 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         let t = started.elapsed().as_secs_f64();
         let admitted = admitted.load(Ordering::Relaxed);
         assert!(admitted as f64 <= 500.0 + 2000.0 * t, "{admitted} in {t} s");
-        let _ = stop_tx.send(true);
-        running.await.unwrap();
+        running.stop().await;
+        stop_admin.send(()).unwrap();
         serving.await.unwrap().unwrap();
     });
 }

@@ -8,23 +8,12 @@ use std::time::Duration;
 
 use coordinator::Admin;
 use gateway_agent::{Limiter, Rules};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use support::http_get as get;
 
 /// Leases of at most 200 tokens: every agent refills, and so reports its demand, several
 /// times a second (demand travels with acquires).
 const RULES: &str =
     "[rules.api]\ncapacity = 100000\nrate = \"100000/s\"\nleasing = \"lease\"\nlease_max = 200\n";
-
-async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).await.unwrap();
-    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
-    (status, body)
-}
 
 #[test]
 fn admin_view_shows_agents_and_their_shares_of_demand() {

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use coordinator::key_view;
-use gateway_agent::{Decision, Limiter, LimiterConfig, Rules};
+use gateway_agent::{Decision, Rules};
 use lease_core::{BucketKey, RuleName};
 
 const RULES: &str = "[rules.api]\ncapacity = 200\nrate = \"400/s\"\nleasing = \"lease\"\n";
@@ -25,18 +25,7 @@ fn skewed_agents_converge_to_proportional_shares() {
     support::runtime().block_on(async {
         let mut agents = Vec::new();
         for _ in DEMAND {
-            agents.push(
-                Limiter::builder()
-                    .redis(server.url())
-                    .rules(Rules::from_toml(RULES).unwrap())
-                    .config(LimiterConfig {
-                        store: support::config(),
-                        ..LimiterConfig::default()
-                    })
-                    .build()
-                    .await
-                    .unwrap(),
-            );
+            agents.push(support::limiter(&server.url(), RULES).await);
         }
         let stop = Arc::new(AtomicBool::new(false));
         let counts: Arc<Vec<AtomicU64>> =

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use coordinator::plan::SplitPolicy;
-use coordinator::{Coordinator, CoordinatorConfig};
-use gateway_agent::{Decision, Limiter, LimiterConfig, RedisStore, Rules};
+use coordinator::{Coordinator, CoordinatorConfig, Running};
+use gateway_agent::{Decision, Limiter, RedisStore, Rules};
 use lease_core::{BucketKey, RuleName};
 use redis_harness::Cluster;
 
@@ -61,12 +61,6 @@ fn spread(r: &BTreeMap<u16, f64>) -> String {
         .join(", ")
 }
 
-struct Running {
-    stop: tokio::sync::watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
-    coordinator: Arc<Coordinator>,
-}
-
 fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
     let config = CoordinatorConfig {
         split: SplitPolicy {
@@ -76,24 +70,8 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
         },
         ..CoordinatorConfig::default()
     };
-    let coordinator = Arc::new(Coordinator::new(
-        store.clone(),
-        Rules::from_toml(RULES).unwrap(),
-        config,
-    ));
-    let (stop, mut rx) = tokio::sync::watch::channel(false);
-    let c = coordinator.clone();
-    let task = tokio::spawn(async move {
-        c.run(async move {
-            let _ = rx.wait_for(|s| *s).await;
-        })
-        .await;
-    });
-    Running {
-        stop,
-        task,
-        coordinator,
-    }
+    let rules = Rules::from_toml(RULES).unwrap();
+    Arc::new(Coordinator::new(store.clone(), rules, config)).spawn()
 }
 
 async fn split_fields(store: &RedisStore, key: &BucketKey) -> (u64, u64, u64) {
@@ -114,37 +92,16 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
         let mut agents = Vec::new();
         for id in 1..=6u64 {
             // Ids 1..=6: two agents on each of the three parts (part = id % 3).
-            let l = Limiter::builder()
-                .cluster(c.urls())
-                .rules(Rules::from_toml(RULES).unwrap())
-                .agent_id(id)
-                .config(LimiterConfig {
-                    store: support::config(),
-                    ..LimiterConfig::default()
-                })
-                .build()
-                .await
-                .unwrap();
-            agents.push(l);
+            let builder = Limiter::builder().cluster(c.urls()).agent_id(id);
+            agents.push(support::limiter_with(builder, RULES).await);
         }
         let stop = Arc::new(AtomicBool::new(false));
         let admitted = Arc::new(AtomicU64::new(0));
         let started = Instant::now();
-        let mut load = Vec::new();
-        for l in &agents {
-            let (l, stop, admitted) = (l.clone(), stop.clone(), admitted.clone());
-            load.push(tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    match l.check("hot", "api", 1).await.unwrap() {
-                        Decision::Allowed { .. } => {
-                            admitted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Decision::Denied { .. } => tokio::task::yield_now().await,
-                        Decision::Unavailable { .. } => panic!("store unavailable"),
-                    }
-                }
-            }));
-        }
+        let load: Vec<_> = agents
+            .iter()
+            .map(|l| support::hammer(l, "hot", "api", &stop, &admitted))
+            .collect();
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let before = rates(&c, 2.0).await;
         let owner = c.owner(key.slot()).unwrap().port;
@@ -182,7 +139,7 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
                 "shard :{port} takes part of the load: {after:?}"
             );
         }
-        let view = running.coordinator.snapshot().read().keys[key.as_str()].clone();
+        let view = running.coordinator().snapshot().read().keys[key.as_str()].clone();
         println!(
             "coordinator: {:.0} calls/s, {} admitted in the last second, overshoot {:.4}",
             view.stats.calls_per_sec, view.stats.admitted_last_sec, view.stats.overshoot
@@ -191,8 +148,7 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
 
         // Stop the coordinator: the agents keep the split (its term runs on) and their
         // decisions do not change.
-        let _ = running.stop.send(true);
-        running.task.await.unwrap();
+        running.stop().await;
         let without = rates(&c, 2.0).await;
         println!("coordinator stopped: {}", spread(&without));
         for (port, r) in &without {
@@ -272,7 +228,6 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
         let bound = 2000.0 + 20000.0 * t;
         println!("admitted {admitted} in {t:.2} s; bound B + r*t = {bound:.0}");
         assert!(admitted as f64 <= bound);
-        let _ = running.stop.send(true);
-        running.task.await.unwrap();
+        running.stop().await;
     });
 }

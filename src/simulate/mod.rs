@@ -613,11 +613,7 @@ struct CoordinatorRun {
     store: leasehold::agent::RedisStore,
     rules: Rules,
     split_above: f64,
-    running: Option<(
-        Arc<leasehold::coordinator::Coordinator>,
-        tokio::sync::watch::Sender<bool>,
-        tokio::task::JoinHandle<()>,
-    )>,
+    running: Option<leasehold::coordinator::Running>,
     summary: CoordinatorSummary,
 }
 
@@ -667,24 +663,14 @@ impl CoordinatorRun {
             self.rules.clone(),
             config,
         ));
-        let (tx, mut rx) = tokio::sync::watch::channel(false);
-        let task = {
-            let c = c.clone();
-            tokio::spawn(async move {
-                c.run(async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                })
-                .await;
-            })
-        };
         self.summary.instances += 1;
-        self.running = Some((c, tx, task));
+        self.running = Some(c.spawn());
     }
 
     async fn stop(&mut self) {
-        if let Some((c, tx, task)) = self.running.take() {
-            let _ = tx.send(true);
-            let _ = task.await;
+        if let Some(running) = self.running.take() {
+            let c = running.coordinator().clone();
+            running.stop().await;
             let snap = c.snapshot().read().clone();
             self.summary.splits += snap.splits_started;
             self.summary.admitted += snap

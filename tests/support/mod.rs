@@ -75,3 +75,65 @@ pub fn field(server: &RedisServer, key: &str, name: &str) -> u64 {
         .get(name)
         .map_or(0, |v| v.parse().expect("numeric field"))
 }
+
+/// A limiter on the Redis at `url` with the rules in `toml` and test timeouts.
+pub async fn limiter(url: &str, toml: &str) -> gateway_agent::Limiter {
+    limiter_with(gateway_agent::Limiter::builder().redis(url), toml).await
+}
+
+/// `builder` with the rules in `toml` and test timeouts, built.
+pub async fn limiter_with(
+    builder: gateway_agent::LimiterBuilder,
+    toml: &str,
+) -> gateway_agent::Limiter {
+    builder
+        .rules(gateway_agent::Rules::from_toml(toml).expect("test rules are valid"))
+        .config(gateway_agent::LimiterConfig {
+            store: config(),
+            ..gateway_agent::LimiterConfig::default()
+        })
+        .build()
+        .await
+        .expect("limiter")
+}
+
+/// Checks `subject` under `rule` as fast as `limiter` answers until `stop`, counting
+/// admissions in `admitted`; a denial yields to the other tasks.
+pub fn hammer(
+    limiter: &gateway_agent::Limiter,
+    subject: &'static str,
+    rule: &'static str,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    admitted: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    use std::sync::atomic::Ordering;
+    let (l, stop, admitted) = (limiter.clone(), stop.clone(), admitted.clone());
+    tokio::spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            match l.check(subject, rule, 1).await.expect("valid check") {
+                gateway_agent::Decision::Allowed { .. } => {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+                gateway_agent::Decision::Denied { .. } => tokio::task::yield_now().await,
+                gateway_agent::Decision::Unavailable { .. } => panic!("store unavailable"),
+            }
+        }
+    })
+}
+
+/// `GET path` on `addr`: the status and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("send");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.expect("receive");
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("status");
+    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}

@@ -84,26 +84,14 @@ pub async fn run(
         "coordinator admin endpoint on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?
     );
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let serving = tokio::spawn(crate::serve(listener, admin, {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
+    let running = coordinator.spawn();
+    let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(crate::serve(listener, admin, async {
+        let _ = stopped.await;
     }));
-    let running = {
-        let c = coordinator.clone();
-        let mut rx = stop_rx;
-        tokio::spawn(async move {
-            c.run(async move {
-                let _ = rx.wait_for(|s| *s).await;
-            })
-            .await;
-        })
-    };
     shutdown.await;
-    let _ = stop_tx.send(true);
-    let _ = running.await;
+    running.stop().await;
+    let _ = stop_admin.send(());
     serving
         .await
         .map_err(|e| e.to_string())?

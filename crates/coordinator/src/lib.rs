@@ -28,5 +28,5 @@ pub mod service;
 pub mod view;
 
 pub use admin::{Admin, serve};
-pub use service::{Coordinator, CoordinatorConfig, KeyStatus, Snapshot};
+pub use service::{Coordinator, CoordinatorConfig, KeyStatus, Running, Snapshot};
 pub use view::{AgentView, KeyView, SplitView, key_view};

@@ -143,6 +143,23 @@ impl Coordinator {
         }
     }
 
+    /// Runs it on the current tokio runtime until [`Running::stop`].
+    pub fn spawn(self: Arc<Self>) -> Running {
+        let (stop, mut rx) = tokio::sync::watch::channel(false);
+        let coordinator = self.clone();
+        let task = tokio::spawn(async move {
+            self.run(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await;
+        });
+        Running {
+            coordinator,
+            stop,
+            task,
+        }
+    }
+
     /// Takes or renews the leader lock; true when this instance holds it.
     async fn lock(&self) -> Result<bool, StoreError> {
         let ttl = self.config.lock_ttl.as_millis() as u64;
@@ -321,6 +338,27 @@ impl Coordinator {
         snap.splits_started += started_splits;
         metrics::gauge!("leasehold_coordinator_tick_seconds").set(started.elapsed().as_secs_f64());
         Ok(())
+    }
+}
+
+/// A coordinator running in this process.
+#[derive(Debug)]
+pub struct Running {
+    coordinator: Arc<Coordinator>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// The coordinator.
+    pub fn coordinator(&self) -> &Arc<Coordinator> {
+        &self.coordinator
+    }
+
+    /// Stops it (it gives up the lock) and waits until it has.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
     }
 }
 

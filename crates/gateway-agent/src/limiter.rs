@@ -460,11 +460,48 @@ impl Io {
 #[derive(Debug)]
 struct Route {
     split: Split,
+    part: u64,
     key: BucketKey,
     params: BucketParams,
     /// When the split was read: local clock (ns) and server time (µs).
     seen_ns: u64,
     seen_server_us: u64,
+}
+
+impl Route {
+    /// Part `part` of `split` of the bucket `parent` with `params`; `None` when the
+    /// part's parameters cannot be represented exactly.
+    fn new(
+        split: Split,
+        part: u64,
+        parent: &BucketKey,
+        params: &BucketParams,
+        seen_ns: u64,
+        seen_server_us: u64,
+    ) -> Option<Self> {
+        let part = part % split.parts.max(1);
+        Some(Self {
+            params: split.part_params(params, part)?,
+            key: parent.part_of(split.salt, part),
+            split,
+            part,
+            seen_ns,
+            seen_server_us,
+        })
+    }
+
+    /// The next part, for an agent whose part had nothing for it: parts without agents
+    /// of their own are drained too.
+    fn next(&self, parent: &BucketKey, params: &BucketParams) -> Option<Self> {
+        Self::new(
+            self.split,
+            self.part + 1,
+            parent,
+            params,
+            self.seen_ns,
+            self.seen_server_us,
+        )
+    }
 }
 
 /// A route whose term ends within this long is read again from the parent (at most once
@@ -1134,7 +1171,23 @@ impl Limiter {
             io.calls_total += 1;
             let (key, params) = target(ks, io, entry);
             let reply = self.send(ks, entry, key, params, &op).await?;
-            if reply.moved == 0 || hops == 2 {
+            if reply.moved == 0 {
+                // Refused by its part while holding nothing from it: the next attempt
+                // goes to the next part, so parts no agent starts on are drained too.
+                let ending = matches!(op, Op::Acquire { .. }) && reply.ttl_us == 0;
+                let refused = reply.granted == 0 && !ending;
+                let empty = ks.lease.held() == 0
+                    && matches!(op, Op::Exact { .. } | Op::Acquire { held: 0, .. });
+                if let Some(r) = &io.route
+                    && refused
+                    && empty
+                    && let Some(next) = r.next(&ks.bucket, &entry.params)
+                {
+                    io.route = Some(next);
+                }
+                return Ok(reply);
+            }
+            if hops == 2 {
                 return Ok(reply);
             }
             hops += 1;
@@ -1142,20 +1195,20 @@ impl Limiter {
                 None
             } else {
                 let split = reply.split;
-                let part = self.inner.agent.0 % split.parts.max(1);
-                match split.part_params(&entry.params, part) {
-                    Some(params) => Some(Route {
-                        split,
-                        key: ks.bucket.part_of(split.salt, part),
-                        params,
-                        seen_ns: self.now_ns(),
-                        seen_server_us: reply.now_us,
-                    }),
-                    None => {
-                        tracing::warn!(key = %ks.bucket, parts = split.parts, "split cannot be represented exactly; waiting for its end");
-                        return Ok(reply);
-                    }
+                let first = self.inner.agent.0;
+                let route = Route::new(
+                    split,
+                    first,
+                    &ks.bucket,
+                    &entry.params,
+                    self.now_ns(),
+                    reply.now_us,
+                );
+                if route.is_none() {
+                    tracing::warn!(key = %ks.bucket, parts = split.parts, "split cannot be represented exactly; waiting for its end");
+                    return Ok(reply);
                 }
+                route
             };
             self.switch(ks, io, entry, next, &mut op).await?;
         }

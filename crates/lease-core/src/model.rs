@@ -462,6 +462,20 @@ impl Allowance {
     }
 }
 
+/// The record after an operation that leaves the agent's holding, demand and credit as
+/// they were (exact, split): it lives at least until `grace_end`. Its reply is set when
+/// the operation completes.
+fn kept(prior: Option<&AgentRecord>, credit_milli: u64, grace_end: u64, seq: u64) -> AgentRecord {
+    AgentRecord {
+        held: prior.map_or(0, |r| r.held),
+        drop_us: prior.map_or(0, |r| r.drop_us).max(grace_end),
+        seq,
+        reply: Reply::default(),
+        demand: prior.map_or(0, |r| r.demand),
+        credit_milli,
+    }
+}
+
 /// Validates what the Lua validates, in the same order.
 pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
     check("seq", req.seq, MAX_EXACT)?;
@@ -809,17 +823,7 @@ impl GlobalBucket {
                 } else {
                     reply.retry_us = s.level.time_until(cost, p.rate);
                 }
-                record = AgentRecord {
-                    held: prior_held,
-                    drop_us: prior
-                        .as_ref()
-                        .map_or(0, |r| r.drop_us)
-                        .max(now + p.grace_us),
-                    seq: req.seq,
-                    reply,
-                    demand: prior_demand,
-                    credit_milli: prior_credit,
-                };
+                record = kept(prior.as_ref(), prior_credit, now + p.grace_us, req.seq);
             }
             Op::Split {
                 parts,
@@ -843,17 +847,7 @@ impl GlobalBucket {
                 } else if s.split.parts == parts && s.split.salt == salt {
                     s.split.until_us = s.split.until_us.max(until_us);
                 }
-                record = AgentRecord {
-                    held: prior_held,
-                    drop_us: prior
-                        .as_ref()
-                        .map_or(0, |r| r.drop_us)
-                        .max(now + p.grace_us),
-                    seq: req.seq,
-                    reply,
-                    demand: prior_demand,
-                    credit_milli: prior_credit,
-                };
+                record = kept(prior.as_ref(), prior_credit, now + p.grace_us, req.seq);
             }
         }
         reply.split = s.split;

@@ -368,6 +368,18 @@ local function full_credit(p)
   return p.cap * 1000
 end
 
+-- The credit an operation that grants nothing leaves the agent: what it had, or full.
+local function kept_credit(rec, p)
+  if rec then return rec.credit end
+  return full_credit(p)
+end
+
+-- Tokens piling up past this level (B/8) mean the agents with credit are not taking
+-- them: proportional share stops binding (model.rs, plenty_level).
+local function plenty_level(p)
+  return ceil_div(p.cap, 8)
+end
+
 -- Proportional share, enforced (model.rs, Allowance): while the key is contended an
 -- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
 local function allowance(p, ds, demand, scale, min, rec, now)
@@ -420,9 +432,8 @@ local function acquire(keys, args)
   elseif p.maxout ~= 0 then
     avail = math.min(tok, math.max(p.maxout - s.out, 0))
   end
-  -- Work conserving: tokens piling up (an eighth of B) mean the agents with credit are
-  -- not taking them; anyone may.
-  local plenty = tok >= ceil_div(p.cap, 8)
+  -- Work conserving: past the plenty level anyone may take tokens.
+  local plenty = tok >= plenty_level(p)
   if a and not plenty then avail = math.min(avail, math.floor(a.credit / 1000)) end
   local g = math.min(want, avail)
   if g < min then g = 0 end
@@ -447,7 +458,7 @@ local function acquire(keys, args)
         if need > 0 then
           -- Out of credit, an agent's turn comes when it has earned min, or when tokens
           -- pile up to plenty, whichever is first.
-          turn = math.min(math.ceil(need / a.per_us), time_until(s, ceil_div(p.cap, 8), p))
+          turn = math.min(math.ceil(need / a.per_us), time_until(s, plenty_level(p), p))
         end
       end
       reply[4] = math.max(time_until(s, min, p), blocked, turn, 1)
@@ -474,8 +485,7 @@ local function release(keys, args)
   clamp(s, p)
   local reply = new_reply(now, moved)
   reply[1] = credit
-  local credit = full_credit(p)
-  if rec then credit = rec.credit end
+  local credit = kept_credit(rec, p)
   return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0, credit = credit}, reply)
 end
 
@@ -483,8 +493,7 @@ end
 local function kept(rec, p, now)
   local x = now + p.grace
   if rec and rec.x > x then x = rec.x end
-  local credit = full_credit(p)
-  if rec then credit = rec.credit end
+  local credit = kept_credit(rec, p)
   return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit}
 end
 

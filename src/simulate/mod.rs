@@ -623,18 +623,15 @@ impl CoordinatorRun {
         rules: &Rules,
         split_above: f64,
     ) -> Result<Option<Self>, String> {
+        use leasehold::agent::{RedisStore, StoreConfig};
         let store = match target {
             Target::Embedded(_) => return Ok(None),
-            Target::Redis(url) => leasehold::coordinator::cli::connect(url).await?,
+            Target::Redis(url) => RedisStore::connect(url, StoreConfig::default()).await,
             Target::Cluster(nodes) => {
-                let nodes: Vec<&str> = nodes
-                    .iter()
-                    .map(|n| n.strip_prefix("redis://").unwrap_or(n))
-                    .collect();
-                leasehold::coordinator::cli::connect(&format!("cluster://{}", nodes.join(",")))
-                    .await?
+                RedisStore::connect_cluster(nodes, StoreConfig::default()).await
             }
-        };
+        }
+        .map_err(|e| format!("coordinator: {e}"))?;
         let mut c = Self {
             store,
             rules: rules.clone(),

@@ -270,15 +270,18 @@ impl Coordinator {
         if !warm.is_empty() {
             let now_us = self.server_now_us().await?;
             let ranges = self.store.shards().await?;
-            let shard_of = |slot: u16| {
-                ranges
-                    .iter()
-                    .position(|(lo, hi, _)| (*lo..=*hi).contains(&slot))
-                    .unwrap_or(usize::MAX)
-            };
             let mut primaries: Vec<&str> = ranges.iter().map(|(_, _, n)| n.as_str()).collect();
             primaries.sort_unstable();
             primaries.dedup();
+            // A slot's shard: the index of the primary serving it (0 for a slot no
+            // primary serves, so a part there is never counted as on a shard of its own).
+            let shard_of = |slot: u16| {
+                ranges
+                    .iter()
+                    .find(|(lo, hi, _)| (*lo..=*hi).contains(&slot))
+                    .and_then(|(_, _, n)| primaries.iter().position(|p| p == n))
+                    .unwrap_or(0)
+            };
             for key in warm {
                 let Some((bucket, rule)) = BucketKey::parse(&key) else {
                     continue;
@@ -291,17 +294,12 @@ impl Coordinator {
                 let calls = statuses[&key].stats.calls_per_sec;
                 let until_us = now_us + policy.term.as_micros() as u64;
                 let op = match (leader, step(policy, calls, split.as_ref(), primaries.len())) {
-                    (true, Step::Split(parts)) => {
-                        let shard_of = |slot| {
-                            let name = ranges.get(shard_of(slot)).map(|(_, _, n)| n.as_str());
-                            primaries.iter().position(|p| Some(*p) == name).unwrap_or(0)
-                        };
-                        choose_salt(&bucket, &params, parts, shard_of).map(|salt| Op::Split {
+                    (true, Step::Split(parts)) => choose_salt(&bucket, &params, parts, shard_of)
+                        .map(|salt| Op::Split {
                             parts,
                             salt,
                             until_us,
-                        })
-                    }
+                        }),
                     (true, Step::Extend) => split.map(|s| Op::Split {
                         parts: s.parts,
                         salt: s.salt,

@@ -462,6 +462,7 @@ struct Route {
     split: Split,
     part: u64,
     key: BucketKey,
+    slot: u16,
     params: BucketParams,
     /// When the split was read: local clock (ns) and server time (µs).
     seen_ns: u64,
@@ -480,9 +481,11 @@ impl Route {
         seen_server_us: u64,
     ) -> Option<Self> {
         let part = part % split.parts.max(1);
+        let key = parent.part_of(split.salt, part);
         Some(Self {
             params: split.part_params(params, part)?,
-            key: parent.part_of(split.salt, part),
+            slot: key.slot(),
+            key,
             split,
             part,
             seen_ns,
@@ -1136,9 +1139,8 @@ impl Limiter {
         if returned == 0 && !withdraw {
             return Ok(());
         }
-        let (key, params) = target(ks, io, entry);
         let reply = self
-            .send(ks, entry, key, params, &Op::Release { returned })
+            .send(target(ks, io, entry), entry, &Op::Release { returned })
             .await?;
         entry.counters.incr(Counter::LeaseReturns);
         entry
@@ -1169,8 +1171,7 @@ impl Limiter {
         let mut hops = 0;
         loop {
             io.calls_total += 1;
-            let (key, params) = target(ks, io, entry);
-            let reply = self.send(ks, entry, key, params, &op).await?;
+            let reply = self.send(target(ks, io, entry), entry, &op).await?;
             if reply.moved == 0 {
                 // Refused by its part while holding nothing from it: the next attempt
                 // goes to the next part, so parts no agent starts on are drained too.
@@ -1235,21 +1236,9 @@ impl Limiter {
 
     /// One store call through the key's breaker. Retries of a call whose outcome is
     /// unknown reuse its sequence number, so the store applies it at most once (I2).
-    async fn send(
-        &self,
-        ks: &KeyState,
-        entry: &RuleEntry,
-        key: &BucketKey,
-        params: &BucketParams,
-        op: &Op,
-    ) -> Result<Reply, CallError> {
+    async fn send(&self, to: Dest<'_>, entry: &RuleEntry, op: &Op) -> Result<Reply, CallError> {
         let op = *op;
-        let slot = if io_routed(key, ks) {
-            key.slot()
-        } else {
-            ks.slot
-        };
-        let breaker = self.inner.breakers.for_slot(slot);
+        let breaker = self.inner.breakers.for_slot(to.slot);
         let _permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
         let req = lease_core::Request {
             agent: self.inner.agent,
@@ -1261,7 +1250,7 @@ impl Limiter {
         let mut attempt = 0;
         loop {
             entry.counters.incr(Counter::StoreCalls);
-            match self.inner.store.call(key, params, &req).await {
+            match self.inner.store.call(to.key, to.params, &req).await {
                 Ok(reply) => {
                     breaker.success();
                     return Ok(reply);
@@ -1274,7 +1263,7 @@ impl Limiter {
                     if e.is_retryable() {
                         breaker.failure(self.now_ns());
                     } else {
-                        tracing::error!(error = %e, key = %ks.bucket, "store refused a request");
+                        tracing::error!(error = %e, key = %to.key, "store refused a request");
                     }
                     return Err(CallError::Store(e));
                 }
@@ -1397,20 +1386,28 @@ fn term_ending(io: &Io, reply: &Reply) -> bool {
     io.route.is_some() && reply.moved == 0 && reply.ttl_us == 0 && reply.granted == 0
 }
 
-/// True when `key` is not the key's own bucket (a part of a split).
-fn io_routed(key: &BucketKey, ks: &KeyState) -> bool {
-    !std::ptr::eq(key, &ks.bucket)
+/// Where a store call goes: a bucket key, the parameters to send it, and its slot (for
+/// the breaker of the shard that serves it).
+#[derive(Clone, Copy)]
+struct Dest<'a> {
+    key: &'a BucketKey,
+    params: &'a BucketParams,
+    slot: u16,
 }
 
-/// The bucket calls for `ks` go to now, with the parameters to send.
-fn target<'a>(
-    ks: &'a KeyState,
-    io: &'a Io,
-    entry: &'a RuleEntry,
-) -> (&'a BucketKey, &'a BucketParams) {
+/// The bucket calls for `ks` go to now: its own key, or its part of a split.
+fn target<'a>(ks: &'a KeyState, io: &'a Io, entry: &'a RuleEntry) -> Dest<'a> {
     match &io.route {
-        Some(r) => (&r.key, &r.params),
-        None => (&ks.bucket, &entry.params),
+        Some(r) => Dest {
+            key: &r.key,
+            params: &r.params,
+            slot: r.slot,
+        },
+        None => Dest {
+            key: &ks.bucket,
+            params: &entry.params,
+            slot: ks.slot,
+        },
     }
 }
 
@@ -1631,40 +1628,34 @@ impl Limiter {
                 return_after,
                 fair,
             );
-            if ks.hot.load(Ordering::Acquire) || held > 0 {
-                if idle {
-                    if entry.rule.leasing() == Leasing::Auto {
-                        ks.hot.store(false, Ordering::Release);
-                    }
-                    if held > 0 {
-                        let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
-                        tokio::spawn(async move {
-                            let mut io = io;
-                            let _ = this.release(&ks, &mut io, &entry, true).await;
-                        });
-                    }
-                } else if reclaim != Reclaim::Keep {
-                    // Reclaim: tokens this agent is not spending, or more than its share
-                    // of a contended key, go back where other agents can lease them.
+            if idle {
+                if entry.rule.leasing() == Leasing::Auto {
+                    ks.hot.store(false, Ordering::Release);
+                }
+                if held > 0 {
                     let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
                     tokio::spawn(async move {
                         let mut io = io;
-                        let idle = reclaim == Reclaim::Idle;
-                        if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
-                            entry.counters.incr(Counter::Reclaims);
-                        }
-                    });
-                } else if held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
-                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
-                    tokio::spawn(async move {
-                        let mut io = io;
-                        let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                        let _ = this.release(&ks, &mut io, &entry, true).await;
                     });
                 }
-            } else if now.saturating_sub(last_io) >= inner.config.forget_after.as_nanos() as u64
-                && ks.waiters.load(Ordering::Acquire) == 0
-            {
-                forget.push(id.clone());
+            } else if reclaim != Reclaim::Keep {
+                // Reclaim: tokens this agent is not spending, or more than its share
+                // of a contended key, go back where other agents can lease them.
+                let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                tokio::spawn(async move {
+                    let mut io = io;
+                    let idle = reclaim == Reclaim::Idle;
+                    if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
+                        entry.counters.incr(Counter::Reclaims);
+                    }
+                });
+            } else if held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
+                let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                tokio::spawn(async move {
+                    let mut io = io;
+                    let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                });
             }
         }
         for id in forget {

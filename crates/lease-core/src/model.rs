@@ -398,6 +398,12 @@ fn full_credit(p: &BucketParams) -> u64 {
     (p.capacity as f64 * 1000.0) as u64
 }
 
+/// Tokens piling up in the bucket past this level (B/8) mean the agents with credit are
+/// not taking them: proportional share stops binding until they are taken.
+fn plenty_level(p: &BucketParams) -> u64 {
+    p.capacity.div_ceil(8)
+}
+
 /// Proportional share, enforced. While the key is contended (the agents' demand sums
 /// to more than r, and not all of it is this agent's), an agent earns the right to
 /// lease tokens at `r * share` per second, `share = demand / Σ demand` (at least 1% of
@@ -746,9 +752,8 @@ impl GlobalBucket {
                 } else {
                     tok.min(p.max_outstanding.saturating_sub(s.outstanding))
                 };
-                // Work conserving: tokens piling up (an eighth of B) mean the agents with
-                // credit are not taking them; anyone may.
-                let plenty = tok >= p.capacity.div_ceil(8);
+                // Work conserving: past the plenty level anyone may take tokens.
+                let plenty = tok >= plenty_level(p);
                 let avail = match &share {
                     Some(a) if !plenty => avail.min(a.tokens()),
                     _ => avail,
@@ -777,7 +782,7 @@ impl GlobalBucket {
                     };
                     // Out of credit, an agent's turn comes when it has earned `min`, or
                     // when tokens pile up to plenty, whichever is first.
-                    let plenty_in = s.level.time_until(p.capacity.div_ceil(8), p.rate);
+                    let plenty_in = s.level.time_until(plenty_level(p), p.rate);
                     let turn = share.as_ref().map_or(0, |a| a.wait_us(min).min(plenty_in));
                     s.level
                         .time_until(min, p.rate)

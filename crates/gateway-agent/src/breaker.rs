@@ -7,7 +7,15 @@
 //! keys on the other shards. A single Redis or the embedded store is one shard.
 //!
 //! A breaker opens after consecutive failures, lets one probe through after a cooldown
-//! (half-open), and closes on the probe's success.
+//! (half-open), and closes on the probe's success. Every way out of a call ends it: the
+//! [`Permit`] is resolved as a success or a failure, and a permit dropped unresolved (the
+//! caller's future was cancelled, or the call never reached the store) frees the probe
+//! place, so a breaker never stays open longer than its cooldown once the store answers.
+//!
+//! A failure counts only when nothing on the shard succeeded since the failed call was
+//! sent. A timeout while other calls to the same shard are being answered says the agent
+//! (or its machine) is slow, not that the shard is down; opening the breaker then would
+//! turn our own CPU load into an outage for every key of the shard.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -45,6 +53,7 @@ pub(crate) struct Breaker {
     failures: AtomicU32,
     open_until_ns: AtomicU64,
     probing: AtomicBool,
+    last_success_ns: AtomicU64,
     in_flight: Arc<Semaphore>,
     config: BreakerConfig,
 }
@@ -58,10 +67,38 @@ pub(crate) enum Refusal {
     Saturated,
 }
 
-/// Permission to call the store: one of the shard's in-flight places.
+/// Permission to call the store: one of the shard's in-flight places, and the probe when
+/// the breaker is half-open. Resolve it with [`Permit::succeeded`] or [`Permit::failed`];
+/// dropping it unresolved ends a probe without a verdict, so the next call probes again.
 #[derive(Debug)]
-pub(crate) struct Permit {
+pub(crate) struct Permit<'a> {
+    breaker: &'a Breaker,
+    sent_ns: u64,
+    probe: bool,
     _place: OwnedSemaphorePermit,
+}
+
+impl Permit<'_> {
+    /// The store answered (an error reply about the request itself is an answer too).
+    pub(crate) fn succeeded(mut self, now_ns: u64) {
+        self.probe = false;
+        self.breaker.success(now_ns);
+    }
+
+    /// The call failed: no answer in time, a lost connection, or a store that cannot
+    /// serve (out of memory, read-only, no permission).
+    pub(crate) fn failed(mut self, now_ns: u64) {
+        let probe = std::mem::take(&mut self.probe);
+        self.breaker.failure(now_ns, self.sent_ns, probe);
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.breaker.probing.store(false, Ordering::Release);
+        }
+    }
 }
 
 impl Breaker {
@@ -70,37 +107,53 @@ impl Breaker {
             failures: AtomicU32::new(0),
             open_until_ns: AtomicU64::new(0),
             probing: AtomicBool::new(false),
+            last_success_ns: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
         }
     }
 
     /// Asks to call the store at `now_ns`.
-    pub(crate) fn enter(&self, now_ns: u64) -> Result<Permit, Refusal> {
+    pub(crate) fn enter(&self, now_ns: u64) -> Result<Permit<'_>, Refusal> {
         let until = self.open_until_ns.load(Ordering::Acquire);
         // Open: refuse until the cooldown ends, then let exactly one probe through.
-        if until != 0 && (now_ns < until || self.probing.swap(true, Ordering::AcqRel)) {
+        let probe = until != 0;
+        if probe && (now_ns < until || self.probing.swap(true, Ordering::AcqRel)) {
             return Err(Refusal::Open);
         }
         match self.in_flight.clone().try_acquire_owned() {
-            Ok(p) => Ok(Permit { _place: p }),
+            Ok(place) => Ok(Permit {
+                breaker: self,
+                sent_ns: now_ns,
+                probe,
+                _place: place,
+            }),
             Err(_) => {
-                self.probing.store(false, Ordering::Release);
+                if probe {
+                    self.probing.store(false, Ordering::Release);
+                }
                 Err(Refusal::Saturated)
             }
         }
     }
 
-    pub(crate) fn success(&self) {
+    fn success(&self, now_ns: u64) {
+        self.last_success_ns.fetch_max(now_ns, Ordering::AcqRel);
         self.failures.store(0, Ordering::Relaxed);
         self.open_until_ns.store(0, Ordering::Release);
         self.probing.store(false, Ordering::Release);
     }
 
-    pub(crate) fn failure(&self, now_ns: u64) {
+    /// A call sent at `sent_ns` failed at `now_ns`. It counts towards opening only when
+    /// no call on this shard succeeded since it was sent; a failed probe reopens at once.
+    pub(crate) fn failure(&self, now_ns: u64, sent_ns: u64, probe: bool) {
+        if probe {
+            self.probing.store(false, Ordering::Release);
+        } else if self.last_success_ns.load(Ordering::Acquire) > sent_ns {
+            return;
+        }
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        let probing = self.probing.swap(false, Ordering::AcqRel);
-        if probing || n >= self.config.failures_to_open {
+        if probe || n >= self.config.failures_to_open {
             let until = now_ns + self.config.cooldown.as_nanos() as u64;
             self.open_until_ns.store(until.max(1), Ordering::Release);
         }
@@ -208,27 +261,64 @@ mod tests {
     #[test]
     fn opens_after_failures_probes_once_and_closes_on_success() {
         let b = Breaker::new(config(2, 4));
-        assert!(b.enter(0).is_ok());
-        b.failure(0);
-        assert!(b.enter(1).is_ok());
-        b.failure(1);
+        b.enter(0).unwrap().failed(0);
+        b.enter(1).unwrap().failed(1);
         assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
-        assert!(b.enter(200).is_ok(), "a probe after the cooldown");
+        let probe = b.enter(200).expect("a probe after the cooldown");
         assert_eq!(
             b.enter(200).unwrap_err(),
             Refusal::Open,
             "one probe at a time"
         );
-        b.failure(200);
+        probe.failed(200);
         assert_eq!(
             b.enter(250).unwrap_err(),
             Refusal::Open,
             "a failed probe reopens"
         );
-        assert!(b.enter(400).is_ok());
-        b.success();
+        b.enter(400).unwrap().succeeded(400);
         assert!(b.enter(401).is_ok());
         assert!(b.enter(401).is_ok());
+    }
+
+    #[test]
+    fn a_cancelled_probe_ends_the_probe() {
+        let b = Breaker::new(config(1, 4));
+        b.enter(0).unwrap().failed(0);
+        let probe = b.enter(200).expect("a probe after the cooldown");
+        // The caller's future is dropped mid-call: no verdict, but the probe is over.
+        drop(probe);
+        b.enter(201)
+            .expect("the next call probes again")
+            .succeeded(202);
+        assert!(!b.is_open(203));
+        assert!(b.enter(203).is_ok(), "closed");
+    }
+
+    #[test]
+    fn a_probe_refused_for_saturation_ends_the_probe() {
+        let b = Breaker::new(config(1, 1));
+        let busy = b.enter(0).unwrap();
+        b.failure(0, 0, false);
+        assert_eq!(b.enter(200).unwrap_err(), Refusal::Saturated);
+        drop(busy);
+        assert!(b.enter(200).is_ok(), "the probe place was not kept");
+    }
+
+    #[test]
+    fn a_timeout_while_the_shard_answers_others_does_not_count() {
+        let b = Breaker::new(config(2, 4));
+        let slow1 = b.enter(0).unwrap();
+        let slow2 = b.enter(1).unwrap();
+        b.enter(5).unwrap().succeeded(10);
+        // Both were sent before a success: the shard is alive, the caller was slow.
+        slow1.failed(60);
+        slow2.failed(61);
+        assert!(!b.is_open(62));
+        // Sent after the last success, with no answer since: these count.
+        b.enter(70).unwrap().failed(120);
+        b.enter(71).unwrap().failed(121);
+        assert!(b.is_open(122));
     }
 
     #[test]
@@ -250,7 +340,7 @@ mod tests {
             (10923, 16383, "c:1".to_owned()),
         ];
         b.set_topology(&ranges);
-        b.for_slot(100).failure(0);
+        b.for_slot(100).failure(0, 0, false);
         assert!(b.for_slot(5000).is_open(10), "same shard");
         assert!(
             !b.for_slot(6000).is_open(10),

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_utils::CachePadded;
 
+use crate::redis_store::ErrorKind;
+
 /// Threads with a slot of their own.
 pub const SLOTS: usize = 64;
 
@@ -176,6 +178,30 @@ impl RuleCounters {
             ("leasehold_reclaims_total", s.reclaims),
         ] {
             metrics::counter!(name, "rule" => rule.clone()).absolute(v);
+        }
+    }
+}
+
+/// Store errors by kind, for the whole agent (errors are rare: a plain `fetch_add`).
+#[derive(Debug, Default)]
+pub struct ErrorCounts([AtomicU64; ErrorKind::ALL.len()]);
+
+impl ErrorCounts {
+    /// Adds one error of `kind`.
+    pub fn incr(&self, kind: ErrorKind) {
+        self.0[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Errors of `kind` so far.
+    pub fn get(&self, kind: ErrorKind) -> u64 {
+        self.0[kind as usize].load(Ordering::Relaxed)
+    }
+
+    /// Publishes `leasehold_store_errors_by_kind_total{kind}`.
+    pub fn publish(&self) {
+        for kind in ErrorKind::ALL {
+            metrics::counter!("leasehold_store_errors_by_kind_total", "kind" => kind.as_str())
+                .absolute(self.get(kind));
         }
     }
 }

@@ -24,6 +24,6 @@ pub mod store;
 pub use limiter::{
     Admission, BuildError, CheckError, Decision, Limiter, LimiterBuilder, LimiterConfig,
 };
-pub use redis_store::{LIBRARY, RedisStore, StoreConfig, StoreError};
+pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError};
 pub use rules::{Rules, RulesError, UnknownRule};
 pub use store::{EmbeddedStore, Store};

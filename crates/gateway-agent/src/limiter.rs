@@ -35,8 +35,8 @@ use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
 use crate::breaker::{BreakerConfig, Breakers, Refusal};
-use crate::counters::{Counter, RuleCounters, RuleStats};
-use crate::redis_store::{RedisStore, StoreConfig, StoreError};
+use crate::counters::{Counter, ErrorCounts, RuleCounters, RuleStats};
+use crate::redis_store::{ErrorKind, RedisStore, StoreConfig, StoreError};
 use crate::rules::{Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
@@ -300,6 +300,7 @@ impl LimiterBuilder {
             base: clock.raw(),
             clock,
             breakers,
+            error_kinds: ErrorCounts::default(),
             prefetch: tx,
             config: self.config,
         });
@@ -559,6 +560,7 @@ struct Inner {
     clock: quanta::Clock,
     base: u64,
     breakers: Breakers,
+    error_kinds: ErrorCounts,
     prefetch: mpsc::Sender<Arc<KeyState>>,
     config: LimiterConfig,
 }
@@ -612,6 +614,11 @@ impl Limiter {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// Store errors of `kind` this agent has seen.
+    pub fn store_errors(&self, kind: ErrorKind) -> u64 {
+        self.inner.error_kinds.get(kind)
     }
 
     /// The shards the breakers know, by primary address.
@@ -936,8 +943,18 @@ impl Limiter {
                 self.degraded(&ks, &entry, cost)
             }
             Err(_) => {
-                self.inner.breakers.for_slot(ks.slot).failure(self.now_ns());
+                // The call in flight was dropped (ending a probe, if it was one). The
+                // timeout counts against the shard only if nothing on it succeeded
+                // since this decision began.
+                let began = self
+                    .now_ns()
+                    .saturating_sub(entry.rule.timeout().as_nanos() as u64);
+                self.inner
+                    .breakers
+                    .for_slot(ks.slot)
+                    .failure(self.now_ns(), began, false);
                 entry.counters.incr(Counter::StoreErrors);
+                self.inner.error_kinds.incr(ErrorKind::Timeout);
                 self.degraded(&ks, &entry, cost)
             }
         }
@@ -1236,10 +1253,12 @@ impl Limiter {
 
     /// One store call through the key's breaker. Retries of a call whose outcome is
     /// unknown reuse its sequence number, so the store applies it at most once (I2).
+    /// Every way out resolves the breaker's permit; a cancelled call drops it, which ends
+    /// a probe without a verdict.
     async fn send(&self, to: Dest<'_>, entry: &RuleEntry, op: &Op) -> Result<Reply, CallError> {
         let op = *op;
         let breaker = self.inner.breakers.for_slot(to.slot);
-        let _permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
+        let permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
         let req = lease_core::Request {
             agent: self.inner.agent,
             seq: self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1,
@@ -1252,7 +1271,7 @@ impl Limiter {
             entry.counters.incr(Counter::StoreCalls);
             match self.inner.store.call(to.key, to.params, &req).await {
                 Ok(reply) => {
-                    breaker.success();
+                    permit.succeeded(self.now_ns());
                     return Ok(reply);
                 }
                 Err(e) if e.is_retryable() && attempt < 2 && first.elapsed() < replay_window => {
@@ -1260,9 +1279,15 @@ impl Limiter {
                 }
                 Err(e) => {
                     entry.counters.incr(Counter::StoreErrors);
-                    if e.is_retryable() {
-                        breaker.failure(self.now_ns());
-                    } else {
+                    self.inner.error_kinds.incr(e.kind());
+                    match e.kind() {
+                        // The shard answered; the request itself was refused.
+                        ErrorKind::Refused => permit.succeeded(self.now_ns()),
+                        // Never sent: no verdict on the shard.
+                        ErrorKind::Protocol => drop(permit),
+                        _ => permit.failed(self.now_ns()),
+                    }
+                    if !e.is_retryable() {
                         tracing::error!(error = %e, key = %to.key, "store refused a request");
                     }
                     return Err(CallError::Store(e));
@@ -1470,6 +1495,7 @@ async fn background(
                     e.counters.publish(&e.name);
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
+                inner.error_kinds.publish();
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
                     tokio::spawn(report(Limiter { inner }));

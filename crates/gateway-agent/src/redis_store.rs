@@ -47,10 +47,73 @@ pub enum StoreError {
     /// The embedded store was switched off (simulated outage).
     #[error("store offline")]
     Offline,
-    /// The store answered in a way that needs an operator: a key of another type where a
-    /// bucket should be, a read-only replica, an unexpected reply.
+    /// The store answered with an error of its own: out of memory (`OOM`), no permission
+    /// (`NOPERM`), a read-only replica (`READONLY`), a key of another type (`WRONGTYPE`).
+    #[error("store error {code}: {message}")]
+    Server {
+        /// The error code Redis gave.
+        code: String,
+        /// Its explanation, truncated.
+        message: String,
+    },
+    /// The store answered in a way that needs an operator: an unexpected reply, a bad
+    /// address.
     #[error("store misconfigured: {0}")]
     Misconfigured(String),
+}
+
+/// What kind of store error, as counted in `leasehold_store_errors_by_kind_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(usize)]
+pub enum ErrorKind {
+    /// No answer in time.
+    Timeout,
+    /// Connection refused, dropped or reset; the node is loading or the cluster down.
+    Unavailable,
+    /// The embedded store is switched off.
+    Offline,
+    /// `OOM`: Redis is at `maxmemory` and refuses writes.
+    OutOfMemory,
+    /// `NOPERM` or `NOAUTH`: the user may not run the library.
+    NoPermission,
+    /// `READONLY`: the node is a replica.
+    ReadOnly,
+    /// `LH_*`: the library refused the request itself.
+    Refused,
+    /// Refused before sending: the request can never succeed as written.
+    Protocol,
+    /// Any other error reply or unexpected answer.
+    Other,
+}
+
+impl ErrorKind {
+    /// Every kind, in `repr` order.
+    pub const ALL: [ErrorKind; 9] = [
+        Self::Timeout,
+        Self::Unavailable,
+        Self::Offline,
+        Self::OutOfMemory,
+        Self::NoPermission,
+        Self::ReadOnly,
+        Self::Refused,
+        Self::Protocol,
+        Self::Other,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::Unavailable => "unavailable",
+            Self::Offline => "offline",
+            Self::OutOfMemory => "oom",
+            Self::NoPermission => "noperm",
+            Self::ReadOnly => "readonly",
+            Self::Refused => "refused",
+            Self::Protocol => "protocol",
+            Self::Other => "other",
+        }
+    }
 }
 
 impl StoreError {
@@ -62,6 +125,39 @@ impl StoreError {
             Self::Unavailable(_) | Self::Timeout(_) | Self::Offline
         )
     }
+
+    /// What kind of error this is, for metrics.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Protocol(_) => ErrorKind::Protocol,
+            Self::Refused { .. } => ErrorKind::Refused,
+            Self::Unavailable(_) => ErrorKind::Unavailable,
+            Self::Timeout(_) => ErrorKind::Timeout,
+            Self::Offline => ErrorKind::Offline,
+            Self::Server { code, .. } => match code.as_str() {
+                "OOM" => ErrorKind::OutOfMemory,
+                "NOPERM" | "NOAUTH" | "WRONGPASS" => ErrorKind::NoPermission,
+                "READONLY" => ErrorKind::ReadOnly,
+                _ => ErrorKind::Other,
+            },
+            Self::Misconfigured(_) => ErrorKind::Other,
+        }
+    }
+}
+
+/// At most this many bytes of a store's error text are kept: a request carrying a
+/// megabyte must not come back as a megabyte of error message.
+const MAX_ERROR_TEXT: usize = 256;
+
+fn truncated(text: &str) -> String {
+    if text.len() <= MAX_ERROR_TEXT {
+        return text.to_owned();
+    }
+    let mut end = MAX_ERROR_TEXT;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &text[..end], text.len())
 }
 
 /// Connection settings.
@@ -398,11 +494,7 @@ fn classify(e: RedisError) -> StoreError {
     {
         let detail = e.detail().unwrap_or_default();
         // Redis appends " script: NAME, on @user_function:LINE." to errors from functions.
-        let message = detail
-            .split(" script: ")
-            .next()
-            .unwrap_or(detail)
-            .to_owned();
+        let message = truncated(detail.split(" script: ").next().unwrap_or(detail));
         return StoreError::Refused {
             code: code.to_owned(),
             message,
@@ -419,7 +511,13 @@ fn classify(e: RedisError) -> StoreError {
     {
         return StoreError::Unavailable(e);
     }
-    StoreError::Misconfigured(e.to_string())
+    if let Some(code) = e.code() {
+        return StoreError::Server {
+            code: code.to_owned(),
+            message: truncated(e.detail().unwrap_or_default()),
+        };
+    }
+    StoreError::Misconfigured(truncated(&e.to_string()))
 }
 
 fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {

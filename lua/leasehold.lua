@@ -384,7 +384,9 @@ end
 -- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
 local function allowance(p, ds, demand, scale, min, rec, now)
   if scale >= 1000000 then return nil end
-  local share = math.max(demand, math.ceil(ds / 100))
+  -- 1% of the sum for an agent reporting no demand yet (model.rs, Allowance::new).
+  local share = demand
+  if demand == 0 then share = math.ceil(ds / 100) end
   local per_us = p.n * 1000 / p.per * share / ds
   local cap = math.max(min * 1000, math.floor(p.cap * 1000 * share / ds))
   local banked, elapsed = cap, 0
@@ -454,12 +456,12 @@ local function acquire(keys, args)
       if p.maxout ~= 0 and tok >= min then blocked = math.max(s.nexp - now, 0) end
       local turn = 0
       if a then
+        -- An agent's turn comes when its share has earned min (model.rs, wait_us: with
+        -- credit enough and the bucket short, the time its share takes to refill min),
+        -- or when tokens pile up to plenty, whichever is first.
         local need = min * 1000 - a.credit
-        if need > 0 then
-          -- Out of credit, an agent's turn comes when it has earned min, or when tokens
-          -- pile up to plenty, whichever is first.
-          turn = math.min(math.ceil(need / a.per_us), time_until(s, plenty_level(p), p))
-        end
+        if need <= 0 then need = min * 1000 end
+        turn = math.min(math.ceil(need / a.per_us), time_until(s, plenty_level(p), p))
       end
       reply[4] = math.max(time_until(s, min, p), blocked, turn, 1)
     end

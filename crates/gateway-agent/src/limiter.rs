@@ -30,7 +30,7 @@ use lease_core::bucket::Level;
 use lease_core::key::{BucketKey, SubjectError};
 use lease_core::model::{AgentId, Op, Reply, Split};
 use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
-use lease_core::{Rate, Reclaim, Spend, lease_request};
+use lease_core::{KeyPolicy, PolicyConfig, Rate, Reclaim, Spend, SweepAction};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
@@ -166,15 +166,29 @@ pub struct LimiterConfig {
     pub store: StoreConfig,
 }
 
+impl LimiterConfig {
+    /// The part of the configuration the per-key policy reads.
+    fn policy(&self) -> PolicyConfig {
+        PolicyConfig {
+            horizon: self.horizon,
+            margin: self.margin,
+            return_after: self.return_after,
+            idle_after: self.idle_after,
+            hot_above_per_sec: self.hot_above_per_sec,
+        }
+    }
+}
+
 impl Default for LimiterConfig {
     fn default() -> Self {
+        let p = PolicyConfig::default();
         Self {
-            hot_above_per_sec: 20,
-            idle_after: Duration::from_secs(2),
-            return_after: Duration::from_millis(500),
+            hot_above_per_sec: p.hot_above_per_sec,
+            idle_after: p.idle_after,
+            return_after: p.return_after,
             forget_after: Duration::from_secs(30),
-            horizon: lease_core::sizing::DEFAULT_HORIZON,
-            margin: Duration::from_millis(50),
+            horizon: p.horizon,
+            margin: p.margin,
             max_waiters: 1024,
             sweep_every: Duration::from_millis(100),
             breaker: BreakerConfig::default(),
@@ -302,6 +316,7 @@ impl LimiterBuilder {
             breakers,
             error_kinds: ErrorCounts::default(),
             prefetch: tx,
+            policy: self.config.policy(),
             config: self.config,
         });
         inner.note_rules_mtime();
@@ -419,42 +434,12 @@ impl papaya::Equivalent<KeyId> for KeyRef<'_> {
     }
 }
 
-/// Store-side bookkeeping of a key, touched only under its I/O lock.
+/// Store-side state of a key, touched only under its I/O lock: the policy (lease-core)
+/// and where calls go while the bucket is split.
 #[derive(Debug, Default)]
 struct Io {
-    grant_ns: u64,
-    last_want: u64,
-    /// Demand reported to the store, thousandths of a token per second.
-    reported_milli: f64,
-    /// How long the reported demand has been measured (capped at a second).
-    measured_ns: u64,
-    held_after_grant: u64,
-    demand_milli: u64,
-    cold_window_ns: u64,
-    cold_tokens: u64,
-    seen_held: u64,
-    seen_denied: u64,
-    seen_at_ns: u64,
-    /// The proportional share the store last reported, millionths (0: none yet).
-    scale_ppm: u64,
-    /// The key's denied tokens when demand was last measured.
-    denied_seen: u64,
-    /// Where calls go while the bucket is split.
+    policy: KeyPolicy,
     route: Option<Route>,
-    /// Totals the coordinator's accounting reads: tokens leased in, tokens that left the
-    /// lease unspent (returned or forfeited), tokens admitted by exact calls, store calls.
-    granted_total: u64,
-    unspent_total: u64,
-    exact_total: u64,
-    calls_total: u64,
-}
-
-impl Io {
-    /// Tokens admitted against the bucket so far (the lease's spent tokens and exact
-    /// admissions), given what the lease holds now.
-    fn admitted(&self, held: u64) -> u64 {
-        (self.granted_total + self.exact_total).saturating_sub(self.unspent_total + held)
-    }
 }
 
 /// The part of a split bucket this agent uses, as the parent last described the split.
@@ -540,7 +525,11 @@ struct KeyState {
     denied_tokens: AtomicU64,
     /// A refused prefetch is not tried again before this time.
     prefetch_after_ns: AtomicU64,
+    /// This agent's last granted share of the key (thousandths of a token per second),
+    /// for the emergency limit.
     share_milli: AtomicU64,
+    /// Tokens admitted without the store (emergency, fail-open) not yet reported.
+    without_store: AtomicU64,
     last_io_ns: AtomicU64,
     io: Arc<AsyncMutex<Io>>,
     queue: AsyncMutex<()>,
@@ -563,6 +552,8 @@ struct Inner {
     error_kinds: ErrorCounts,
     prefetch: mpsc::Sender<Arc<KeyState>>,
     config: LimiterConfig,
+    /// The part of `config` the lease-core policy reads.
+    policy: PolicyConfig,
 }
 
 impl Inner {
@@ -865,6 +856,7 @@ impl Limiter {
                     low_water: AtomicU64::new(1),
                     prefetching: AtomicBool::new(false),
                     share_milli: AtomicU64::new(0),
+                    without_store: AtomicU64::new(0),
                     last_io_ns: AtomicU64::new(now),
                     io: Arc::new(AsyncMutex::new(Io::default())),
                     queue: AsyncMutex::new(()),
@@ -1002,24 +994,17 @@ impl Limiter {
     ) -> Result<Decision, CallError> {
         let reply = self.call(ks, io, entry, Op::Exact { cost }).await?;
         let now = self.now_ns();
+        let admitted = reply.granted == cost;
         // Promotion: a cold key used faster than the threshold starts leasing.
-        if now.saturating_sub(io.cold_window_ns) >= 1_000_000_000 {
-            io.cold_window_ns = now;
-            io.cold_tokens = 0;
-        }
-        io.cold_tokens += cost;
-        if entry.rule.leasing() == Leasing::Auto
-            && io.cold_tokens > self.inner.config.hot_above_per_sec
+        if io
+            .policy
+            .exact_done(&entry.rule, &self.inner.policy, now, cost, admitted)
         {
-            let elapsed_ms = (now - io.cold_window_ns).max(1_000_000) / 1_000_000;
-            io.demand_milli = io.cold_tokens * 1_000_000 / elapsed_ms;
-            io.reported_milli = io.demand_milli as f64;
-            io.measured_ns = (elapsed_ms * 1_000_000).min(1_000_000_000);
-            ks.share_milli.store(io.demand_milli, Ordering::Relaxed);
+            ks.share_milli
+                .store(io.policy.share_milli(), Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);
         }
-        if reply.granted == cost {
-            io.exact_total += cost;
+        if admitted {
             entry.counters.incr(Counter::AdmittedExact);
             Ok(Decision::Allowed {
                 remaining: reply.remaining,
@@ -1045,82 +1030,42 @@ impl Limiter {
         needed: u64,
     ) -> Result<Reply, CallError> {
         let sent = self.now_ns();
-        let (held, forfeited) = ks.lease.declare_counting(sent);
-        io.unspent_total += forfeited;
-        let denied = ks.denied_tokens.load(Ordering::Relaxed);
-        let denied_since = denied - io.denied_seen;
-        io.denied_seen = denied;
-        if io.grant_ns != 0 && sent > io.grant_ns {
-            // Offered demand: what was spent from the lease and what was denied.
-            let consumed = io.held_after_grant.saturating_sub(held + forfeited) + denied_since;
-            let dt = sent - io.grant_ns;
-            let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(dt);
-            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
-            // Sizing reacts to the rate since the last grant: a lease drained fast means
-            // the next one must be larger.
-            io.demand_milli = io.demand_milli / 2 + rate / 2;
-            // What is reported (shares, emergency limits) is a time-weighted average over
-            // about a second: a burst spent in microseconds barely moves it.
-            (io.reported_milli, io.measured_ns) =
-                lease_core::sizing::report_demand(io.reported_milli, rate, dt, io.measured_ns);
-        }
-        // Proportional share: under contention every agent leases the same fraction of
-        // its demand, r / (sum of demands), as the store computed it.
-        let want = lease_core::sizing::size_lease(
+        let args = io.policy.acquire(
             &entry.rule,
-            io.demand_milli,
-            io.scale_ppm,
-            self.inner.config.horizon,
+            &self.inner.policy,
+            sent,
+            &ks.lease,
+            ks.denied_tokens.load(Ordering::Relaxed),
             needed,
-            io.last_want,
-            held,
         );
-        io.last_want = want.want;
-        let reply = self
-            .call(
-                ks,
-                io,
-                entry,
-                Op::Acquire {
-                    held,
-                    want: want.want,
-                    min: want.min,
-                    demand: (io.reported_milli as u64).min(lease_core::model::MAX_HELD),
-                },
-            )
-            .await?;
-        // A part in the last moments of its split's term leases nothing (ttl 0): the
-        // lease keeps its deadline, which ends before the part's records do.
+        let op = Op::Acquire {
+            held: args.held,
+            want: args.want,
+            min: args.min,
+            demand: args.demand,
+        };
+        let reply = self.call(ks, io, entry, op).await?;
+        // A part in the last moments of its split's term leases nothing (ttl 0).
         let ending = term_ending(io, &reply);
-        if !ending {
-            let ttl_ns = reply.ttl_us * 1000;
-            let margin = (self.inner.config.margin.as_nanos() as u64).min(ttl_ns / 4);
-            ks.lease.grant(reply.granted, sent + ttl_ns - margin);
-        }
-        io.granted_total += reply.granted;
-        if reply.scale_ppm != 0 {
-            io.scale_ppm = reply.scale_ppm;
-        }
-        let now = self.now_ns();
-        io.grant_ns = now;
-        io.held_after_grant = ks.lease.held();
-        io.seen_held = io.held_after_grant;
-        io.seen_at_ns = now;
-        ks.low_water
-            .store(needed.max(want.want / 4).max(1), Ordering::Relaxed);
+        let g = io.policy.granted(
+            &self.inner.policy,
+            &ks.lease,
+            sent,
+            self.now_ns(),
+            needed,
+            &reply,
+            ending,
+        );
+        ks.low_water.store(g.low_water, Ordering::Relaxed);
         ks.share_milli
-            .store(io.reported_milli as u64, Ordering::Relaxed);
-        if reply.granted == 0 {
-            // A refused prefetch waited for a quarter of a lease; callers need less, and
-            // try for themselves when the lease runs dry. Prefetches wait.
-            let until = now + reply.retry_us.max(1) * 1000;
-            // A part whose term is ending: callers decide with exact calls instead.
-            if !ending && needed > 0 {
-                ks.deny_until_ns.store(until, Ordering::Release);
-            } else if !ending {
-                ks.prefetch_after_ns.store(until, Ordering::Relaxed);
-            }
-        } else {
+            .store(io.policy.share_milli(), Ordering::Relaxed);
+        if let Some(until) = g.deny_until_ns {
+            ks.deny_until_ns.store(until, Ordering::Release);
+        }
+        if let Some(until) = g.prefetch_after_ns {
+            ks.prefetch_after_ns.store(until, Ordering::Relaxed);
+        }
+        if reply.granted > 0 {
             ks.deny_until_ns.store(0, Ordering::Release);
             entry.counters.incr(Counter::LeaseGrants);
             entry
@@ -1142,17 +1087,11 @@ impl Limiter {
     ) -> Result<(), CallError> {
         let now = self.now_ns();
         let expired = now >= ks.lease.deadline_ns();
-        let returned = ks.lease.take_all();
-        io.unspent_total += returned;
+        let taken = ks.lease.take_all();
+        let withdraw = io.policy.released(taken, withdraw);
         // An expired lease is forfeited: it can no longer be spent, so saying so early
         // only frees room.
-        let returned = if expired { 0 } else { returned };
-        let withdraw = withdraw && io.reported_milli > 0.0;
-        if withdraw {
-            io.reported_milli = 0.0;
-            io.measured_ns = 0;
-            io.demand_milli = 0;
-        }
+        let returned = if expired { 0 } else { taken };
         if returned == 0 && !withdraw {
             return Ok(());
         }
@@ -1187,7 +1126,7 @@ impl Limiter {
         }
         let mut hops = 0;
         loop {
-            io.calls_total += 1;
+            io.policy.called();
             let reply = self.send(target(ks, io, entry), entry, &op).await?;
             if reply.moved == 0 {
                 // Refused by its part while holding nothing from it: the next attempt
@@ -1244,7 +1183,7 @@ impl Limiter {
     ) -> Result<(), CallError> {
         self.release(ks, io, entry, false).await?;
         io.route = next;
-        io.last_want = 0;
+        io.policy.moved();
         if let Op::Acquire { held, .. } = op {
             *held = 0;
         }
@@ -1303,6 +1242,7 @@ impl Limiter {
         match entry.rule.failure_policy() {
             FailurePolicy::FailOpen => {
                 c.incr(Counter::AdmittedFailOpen);
+                ks.without_store.fetch_add(cost, Ordering::Relaxed);
                 Decision::Allowed {
                     remaining: 0,
                     via: Admission::FailOpen,
@@ -1319,10 +1259,22 @@ impl Limiter {
                 let e = slot.get_or_insert_with(|| {
                     c.incr(Counter::EmergencyActivations);
                     ks.in_emergency.store(true, Ordering::Release);
-                    let rate = rate.unwrap_or_else(|| derived_share(ks, &entry.rule));
-                    let cap = entry.rule.lease_max().get().min(1_000_000);
+                    let (share, cap) = lease_core::emergency_limit(
+                        &entry.rule,
+                        &self.inner.policy,
+                        ks.share_milli.load(Ordering::Relaxed),
+                    );
+                    // An explicit emergency rate overrides the share: a bucket of the
+                    // rule's lease_max that starts full (each agent's own limit).
+                    let (rate, cap, level) = match rate {
+                        Some(r) => {
+                            let cap = entry.rule.lease_max().get();
+                            (r, cap, Level::full(cap))
+                        }
+                        None => (share, cap, Level::default()),
+                    };
                     Emergency {
-                        level: Level::full(cap),
+                        level,
                         rate,
                         cap,
                         at_ns: now,
@@ -1333,6 +1285,7 @@ impl Limiter {
                 e.at_ns = now;
                 if e.level.tokens >= cost {
                     e.level = e.level.take(cost);
+                    ks.without_store.fetch_add(cost, Ordering::Relaxed);
                     c.incr(Counter::AdmittedEmergency);
                     Decision::Allowed {
                         remaining: e.level.tokens,
@@ -1443,21 +1396,6 @@ enum CallError {
     Store(StoreError),
 }
 
-/// The emergency rate of a key: this agent's recently measured demand for it (its share),
-/// never above the rule's rate; the rule's rate when nothing was measured.
-fn derived_share(ks: &KeyState, rule: &Rule) -> Rate {
-    let milli = ks.share_milli.load(Ordering::Relaxed);
-    let rule_rate = rule.rate();
-    if milli == 0 {
-        return rule_rate;
-    }
-    let per_1000s = std::num::NonZeroU64::new(milli).unwrap_or(std::num::NonZeroU64::MIN);
-    match Rate::new(per_1000s, Duration::from_secs(1000)) {
-        Ok(r) if r.per_sec_f64() < rule_rate.per_sec_f64() => r,
-        _ => rule_rate,
-    }
-}
-
 async fn background(
     inner: Weak<Inner>,
     mut prefetch: mpsc::Receiver<Arc<KeyState>>,
@@ -1557,6 +1495,7 @@ async fn report(limiter: Limiter) {
             // most keys.
             .filter(|(last, ks)| {
                 ks.lease.held() > 0
+                    || ks.without_store.load(Ordering::Relaxed) > 0
                     || (ks.hot.load(Ordering::Relaxed)
                         && now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000)
             })
@@ -1566,15 +1505,19 @@ async fn report(limiter: Limiter) {
     keys.truncate(MAX_KEYS_PER_REPORT);
     let mut lines = Vec::with_capacity(keys.len());
     for (_, ks) in keys {
-        let io = ks.io.lock().await;
-        if io.calls_total == 0 {
+        let mut io = ks.io.lock().await;
+        // Admissions made without the store count against the bucket like any other.
+        io.policy
+            .admitted_without_store(ks.without_store.swap(0, Ordering::Relaxed));
+        let held = ks.lease.held();
+        let t = io.policy.totals(held);
+        if t.calls == 0 && t.admitted == 0 {
             continue;
         }
-        let held = ks.lease.held();
         let totals = KeyReport {
-            admitted: io.admitted(held),
-            calls: io.calls_total,
-            demand_milli: io.reported_milli as u64,
+            admitted: t.admitted,
+            calls: t.calls,
+            demand_milli: t.demand_milli,
             held,
         };
         lines.push((ks.bucket.as_str().to_owned(), totals));
@@ -1626,62 +1569,45 @@ impl Limiter {
                 continue;
             };
             let held = ks.lease.held();
-            // Activity: spending from the lease, or being denied.
-            let denied = ks.denied_tokens.load(Ordering::Relaxed);
-            if held != io.seen_held || denied != io.seen_denied {
-                io.seen_held = held;
-                io.seen_denied = denied;
-                io.seen_at_ns = now;
-            }
-            let ttl_ns = entry.params.lease_ttl_us * 1000;
-            let idle_after = (inner.config.idle_after.as_nanos() as u64).min(ttl_ns / 2);
-            let last_io = ks.last_io_ns.load(Ordering::Relaxed);
-            let idle = now.saturating_sub(io.seen_at_ns) >= idle_after
-                && now.saturating_sub(last_io) >= idle_after;
-            let deadline = ks.lease.deadline_ns();
-            let unspent_for = now.saturating_sub(io.seen_at_ns);
-            let return_after = (inner.config.return_after.as_nanos() as u64).min(idle_after);
-            // The lease this agent's share of a contended key justifies (no limit when the
-            // key is not contended).
-            let fair = (io.scale_ppm != 0 && io.scale_ppm < 1_000_000).then(|| {
-                let share = lease_core::scaled(io.reported_milli as u64, io.scale_ppm);
-                lease_request(&entry.rule, share, inner.config.horizon, 0).want
-            });
-            let reclaim = lease_core::reclaim(
-                held,
-                io.reported_milli as u64,
-                unspent_for,
-                return_after,
-                fair,
+            let action = io.policy.sweep(
+                &entry.rule,
+                &inner.policy,
+                now,
+                &ks.lease,
+                ks.denied_tokens.load(Ordering::Relaxed),
+                ks.last_io_ns.load(Ordering::Relaxed),
             );
-            if idle {
-                if entry.rule.leasing() == Leasing::Auto {
-                    ks.hot.store(false, Ordering::Release);
+            let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+            match action {
+                SweepAction::Keep => {}
+                SweepAction::Idle => {
+                    if entry.rule.leasing() == Leasing::Auto {
+                        ks.hot.store(false, Ordering::Release);
+                    }
+                    if held > 0 {
+                        tokio::spawn(async move {
+                            let mut io = io;
+                            let _ = this.release(&ks, &mut io, &entry, true).await;
+                        });
+                    }
                 }
-                if held > 0 {
-                    let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+                SweepAction::Reclaim(reclaim) => {
+                    // Reclaim: tokens this agent is not spending, or more than its share
+                    // of a contended key, go back where other agents can lease them.
                     tokio::spawn(async move {
                         let mut io = io;
-                        let _ = this.release(&ks, &mut io, &entry, true).await;
+                        let idle = reclaim == Reclaim::Idle;
+                        if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
+                            entry.counters.incr(Counter::Reclaims);
+                        }
                     });
                 }
-            } else if reclaim != Reclaim::Keep {
-                // Reclaim: tokens this agent is not spending, or more than its share
-                // of a contended key, go back where other agents can lease them.
-                let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
-                tokio::spawn(async move {
-                    let mut io = io;
-                    let idle = reclaim == Reclaim::Idle;
-                    if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
-                        entry.counters.incr(Counter::Reclaims);
-                    }
-                });
-            } else if held > 0 && deadline > now && deadline - now < ttl_ns / 4 {
-                let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
-                tokio::spawn(async move {
-                    let mut io = io;
-                    let _ = this.acquire(&ks, &mut io, &entry, 0).await;
-                });
+                SweepAction::Renew => {
+                    tokio::spawn(async move {
+                        let mut io = io;
+                        let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                    });
+                }
             }
         }
         for id in forget {

@@ -12,6 +12,8 @@
 //! - [`lease`]: the local lease an agent spends from (I3, I4).
 //! - [`sizing`]: the agent's lease policy: sizing from demand and share, reported demand,
 //!   reclaim.
+//! - [`policy`]: the agent's per-key policy as a state machine (demand, sizing, denial
+//!   cache, sweep, cold/hot, emergency rate), driven by `gateway-agent` and the fleet tests.
 //! - [`model`]: the reference model of the global bucket (I1, I2, I5, I6), the oracle the
 //!   Lua must match.
 #![forbid(unsafe_code)]
@@ -20,6 +22,7 @@ pub mod bucket;
 pub mod key;
 pub mod lease;
 pub mod model;
+pub mod policy;
 pub mod rate;
 pub mod rule;
 pub mod sizing;
@@ -29,6 +32,9 @@ pub use bucket::{Level, retry_after_secs};
 pub use key::{BucketKey, SubjectError};
 pub use lease::{LocalLease, Spend};
 pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request, Split};
+pub use policy::{
+    AcquireArgs, Granted, KeyPolicy, PolicyConfig, SweepAction, Totals, emergency_limit,
+};
 pub use rate::{MAX_EXACT, Rate, RateError};
 pub use rule::{
     BucketParams, FailurePolicy, Leasing, Mode, PartSeed, Rule, RuleError, RuleName, RuleSpec,

@@ -406,8 +406,10 @@ fn plenty_level(p: &BucketParams) -> u64 {
 
 /// Proportional share, enforced. While the key is contended (the agents' demand sums
 /// to more than r, and not all of it is this agent's), an agent earns the right to
-/// lease tokens at `r * share` per second, `share = demand / Σ demand` (at least 1% of
-/// the sum, so a newcomer is not starved before its demand is measured), and may bank
+/// lease tokens at `r * share` per second, `share = demand / Σ demand` (1% of the sum
+/// for an agent that reports no demand yet, so a newcomer is not starved before its
+/// demand is measured; a floor for every agent would hand a fleet of 1 000 small agents
+/// ten times the rate, and the large ones would pay for it), and may bank
 /// `B * share` of it. Grants spend the credit; an agent out of credit waits its turn
 /// while the others lease. The arithmetic is in floating point with the same operations
 /// as the Lua, so both round alike.
@@ -426,7 +428,11 @@ impl Allowance {
             return None;
         }
         let ds = demand_sum as f64;
-        let share = (demand as f64).max((ds / 100.0).ceil());
+        let share = if demand > 0 {
+            demand as f64
+        } else {
+            (ds / 100.0).ceil()
+        };
         let per_us = p.rate.tokens() as f64 * 1000.0 / p.rate.period_us() as f64 * share / ds;
         let cap = (min as f64 * 1000.0).max((p.capacity as f64 * 1000.0 * share / ds).floor());
         Some(Self {
@@ -457,14 +463,17 @@ impl Allowance {
         self.credit = (self.credit - tokens as f64 * 1000.0).max(0.0);
     }
 
-    /// µs until the credit covers `min` tokens.
+    /// µs until this agent's turn for `min` tokens: until its credit covers them, or,
+    /// when it does and the bucket is short of them, the time its share of the refill
+    /// takes to bring them (the other agents drain the bucket meanwhile). Telling every
+    /// refused agent "when `min` tokens exist" would bring them all back at once, for one
+    /// of them to win.
     fn wait_us(&self, min: u64) -> u64 {
-        let need = min as f64 * 1000.0 - self.credit;
+        let mut need = min as f64 * 1000.0 - self.credit;
         if need <= 0.0 {
-            0
-        } else {
-            (need / self.per_us).ceil() as u64
+            need = min as f64 * 1000.0;
         }
+        (need / self.per_us).ceil() as u64
     }
 }
 
@@ -780,8 +789,8 @@ impl GlobalBucket {
                     } else {
                         0
                     };
-                    // Out of credit, an agent's turn comes when it has earned `min`, or
-                    // when tokens pile up to plenty, whichever is first.
+                    // An agent's turn comes when its share has earned `min` (see
+                    // `wait_us`), or when tokens pile up to plenty, whichever is first.
                     let plenty_in = s.level.time_until(plenty_level(p), p.rate);
                     let turn = share.as_ref().map_or(0, |a| a.wait_us(min).min(plenty_in));
                     s.level

@@ -66,11 +66,14 @@ pub fn scaled(demand_milli: u64, scale_ppm: u64) -> u64 {
 }
 
 /// The agent's whole sizing policy for one acquire: [`lease_request`] for its demand
-/// times the store's proportional share (`scale_ppm`, 0 = none yet); a lease that ran
-/// dry (`held == 0`) asks for at least twice the last one (slow start: what was measured
-/// is a lower bound of the demand); and on a contended key (`scale_ppm` below one) even a
-/// waiting caller takes nothing under a quarter of its lease, so agents of a saturated
-/// key collect their share in batches instead of one store call per decision.
+/// times the store's proportional share (`scale_ppm`, 0 = none yet). On a key that is not
+/// contended, a lease that ran dry within the horizon (`ran_dry`) asks for at least twice
+/// the last one (slow start: what was measured is a lower bound of the demand); a lease
+/// that lasted longer says nothing of the kind, and an agent with a trickle of demand
+/// keeps a small lease. On a contended key (`scale_ppm` below one, or this agent alone
+/// asking more than the rate) the share is the whole answer, and even a waiting caller
+/// takes nothing under a quarter of its lease, so agents of a saturated key collect their
+/// share in batches instead of one store call per decision.
 pub fn size_lease(
     rule: &Rule,
     demand_milli: u64,
@@ -78,16 +81,34 @@ pub fn size_lease(
     horizon: Duration,
     needed: u64,
     last_want: u64,
-    held: u64,
+    ran_dry: bool,
 ) -> LeaseRequest {
+    let contended = scale_ppm != 0 && scale_ppm < 1_000_000;
+    // An agent alone on a key it asks more of than the rate sees the same dry bucket.
+    let rate_milli = rule.rate().per_sec_f64() * 1000.0;
+    let saturated = contended || demand_milli as f64 >= rate_milli;
+    let horizon = if saturated {
+        contended_horizon(rule, horizon)
+    } else {
+        horizon
+    };
     let mut r = lease_request(rule, scaled(demand_milli, scale_ppm), horizon, needed);
-    if held == 0 && last_want > 0 {
+    if saturated {
+        r.min = r.min.max(r.want / 2).min(r.want);
+    } else if ran_dry && last_want > 0 {
         r.want = r.want.max((last_want * 2).min(rule.lease_max().get()));
     }
-    if scale_ppm != 0 && scale_ppm < 1_000_000 {
-        r.min = r.min.max(r.want / 4).min(r.want);
-    }
     r
+}
+
+/// The horizon of a lease on a saturated key: the bucket is dry there, so what the
+/// agents hold does not hold back its refill, and longer leases mean fewer store calls
+/// for the same share (a fleet of N agents calls about N / horizon times a second). Up to
+/// the time the rate takes to bring a quarter of B, so the fleet's leases stay within
+/// about B/4, and at most a second.
+pub fn contended_horizon(rule: &Rule, horizon: Duration) -> Duration {
+    let quarter = rule.capacity().get() as f64 / 16.0 / rule.rate().per_sec_f64();
+    Duration::from_secs_f64(quarter.min(1.0)).max(horizon)
 }
 
 /// The demand an agent reports (shares, emergency limits): a time-weighted average of

@@ -1,0 +1,417 @@
+//! The agent's per-key policy as a state machine: what an agent measures, asks the store
+//! for, and does with the answer, with the clock as a parameter.
+//!
+//! `gateway-agent` drives one [`KeyPolicy`] per key under the key's I/O lock (locks,
+//! clock, store calls and the background loop are its business); the fleet tests drive
+//! hundreds of them against the reference model on a virtual clock. Nothing else holds a
+//! copy of this policy.
+//!
+//! The whole policy, in order of a key's life:
+//! - **cold**: every decision is one exact call; a key whose local rate passes
+//!   `hot_above_per_sec` is promoted and leases from then on ([`KeyPolicy::exact_done`]);
+//! - **demand**: measured at each acquire as what the lease spent plus what was denied,
+//!   since the previous grant ([`KeyPolicy::acquire`]); reported to the store as an
+//!   average over about a second;
+//! - **sizing**: a lease covers `horizon` of the agent's demand times the share of it the
+//!   store granted (see [`crate::sizing`]); under the low-water mark the agent prefetches;
+//! - **denial cache**: a refused caller denies locally until the time the store named;
+//! - **sweep**: idle leases go back and their keys demote; leases larger than the share
+//!   justifies go back; live leases close to expiry renew ([`KeyPolicy::sweep`]);
+//! - **emergency**: with the store unreachable, a `local_emergency` rule admits at the
+//!   agent's last granted share of the rate ([`KeyPolicy::emergency_rate`]).
+
+use std::time::Duration;
+
+use crate::lease::LocalLease;
+use crate::model::Reply;
+use crate::rate::Rate;
+use crate::rule::{Leasing, Rule};
+use crate::sizing::{self, LeaseRequest, Reclaim};
+
+/// Demand is measured over at least this long, so a measurement is never a burst of
+/// queued callers divided by a few microseconds.
+const MEASURE_MIN_NS: u64 = 5_000_000;
+
+/// The agent's tuning that the policy reads (a subset of the agent's configuration).
+#[derive(Clone, Copy, Debug)]
+pub struct PolicyConfig {
+    /// A lease covers about this much of the key's local demand.
+    pub horizon: Duration,
+    /// A lease stops being spent this long before the store would let it expire (capped
+    /// at a quarter of the lease lifetime).
+    pub margin: Duration,
+    /// A lease unspent for this long is returned (capped at `idle_after`).
+    pub return_after: Duration,
+    /// A leased key with no activity for this long returns its lease and turns cold
+    /// (capped at half the lease lifetime).
+    pub idle_after: Duration,
+    /// A cold key (auto leasing) becomes leased above this many tokens per second.
+    pub hot_above_per_sec: u64,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            horizon: sizing::DEFAULT_HORIZON,
+            margin: Duration::from_millis(50),
+            return_after: Duration::from_millis(500),
+            idle_after: Duration::from_secs(2),
+            hot_above_per_sec: 20,
+        }
+    }
+}
+
+/// The arguments of one acquire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcquireArgs {
+    /// What the lease holds (state-based report).
+    pub held: u64,
+    /// Tokens wanted.
+    pub want: u64,
+    /// The least grant worth having.
+    pub min: u64,
+    /// Demand reported, thousandths of a token per second.
+    pub demand: u64,
+}
+
+/// What the agent does with an acquire's reply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Granted {
+    /// Prefetch when the lease falls below this.
+    pub low_water: u64,
+    /// Deny callers locally until then (a refused caller).
+    pub deny_until_ns: Option<u64>,
+    /// Do not prefetch before then (a refused prefetch).
+    pub prefetch_after_ns: Option<u64>,
+}
+
+/// What the sweep does with a leased key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SweepAction {
+    /// Nothing.
+    Keep,
+    /// The key went idle: it turns cold (auto leasing) and returns its lease, withdrawing
+    /// its demand.
+    Idle,
+    /// Return the lease now (see [`Reclaim`]).
+    Reclaim(Reclaim),
+    /// The lease is live and close to its deadline: acquire again.
+    Renew,
+}
+
+/// One key's policy state. Everything but the lease itself, which the hot path spends
+/// from without a lock.
+#[derive(Clone, Debug, Default)]
+pub struct KeyPolicy {
+    last_want: u64,
+    /// When the last non-empty grant was installed (agent clock).
+    granted_at_ns: u64,
+    /// Demand for sizing: the rate since the last grant, smoothed over two grants.
+    demand_milli: u64,
+    /// Demand reported to the store, thousandths of a token per second.
+    reported_milli: f64,
+    /// How long the reported demand has been measured (capped at a second).
+    measured_ns: u64,
+    /// The proportional share the store last reported, millionths (0: none yet).
+    scale_ppm: u64,
+    /// When demand was last measured (agent clock; 0: never), and the offered tokens
+    /// (spent from the lease plus denied) counted then.
+    measured_at_ns: u64,
+    offered_seen: u64,
+    cold_window_ns: u64,
+    cold_tokens: u64,
+    seen_held: u64,
+    seen_denied: u64,
+    seen_at_ns: u64,
+    /// Running totals the coordinator's accounting reads.
+    granted_total: u64,
+    unspent_total: u64,
+    exact_total: u64,
+    emergency_total: u64,
+    calls_total: u64,
+}
+
+impl KeyPolicy {
+    /// A key first seen at `now_ns`.
+    pub fn new(now_ns: u64) -> Self {
+        Self {
+            seen_at_ns: now_ns,
+            ..Self::default()
+        }
+    }
+
+    /// Prepares an acquire sent at `sent_ns` for `lease` (what it holds is declared; what
+    /// its deadline took is forfeited), on a key with `denied_total` tokens denied so far,
+    /// for a caller that needs `needed` tokens now (0: a prefetch).
+    pub fn acquire(
+        &mut self,
+        rule: &Rule,
+        cfg: &PolicyConfig,
+        sent_ns: u64,
+        lease: &LocalLease,
+        denied_total: u64,
+        needed: u64,
+    ) -> AcquireArgs {
+        let (held, forfeited) = lease.declare_counting(sent_ns);
+        self.unspent_total += forfeited;
+        // Offered demand: what the lease spent and what was denied, measured over at
+        // least MEASURE_MIN_NS since the last measurement (not since the last grant: a
+        // grant spent at once by queued callers is followed by an acquire in the same
+        // instant, and that demand must still be seen).
+        let offered = self.lease_spent(held) + denied_total;
+        if self.measured_at_ns == 0 {
+            (self.measured_at_ns, self.offered_seen) = (sent_ns.max(1), offered);
+        } else if sent_ns >= self.measured_at_ns + MEASURE_MIN_NS {
+            let dt = sent_ns - self.measured_at_ns;
+            let consumed = offered.saturating_sub(self.offered_seen);
+            let rate = u128::from(consumed) * 1_000_000_000_000 / u128::from(dt);
+            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
+            // Sizing follows the recent rate: a lease drained fast means the next one
+            // must be larger.
+            self.demand_milli = if self.demand_milli == 0 {
+                rate
+            } else {
+                self.demand_milli / 2 + rate / 2
+            };
+            // What is reported (shares, emergency limits) is a time-weighted average
+            // over about a second: a burst spent in microseconds barely moves it.
+            (self.reported_milli, self.measured_ns) =
+                sizing::report_demand(self.reported_milli, rate, dt, self.measured_ns);
+            (self.measured_at_ns, self.offered_seen) = (sent_ns, offered);
+        }
+        let r: LeaseRequest = sizing::size_lease(
+            rule,
+            self.demand_milli,
+            self.scale_ppm,
+            cfg.horizon,
+            needed,
+            self.last_want,
+            held == 0 && sent_ns.saturating_sub(self.granted_at_ns) < cfg.horizon.as_nanos() as u64,
+        );
+        self.last_want = r.want;
+        AcquireArgs {
+            held,
+            want: r.want,
+            min: r.min,
+            demand: self.reported().min(crate::model::MAX_HELD),
+        }
+    }
+
+    /// Takes in the reply to an acquire sent at `sent_ns` for `needed` tokens, read at
+    /// `now_ns`, and installs its grant in `lease`, with a deadline measured from the
+    /// moment the acquire was sent (I4). `ending`: the reply comes from a split part
+    /// whose term is ending (it leased nothing, and the lease keeps its deadline, which
+    /// ends before the part's records do).
+    #[allow(clippy::too_many_arguments)] // one call per acquire, all of it needed
+    pub fn granted(
+        &mut self,
+        cfg: &PolicyConfig,
+        lease: &LocalLease,
+        sent_ns: u64,
+        now_ns: u64,
+        needed: u64,
+        reply: &Reply,
+        ending: bool,
+    ) -> Granted {
+        if !ending {
+            let ttl_ns = reply.ttl_us * 1000;
+            let margin = (cfg.margin.as_nanos() as u64).min(ttl_ns / 4);
+            lease.grant(reply.granted, sent_ns + ttl_ns - margin);
+        }
+        let held_after = lease.held();
+        self.granted_total += reply.granted;
+        if reply.granted > 0 {
+            self.granted_at_ns = now_ns;
+        }
+        if reply.scale_ppm != 0 {
+            self.scale_ppm = reply.scale_ppm;
+        }
+        self.seen_held = held_after;
+        self.seen_at_ns = now_ns;
+        let mut g = Granted {
+            low_water: needed.max(self.last_want / 2).max(1),
+            deny_until_ns: None,
+            prefetch_after_ns: None,
+        };
+        if reply.granted == 0 && !ending {
+            // A refused caller denies until the store's time; a refused prefetch waited
+            // for a quarter of a lease, callers need less and try for themselves when the
+            // lease runs dry.
+            let until = now_ns + reply.retry_us.max(1) * 1000;
+            if needed > 0 {
+                g.deny_until_ns = Some(until);
+            } else {
+                g.prefetch_after_ns = Some(until);
+            }
+        }
+        g
+    }
+
+    /// Counts an exact decision of `cost` taken at `now_ns` (`admitted` or not); returns
+    /// true when the key becomes hot (auto leasing, local rate above the threshold).
+    pub fn exact_done(
+        &mut self,
+        rule: &Rule,
+        cfg: &PolicyConfig,
+        now_ns: u64,
+        cost: u64,
+        admitted: bool,
+    ) -> bool {
+        if admitted {
+            self.exact_total += cost;
+        }
+        if now_ns.saturating_sub(self.cold_window_ns) >= 1_000_000_000 {
+            self.cold_window_ns = now_ns;
+            self.cold_tokens = 0;
+        }
+        self.cold_tokens += cost;
+        if rule.leasing() != Leasing::Auto || self.cold_tokens <= cfg.hot_above_per_sec {
+            return false;
+        }
+        let elapsed_ms = (now_ns - self.cold_window_ns).max(1_000_000) / 1_000_000;
+        self.demand_milli = self.cold_tokens * 1_000_000 / elapsed_ms;
+        self.reported_milli = self.demand_milli as f64;
+        self.measured_ns = (elapsed_ms * 1_000_000).min(1_000_000_000);
+        true
+    }
+
+    /// Counts a store call.
+    pub fn called(&mut self) {
+        self.calls_total += 1;
+    }
+
+    /// The key's calls go to another bucket now (a split's part, or back): slow start
+    /// begins again there.
+    pub fn moved(&mut self) {
+        self.last_want = 0;
+    }
+
+    /// The lease gave back `taken` tokens (returned or forfeited); `withdraw` also clears
+    /// the reported demand. Returns whether the reported demand was non-zero (so a
+    /// release must tell the store even with nothing to return).
+    pub fn released(&mut self, taken: u64, withdraw: bool) -> bool {
+        self.unspent_total += taken;
+        let had = self.reported_milli > 0.0;
+        if withdraw && had {
+            self.reported_milli = 0.0;
+            self.measured_ns = 0;
+            self.demand_milli = 0;
+        }
+        withdraw && had
+    }
+
+    /// Counts an admission made without the store (emergency or fail-open), so the
+    /// coordinator's accounting sees an outage's admissions.
+    pub fn admitted_without_store(&mut self, cost: u64) {
+        self.emergency_total += cost;
+    }
+
+    /// The sweep's decision for a leased key with `lease`, `denied_total` tokens denied
+    /// so far, last sent to the store at `last_io_ns`.
+    pub fn sweep(
+        &mut self,
+        rule: &Rule,
+        cfg: &PolicyConfig,
+        now_ns: u64,
+        lease: &LocalLease,
+        denied_total: u64,
+        last_io_ns: u64,
+    ) -> SweepAction {
+        let (held, deadline_ns) = (lease.held(), lease.deadline_ns());
+        // Activity: spending from the lease, or being denied.
+        if held != self.seen_held || denied_total != self.seen_denied {
+            self.seen_held = held;
+            self.seen_denied = denied_total;
+            self.seen_at_ns = now_ns;
+        }
+        let ttl_ns = rule.lease_ttl().as_nanos() as u64;
+        let idle_after = (cfg.idle_after.as_nanos() as u64).min(ttl_ns / 2);
+        let quiet = now_ns.saturating_sub(self.seen_at_ns);
+        if quiet >= idle_after && now_ns.saturating_sub(last_io_ns) >= idle_after {
+            return SweepAction::Idle;
+        }
+        let return_after = (cfg.return_after.as_nanos() as u64).min(idle_after);
+        let fair = self
+            .contended()
+            .then(|| sizing::lease_request(rule, self.share_milli(), cfg.horizon, 0).want);
+        match sizing::reclaim(held, self.reported(), quiet, return_after, fair) {
+            Reclaim::Keep => {
+                if held > 0 && deadline_ns > now_ns && deadline_ns - now_ns < ttl_ns / 4 {
+                    SweepAction::Renew
+                } else {
+                    SweepAction::Keep
+                }
+            }
+            r => SweepAction::Reclaim(r),
+        }
+    }
+
+    /// True when the store last said the key is contended (shares below one).
+    pub fn contended(&self) -> bool {
+        self.scale_ppm != 0 && self.scale_ppm < 1_000_000
+    }
+
+    /// The demand reported to the store, thousandths of a token per second.
+    pub fn reported(&self) -> u64 {
+        self.reported_milli as u64
+    }
+
+    /// This agent's share of the key: its reported demand times the store's last
+    /// proportional scale, thousandths of a token per second.
+    pub fn share_milli(&self) -> u64 {
+        sizing::scaled(self.reported(), self.scale_ppm)
+    }
+
+    /// Tokens spent from the lease so far, given what it holds now.
+    fn lease_spent(&self, held: u64) -> u64 {
+        self.granted_total.saturating_sub(self.unspent_total + held)
+    }
+
+    /// Running totals for the coordinator's report.
+    pub fn totals(&self, held: u64) -> Totals {
+        Totals {
+            admitted: (self.granted_total + self.exact_total)
+                .saturating_sub(self.unspent_total + held)
+                + self.emergency_total,
+            calls: self.calls_total,
+            demand_milli: self.reported(),
+        }
+    }
+}
+
+/// The local limit a `local_emergency` rule applies while the store is unreachable, for
+/// an agent whose last granted share of the key was `share_milli` (thousandths of a token
+/// per second; see [`KeyPolicy::share_milli`]): the share, never above the rule's rate,
+/// with a burst of the same fraction of B. Summed over the fleet that is about r and B,
+/// so an outage admits about what one bucket would. An agent that never had a share (the
+/// key was cold here) uses the rate above which it would have leased, `hot_above_per_sec`.
+/// The emergency bucket starts empty: what the agent's lease still holds is spent first.
+pub fn emergency_limit(rule: &Rule, cfg: &PolicyConfig, share_milli: u64) -> (Rate, u64) {
+    let rule_rate = rule.rate();
+    let milli = if share_milli == 0 {
+        cfg.hot_above_per_sec.saturating_mul(1000).max(1)
+    } else {
+        share_milli
+    };
+    let per_1000s = std::num::NonZeroU64::new(milli).unwrap_or(std::num::NonZeroU64::MIN);
+    let rate = match Rate::new(per_1000s, Duration::from_secs(1000)) {
+        Ok(r) if r.per_sec_f64() < rule_rate.per_sec_f64() => r,
+        _ => rule_rate,
+    };
+    let fraction = rate.per_sec_f64() / rule_rate.per_sec_f64();
+    let cap =
+        ((rule.capacity().get() as f64 * fraction).ceil() as u64).clamp(1, rule.capacity().get());
+    (rate, cap)
+}
+
+/// What an agent reports of a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Totals {
+    /// Tokens admitted against the bucket so far: spent from leases, exact admissions,
+    /// and admissions made while the store was unreachable.
+    pub admitted: u64,
+    /// Store calls made for the key.
+    pub calls: u64,
+    /// Reported demand, thousandths of a token per second.
+    pub demand_milli: u64,
+}

@@ -1,0 +1,623 @@
+//! A fleet of agents on a virtual clock: N real [`KeyPolicy`] state machines, each with
+//! its [`LocalLease`], lease one key from the reference model of the bucket, with a round
+//! trip time, lost replies, agents joining, leaving and crashing. The same arrivals are
+//! replayed against one ideal token bucket (same B and r), so the run reports
+//! utilisation and below-limit denials (requests the ideal bucket admitted and the fleet
+//! denied), and every window is checked against `B + r*W`.
+//!
+//! The agent side mirrors `gateway-agent`'s driver: the hot path spends from the lease
+//! and prefetches under the low-water mark; a caller the lease cannot cover waits for the
+//! key's call in flight, or makes one itself (two rounds at most); a refused caller
+//! denies until the store's time; a sweep every 100 ms applies the policy's
+//! [`SweepAction`]. Only one store call per agent is in flight at a time (the key's I/O
+//! lock).
+#![allow(dead_code)] // each test file uses part of the harness
+
+use std::collections::VecDeque;
+
+use lease_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
+use lease_core::rule::{BucketParams, Rule};
+use lease_core::{KeyPolicy, Level, LocalLease, PolicyConfig, Reclaim, Spend, SweepAction};
+
+pub(crate) const T0_US: u64 = 1_700_000_000_000_000;
+pub(crate) const MS: u64 = 1_000_000;
+const SWEEP_EVERY_MS: u64 = 100;
+
+/// A small deterministic generator (xorshift64*), so runs replay from their seed.
+#[derive(Clone, Debug)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// How the total offered load is split over the agents.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Split {
+    Even,
+    /// Agent i gets a weight 1 / (i+1)^s.
+    Zipf(f64),
+    /// One agent takes this fraction, the rest share the remainder evenly.
+    One(f64),
+}
+
+impl Split {
+    pub(crate) fn weights(&self, n: usize) -> Vec<f64> {
+        let w: Vec<f64> = match self {
+            Split::Even => vec![1.0; n],
+            Split::Zipf(s) => (0..n).map(|i| 1.0 / ((i + 1) as f64).powf(*s)).collect(),
+            Split::One(f) if n > 1 => (0..n)
+                .map(|i| {
+                    if i == 0 {
+                        *f
+                    } else {
+                        (1.0 - f) / (n - 1) as f64
+                    }
+                })
+                .collect(),
+            Split::One(_) => vec![1.0],
+        };
+        let sum: f64 = w.iter().sum();
+        w.iter().map(|x| x / sum).collect()
+    }
+}
+
+/// A phase of the run: from `at_ms`, per-agent offered rates (tokens/s; 0 = silent).
+#[derive(Clone, Debug)]
+pub(crate) struct Phase {
+    pub(crate) at_ms: u64,
+    pub(crate) rates: Vec<f64>,
+}
+
+/// Something that happens to an agent at a moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The agent's process dies: its lease and its state are gone; the store's record of
+    /// it expires on its own. It comes back (a new process, same id) at `back_ms`.
+    Crash {
+        agent: usize,
+        at_ms: u64,
+        back_ms: u64,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Setup {
+    pub(crate) rule: Rule,
+    pub(crate) cfg: PolicyConfig,
+    pub(crate) agents: usize,
+    pub(crate) phases: Vec<Phase>,
+    pub(crate) events: Vec<Event>,
+    pub(crate) total_ms: u64,
+    /// Round trip of a store call, µs (the store applies it when sent).
+    pub(crate) rtt_us: u64,
+    /// Probability a reply is lost (the call took effect; the caller times out).
+    pub(crate) lose: f64,
+    pub(crate) seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Acquire { needed: u64 },
+    Exact { cost: u64 },
+}
+
+#[derive(Debug)]
+struct Inflight {
+    sent_ns: u64,
+    done_ns: u64,
+    kind: Kind,
+    reply: Option<Reply>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    id: usize,
+    cost: u64,
+    rounds: u32,
+}
+
+#[derive(Debug)]
+struct Agent {
+    id: AgentId,
+    seq: u64,
+    lease: LocalLease,
+    policy: KeyPolicy,
+    low_water: u64,
+    deny_until_ns: u64,
+    prefetch_after_ns: u64,
+    denied_tokens: u64,
+    last_io_ns: u64,
+    inflight: Option<Inflight>,
+    waiting: VecDeque<Waiter>,
+    down_until_ms: u64,
+    /// Pacing accumulator.
+    acc: f64,
+    admitted: u64,
+    calls: u64,
+    /// Offered and admitted over the run's second half.
+    last_offered: u64,
+    last_admitted: u64,
+}
+
+impl Agent {
+    fn new(i: usize, now_ns: u64) -> Self {
+        Self {
+            id: AgentId(i as u64 + 1),
+            seq: 0,
+            lease: LocalLease::new(),
+            policy: KeyPolicy::new(now_ns),
+            low_water: 1,
+            deny_until_ns: 0,
+            prefetch_after_ns: 0,
+            denied_tokens: 0,
+            last_io_ns: now_ns,
+            inflight: None,
+            waiting: VecDeque::new(),
+            down_until_ms: 0,
+            acc: 0.0,
+            admitted: 0,
+            calls: 0,
+            last_offered: 0,
+            last_admitted: 0,
+        }
+    }
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Outcome {
+    pub(crate) offered: u64,
+    pub(crate) admitted: u64,
+    pub(crate) ideal_admitted: u64,
+    pub(crate) utilisation: f64,
+    /// Requests the ideal bucket admitted that the fleet denied.
+    pub(crate) below_limit_denied: u64,
+    /// Requests that failed because their reply was lost.
+    pub(crate) unavailable: u64,
+    /// Largest excess of any window over `B + r*W`, tokens (<= 0 keeps I1).
+    pub(crate) worst_window_excess: f64,
+    pub(crate) calls: u64,
+    /// Acquires that granted nothing.
+    pub(crate) refused: u64,
+    pub(crate) calls_per_1k: f64,
+    /// Per agent: admitted, and what it offered.
+    pub(crate) per_agent: Vec<(u64, u64)>,
+    /// Admitted and ideal-admitted per 100 ms, for traces.
+    pub(crate) trace: Vec<(u64, u64)>,
+    /// Tokens the agents' leases hold when the run ends: taken from the bucket, spent
+    /// after the run (a short run counts them as lost).
+    pub(crate) held_at_end: u64,
+    /// Highest `tokens + outstanding` seen on the bucket.
+    pub(crate) max_committed: u64,
+    /// Largest relative distance of an agent's part of the admissions from its part of
+    /// the offered load (agents offering at least 1% of it), over the run's second half.
+    pub(crate) worst_share_error: f64,
+}
+
+pub(crate) struct Fleet {
+    s: Setup,
+    p: BucketParams,
+    bucket: GlobalBucket,
+    agents: Vec<Agent>,
+    rng: Rng,
+    calls: u64,
+    /// Per request id: admitted by the fleet.
+    ours: Vec<bool>,
+    ideal_ok: Vec<bool>,
+    /// Per request id: the ms it arrived in.
+    arrival_ms: Vec<u64>,
+    unavailable: u64,
+    admitted_ms: Vec<u64>,
+    max_committed: u64,
+    restarts: u64,
+    refused: u64,
+}
+
+impl Fleet {
+    pub(crate) fn run(s: Setup) -> Outcome {
+        let p = s.rule.bucket_params();
+        let agents = (0..s.agents).map(|i| Agent::new(i, 0)).collect();
+        let mut f = Fleet {
+            rng: Rng::new(s.seed),
+            admitted_ms: vec![0; s.total_ms as usize + 1],
+            s,
+            p,
+            bucket: GlobalBucket::new(),
+            agents,
+            calls: 0,
+            ours: Vec::new(),
+            ideal_ok: Vec::new(),
+            arrival_ms: Vec::new(),
+            unavailable: 0,
+            max_committed: 0,
+            restarts: 0,
+            refused: 0,
+        };
+        f.go()
+    }
+
+    fn go(&mut self) -> Outcome {
+        let mut ideal = Level::full(self.p.capacity);
+        let mut offered_per = vec![0u64; self.s.agents];
+        let mut trace = Vec::new();
+        let mut t_ideal = 0u64;
+        for ms in 0..self.s.total_ms {
+            let base = ms * MS + 1;
+            if ms > 0 {
+                ideal = ideal.refill(self.p.capacity, self.p.rate, 1000);
+            }
+            for e in self.s.events.clone() {
+                match e {
+                    Event::Crash {
+                        agent,
+                        at_ms,
+                        back_ms,
+                    } if at_ms == ms => {
+                        let a = &mut self.agents[agent];
+                        for w in std::mem::take(&mut a.waiting) {
+                            self.ours[w.id] = false;
+                        }
+                        // A new process: a new agent id, nothing of the old state.
+                        let mut fresh = Agent::new(agent, base);
+                        self.restarts += 1;
+                        fresh.id = AgentId(self.restarts << 32 | (agent as u64 + 1));
+                        fresh.down_until_ms = back_ms;
+                        *a = fresh;
+                    }
+                    _ => {}
+                }
+            }
+            let phase = self
+                .s
+                .phases
+                .iter()
+                .rev()
+                .find(|ph| ph.at_ms <= ms)
+                .expect("a phase at 0")
+                .rates
+                .clone();
+            // Agents take turns in a different order every millisecond (no agent is
+            // always first to the tokens a refill brings).
+            let n_agents = self.s.agents.min(phase.len());
+            let first = (self.rng.next_u64() % n_agents.max(1) as u64) as usize;
+            for j in 0..n_agents {
+                let i = (first + j) % n_agents;
+                let rate = phase[i];
+                if self.agents[i].down_until_ms > ms {
+                    continue;
+                }
+                self.agents[i].acc += rate / 1000.0;
+                let n = self.agents[i].acc.floor() as u64;
+                self.agents[i].acc -= n as f64;
+                for k in 0..n {
+                    let t = base + k * (MS / n);
+                    self.complete(i, t);
+                    let id = self.ours.len();
+                    self.ours.push(false);
+                    let ok = ideal.tokens >= 1;
+                    if ok {
+                        ideal = ideal.take(1);
+                        t_ideal += 1;
+                    }
+                    self.ideal_ok.push(ok);
+                    self.arrival_ms.push(ms);
+                    if ms * 2 >= self.s.total_ms {
+                        self.agents[i].last_offered += 1;
+                    }
+                    offered_per[i] += 1;
+                    self.decide(i, id, 1, t);
+                }
+            }
+            let end = base + MS - 1;
+            for i in 0..self.s.agents {
+                if self.agents[i].down_until_ms <= ms {
+                    self.complete(i, end);
+                }
+            }
+            if ms % SWEEP_EVERY_MS == SWEEP_EVERY_MS - 1 {
+                for i in 0..self.s.agents {
+                    if self.agents[i].down_until_ms <= ms {
+                        self.sweep(i, base + MS / 2);
+                    }
+                }
+            }
+            self.check_i1();
+            if ms % 100 == 99 {
+                let got: u64 = self.admitted_ms[(ms - 99) as usize..=ms as usize]
+                    .iter()
+                    .sum();
+                trace.push((got, t_ideal));
+                t_ideal = 0;
+            }
+        }
+        let admitted: u64 = self.ours.iter().filter(|x| **x).count() as u64;
+        let ideal_admitted: u64 = self.ideal_ok.iter().filter(|x| **x).count() as u64;
+        let below = self
+            .ours
+            .iter()
+            .zip(&self.ideal_ok)
+            .filter(|(o, i)| **i && !**o)
+            .count() as u64;
+        let offered = self.ours.len() as u64;
+        let last_offered: u64 = self.agents.iter().map(|a| a.last_offered).sum();
+        let last_admitted: u64 = self.agents.iter().map(|a| a.last_admitted).sum();
+        let worst_share_error = self
+            .agents
+            .iter()
+            .filter(|a| a.last_offered * 100 >= last_offered && last_admitted > 0)
+            .map(|a| {
+                let want = a.last_offered as f64 / last_offered as f64;
+                let got = a.last_admitted as f64 / last_admitted as f64;
+                (got / want - 1.0).abs()
+            })
+            .fold(0.0, f64::max);
+        Outcome {
+            worst_share_error,
+            offered,
+            admitted,
+            ideal_admitted,
+            utilisation: admitted as f64 / ideal_admitted.max(1) as f64,
+            below_limit_denied: below.saturating_sub(self.unavailable),
+            unavailable: self.unavailable,
+            worst_window_excess: self.worst_window(),
+            calls: self.calls,
+            refused: self.refused,
+            calls_per_1k: self.calls as f64 * 1000.0 / offered.max(1) as f64,
+            per_agent: self
+                .agents
+                .iter()
+                .zip(&offered_per)
+                .map(|(a, o)| (a.admitted, *o))
+                .collect(),
+            trace,
+            max_committed: self.max_committed,
+            held_at_end: self.agents.iter().map(|a| a.lease.held()).sum(),
+        }
+    }
+
+    fn check_i1(&mut self) {
+        if let Some(st) = self.bucket.state()
+            && self.p.max_outstanding == 0
+        {
+            let committed = st.level.tokens + st.outstanding;
+            assert!(
+                committed <= self.p.capacity,
+                "I1: tokens {} + outstanding {} > B {}",
+                st.level.tokens,
+                st.outstanding,
+                self.p.capacity
+            );
+            self.max_committed = self.max_committed.max(committed);
+        }
+    }
+
+    fn worst_window(&self) -> f64 {
+        let per_ms = self.p.rate.tokens() as f64 * 1000.0 / self.p.rate.period_us() as f64;
+        let a = &self.admitted_ms;
+        let mut worst = f64::NEG_INFINITY;
+        for w in [1usize, 10, 100, 1000] {
+            if w > a.len() {
+                continue;
+            }
+            let mut sum: u64 = a[..w].iter().sum();
+            for end in w..=a.len() {
+                if end > w {
+                    sum = sum + a[end - 1] - a[end - 1 - w];
+                }
+                // A window of w whole ms spans at most w+1 ms of refill.
+                let bound = self.p.capacity as f64 + per_ms * (w + 1) as f64;
+                worst = worst.max(sum as f64 - bound);
+            }
+        }
+        worst
+    }
+
+    fn admit(&mut self, i: usize, id: usize, t: u64) {
+        self.ours[id] = true;
+        if self.arrival_ms[id] * 2 >= self.s.total_ms {
+            self.agents[i].last_admitted += 1;
+        }
+        self.agents[i].admitted += 1;
+        self.admitted_ms[(t / MS) as usize] += 1;
+    }
+
+    fn deny(&mut self, i: usize, cost: u64) {
+        self.agents[i].denied_tokens += cost;
+    }
+
+    /// One decision of `cost` by agent `i` at `t`, request `id`.
+    fn decide(&mut self, i: usize, id: usize, cost: u64, t: u64) {
+        if self.spend(i, cost, t) {
+            self.admit(i, id, t);
+            return;
+        }
+        let a = &mut self.agents[i];
+        if t < a.deny_until_ns {
+            self.deny(i, cost);
+            return;
+        }
+        let start = a.inflight.is_none();
+        a.waiting.push_back(Waiter {
+            id,
+            cost,
+            rounds: u32::from(start),
+        });
+        if start {
+            self.start_acquire(i, t, cost);
+        }
+    }
+
+    /// The hot path: spend from the lease, prefetch below the low-water mark.
+    fn spend(&mut self, i: usize, cost: u64, t: u64) -> bool {
+        let a = &self.agents[i];
+        let Spend::Spent { left } = a.lease.try_spend(cost, t) else {
+            return false;
+        };
+        if left < a.low_water && t >= a.prefetch_after_ns && a.inflight.is_none() {
+            self.start_acquire(i, t, 0);
+        }
+        true
+    }
+
+    fn send(&mut self, i: usize, t: u64, op: Op) -> Option<Reply> {
+        let a = &mut self.agents[i];
+        a.seq += 1;
+        a.last_io_ns = t;
+        a.calls += 1;
+        a.policy.called();
+        self.calls += 1;
+        let req = Request {
+            agent: a.id,
+            seq: a.seq,
+            op,
+        };
+        let reply = self
+            .bucket
+            .apply(&self.p, T0_US + t / 1000, &req)
+            .expect("the model accepts every request the policy makes");
+        (self.rng.unit() >= self.s.lose).then_some(reply)
+    }
+
+    fn start_acquire(&mut self, i: usize, t: u64, needed: u64) {
+        let a = &mut self.agents[i];
+        let args = a.policy.acquire(
+            &self.s.rule,
+            &self.s.cfg,
+            t,
+            &a.lease,
+            a.denied_tokens,
+            needed,
+        );
+        let reply = self.send(
+            i,
+            t,
+            Op::Acquire {
+                held: args.held,
+                want: args.want,
+                min: args.min,
+                demand: args.demand,
+            },
+        );
+        self.agents[i].inflight = Some(Inflight {
+            sent_ns: t,
+            done_ns: t + self.s.rtt_us * 1000,
+            kind: Kind::Acquire { needed },
+            reply,
+        });
+        if self.s.rtt_us == 0 {
+            self.complete(i, t);
+        }
+    }
+
+    /// Completes agent `i`'s call in flight if its reply is due by `t`, then serves the
+    /// callers waiting for it.
+    fn complete(&mut self, i: usize, t: u64) {
+        let Some(f) = self.agents[i].inflight.take_if(|f| f.done_ns <= t) else {
+            return;
+        };
+        let now = f.done_ns;
+        match (f.kind, f.reply) {
+            (Kind::Acquire { needed }, Some(r)) => {
+                self.refused += u64::from(r.granted == 0);
+                let a = &mut self.agents[i];
+                let g = a
+                    .policy
+                    .granted(&self.s.cfg, &a.lease, f.sent_ns, now, needed, &r, false);
+                a.low_water = g.low_water;
+                if let Some(u) = g.deny_until_ns {
+                    a.deny_until_ns = u;
+                } else if r.granted > 0 {
+                    a.deny_until_ns = 0;
+                }
+                if let Some(u) = g.prefetch_after_ns {
+                    a.prefetch_after_ns = u;
+                }
+            }
+            (Kind::Exact { .. }, _) => unreachable!("the fleet leases"),
+            (Kind::Acquire { .. }, None) => {
+                // The caller timed out: its decision falls to the failure policy (counted
+                // apart); the next acquire declares what the lease holds.
+                for w in std::mem::take(&mut self.agents[i].waiting) {
+                    self.unavailable += 1;
+                    self.deny(i, w.cost);
+                }
+                return;
+            }
+        }
+        // The callers waiting on the key's I/O lock, in order: each looks at the lease
+        // and the denial cache again, then makes its own acquire (two at most).
+        let mut waiting = std::mem::take(&mut self.agents[i].waiting);
+        while let Some(mut w) = waiting.pop_front() {
+            if self.spend(i, w.cost, now) {
+                self.admit(i, w.id, now);
+                continue;
+            }
+            let a = &mut self.agents[i];
+            if now < a.deny_until_ns || (a.inflight.is_none() && w.rounds >= 2) {
+                self.deny(i, w.cost);
+                continue;
+            }
+            let start = a.inflight.is_none();
+            if start {
+                w.rounds += 1;
+            }
+            let cost = w.cost;
+            a.waiting.push_back(w);
+            if start {
+                a.waiting.extend(waiting.drain(..));
+                self.start_acquire(i, now, cost);
+                return;
+            }
+        }
+    }
+
+    fn sweep(&mut self, i: usize, t: u64) {
+        if self.agents[i].inflight.is_some() {
+            return;
+        }
+        let a = &mut self.agents[i];
+        let action = a.policy.sweep(
+            &self.s.rule,
+            &self.s.cfg,
+            t,
+            &a.lease,
+            a.denied_tokens,
+            a.last_io_ns,
+        );
+        match action {
+            SweepAction::Keep => {}
+            SweepAction::Renew => self.start_acquire(i, t, 0),
+            SweepAction::Idle | SweepAction::Reclaim(_) => {
+                let withdraw = matches!(
+                    action,
+                    SweepAction::Idle | SweepAction::Reclaim(Reclaim::Idle)
+                );
+                let expired = t >= a.lease.deadline_ns();
+                let taken = a.lease.take_all();
+                let tell = a.policy.released(taken, withdraw);
+                let returned = if expired { 0 } else { taken };
+                if returned > 0 || tell {
+                    let _ = self.send(i, t, Op::Release { returned });
+                }
+            }
+        }
+    }
+}
+
+/// Offered rates for `n` agents: `total` tokens/s split by `split`.
+pub(crate) fn rates(n: usize, total: f64, split: &Split) -> Vec<f64> {
+    split.weights(n).iter().map(|w| w * total).collect()
+}

@@ -518,6 +518,10 @@ local function exact(keys, args)
   else
     reply[4] = time_until(s, cost, p)
   end
+  -- Other agents lease this key: say so (model.rs, Op::Exact).
+  local own = 0
+  if rec then own = rec.demand end
+  if s.ds > own then reply[6] = math.max(scale_ppm(p, s.ds, 0), 1) end
   return finish(key, s, p, now, kept(rec, p, now), reply)
 end
 

@@ -57,6 +57,7 @@ fn check(report: &serde_json::Value) {
             "overshoot_1s",
             "overshoot_10s",
             "utilization",
+            "denied_below_limit",
         ] {
             assert!(s[field].is_number(), "{system}.{field} missing in {s}");
         }

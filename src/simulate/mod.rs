@@ -27,6 +27,7 @@ use redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 use tokio::time::Instant;
 
 pub(crate) use report::SystemReport;
+use scenario::Pace;
 pub(crate) use scenario::{BUILT_IN, Scenario};
 
 /// Where the global buckets live.
@@ -315,6 +316,24 @@ impl System {
         }
     }
 
+    /// The agent leaves the fleet in good order: its leases go back, it stops.
+    async fn leave(&self, agent: usize) {
+        if let Self::Leasehold {
+            agents,
+            crashed_calls,
+        } = self
+        {
+            let taken = agents[agent].lock().take();
+            if let Some(l) = taken {
+                l.shutdown().await;
+                crashed_calls.fetch_add(
+                    l.stats(RULE).map_or(0, |s| s.store_calls),
+                    Ordering::Relaxed,
+                );
+            }
+        }
+    }
+
     /// The agent dies: its leases are abandoned, nothing is returned.
     fn crash(&self, agent: usize) {
         if let Self::Leasehold {
@@ -513,14 +532,22 @@ async fn worker(
     let limiter = sys.limiter(agent);
     let sc = &run.scenario;
     let total_weight: f64 = sc.costs.iter().map(|c| c.1).sum();
-    let crash_at = sc
-        .faults
-        .iter()
-        .find(|f| f.agent == Some(agent))
-        .map(|f| f.at);
+    let fault_at = |action: &str| {
+        sc.faults
+            .iter()
+            .find(|f| f.agent == Some(agent) && f.action == action)
+            .map(|f| f.at)
+    };
+    let (crash_at, leave_at, join_at) = (
+        fault_at("crash-agent"),
+        fault_at("leave-agent"),
+        fault_at("join-agent"),
+    );
     let threads = sc.threads_per_agent as f64;
     let mut next = Instant::now();
     let mut i = 0u64;
+    let phase16 = rng.random_range(0..16u64);
+    let mut paced = (&sc.phases[0], sc.phases[0].pace(agent, sc.agents));
     loop {
         let elapsed = run.start.elapsed();
         if elapsed >= run.duration || run.stop.load(Ordering::Relaxed) {
@@ -531,14 +558,25 @@ async fn worker(
             sys.crash(agent);
             break;
         }
+        if leave_at.is_some_and(|c| frac >= c) {
+            if thread == 0 {
+                sys.leave(agent).await;
+            }
+            break;
+        }
+        // The pace is worked out once per phase, not per decision.
         let phase = sc.phase_at(frac);
-        if phase.active.as_ref().is_some_and(|a| !a.contains(&agent)) {
+        if !std::ptr::eq(phase, paced.0) {
+            paced = (phase, phase.pace(agent, sc.agents));
+        }
+        let pace = paced.1;
+        if pace == Pace::Idle || join_at.is_some_and(|j| frac < j) {
             tokio::time::sleep(Duration::from_millis(5)).await;
             next = Instant::now();
             continue;
         }
-        if phase.offered > 0.0 {
-            next += Duration::from_secs_f64(threads / phase.offered);
+        if let Pace::Rate(rate) = pace {
+            next += Duration::from_secs_f64(threads / rate);
             let now = Instant::now();
             if next > now + Duration::from_millis(1) {
                 tokio::time::sleep_until(next).await;
@@ -548,8 +586,10 @@ async fn worker(
         }
         let key = run.keys.pick(&mut rng);
         let cost = pick_cost(&sc.costs, total_weight, &mut rng);
-        let sample = i.is_multiple_of(16);
-        let t0 = if sample { run.clock.raw() } else { 0 };
+        // One decision in 16 is timed, from a random phase: every worker's first decision
+        // (a new key: always a store call) must not weigh 16 times the others.
+        let sample = (i + phase16).is_multiple_of(16);
+        let t0 = sample.then(|| run.clock.raw());
         let outcome = sys
             .decide(
                 limiter.as_ref(),
@@ -559,7 +599,7 @@ async fn worker(
                 cost,
             )
             .await;
-        if sample {
+        if let Some(t0) = t0 {
             let _ = rec
                 .latency
                 .record(run.clock.delta_as_nanos(t0, run.clock.raw()).max(1));
@@ -771,7 +811,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 .scenario
                 .faults
                 .iter()
-                .filter(|f| f.action != "crash-agent")
+                .filter(|f| !f.action.ends_with("-agent"))
                 .collect();
             faults.sort_by(|a, b| a.at.total_cmp(&b.at));
             let mut faults = faults.into_iter().peekable();
@@ -849,11 +889,12 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
 /// The summary table.
 pub(crate) fn table(r: &RunReport) -> String {
     let mut out = format!(
-        "{:<10} {:>13} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10}\n",
+        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10}\n",
         "system",
         "decisions/s",
         "admitted",
         "denied",
+        "below_limit",
         "calls/1k",
         "overshoot1s",
         "overshoot10s",
@@ -864,11 +905,12 @@ pub(crate) fn table(r: &RunReport) -> String {
     );
     for (name, s) in &r.systems {
         out.push_str(&format!(
-            "{:<10} {:>13.0} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10}\n",
+            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10}\n",
             name,
             s.decisions_per_sec,
             s.admitted,
             s.denied + s.unavailable,
+            s.denied_below_limit,
             s.redis_calls_per_1k_decisions,
             s.overshoot_1s,
             s.overshoot_10s,

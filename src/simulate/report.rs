@@ -5,7 +5,10 @@
 //! `(admitted_in_W - (B + r*W')) / (B + r*W')` floored at 0, where `W' = W + 1 ms`
 //! because W slots of one millisecond span at most W + 1 ms. Utilisation is admitted
 //! tokens over the admissions of one ideal token bucket (same B, r, starting full)
-//! replaying the merged arrival trace of each key.
+//! replaying the merged arrival trace of each key. Denials below the limit are what that
+//! ideal bucket admitted in a slot beyond what the system admitted in it, summed over
+//! slots and keys (tokens): 0 means no request was refused that one bucket would have let
+//! through.
 
 use std::collections::HashMap;
 
@@ -88,6 +91,8 @@ pub(crate) struct SystemReport {
     pub(crate) overshoot_1s: f64,
     pub(crate) overshoot_10s: f64,
     pub(crate) utilization: f64,
+    /// Tokens the ideal bucket admitted that this system denied.
+    pub(crate) denied_below_limit: u64,
     pub(crate) latency_ns: Latency,
     /// Tokens admitted per second for key 0, per 100 ms (for the plot).
     #[serde(skip)]
@@ -112,13 +117,16 @@ pub(crate) fn analyze(
         ));
     }
     let (mut over_1s, mut over_10s, mut ideal, mut admitted_tokens) = (0f64, 0f64, 0f64, 0f64);
+    let mut below = 0f64;
     // Whole 100 ms buckets only: a partial last one would read as a drop.
     let mut series = vec![0f64; (duration_ms / 100) as usize];
     for (key, slots) in &mut by_key {
         slots.sort_unstable();
         over_1s = over_1s.max(overshoot(slots, capacity, rate_per_sec, 1000));
         over_10s = over_10s.max(overshoot(slots, capacity, rate_per_sec, 10_000));
-        ideal += ideal_admissions(slots, capacity, rate_per_sec);
+        let (i, b) = ideal_admissions(slots, capacity, rate_per_sec);
+        ideal += i;
+        below += b;
         admitted_tokens += slots.iter().map(|s| f64::from(s.2)).sum::<f64>();
         if *key == 0 {
             for &(ms, _, adm) in slots.iter() {
@@ -149,6 +157,7 @@ pub(crate) fn analyze(
         } else {
             admitted_tokens / ideal
         },
+        denied_below_limit: below as u64,
         latency_ns: Latency {
             p50: h.value_at_quantile(0.5),
             p95: h.value_at_quantile(0.95),
@@ -176,17 +185,19 @@ fn overshoot(slots: &[(u32, u32, u32)], capacity: f64, rate: f64, w: u32) -> f64
     worst
 }
 
-/// Tokens one ideal bucket (full at the start) admits for this arrival trace.
-fn ideal_admissions(slots: &[(u32, u32, u32)], capacity: f64, rate: f64) -> f64 {
-    let (mut tokens, mut last, mut admitted) = (capacity, 0u32, 0f64);
-    for &(ms, arrived, _) in slots {
+/// Tokens one ideal bucket (full at the start) admits for this arrival trace, and the
+/// tokens it admitted in a slot beyond what the system admitted there.
+fn ideal_admissions(slots: &[(u32, u32, u32)], capacity: f64, rate: f64) -> (f64, f64) {
+    let (mut tokens, mut last, mut admitted, mut below) = (capacity, 0u32, 0f64, 0f64);
+    for &(ms, arrived, ours) in slots {
         tokens = (tokens + rate * f64::from(ms - last) / 1000.0).min(capacity);
         last = ms;
         let take = f64::from(arrived).min(tokens.floor());
         tokens -= take;
         admitted += take;
+        below += (take - f64::from(ours)).max(0.0);
     }
-    admitted
+    (admitted, below)
 }
 
 /// An SVG line chart of admitted tokens per second for key 0, one line per system,
@@ -264,7 +275,12 @@ mod tests {
     fn the_ideal_bucket_admits_its_burst_then_its_rate() {
         // 100 tokens arrive every ms for 1 s against B = 50, r = 1000/s.
         let slots: Vec<_> = (0..1000).map(|ms| (ms, 100, 0)).collect();
-        let ideal = ideal_admissions(&slots, 50.0, 1000.0);
+        let (ideal, below) = ideal_admissions(&slots, 50.0, 1000.0);
         assert!((ideal - (50.0 + 999.0)).abs() < 1.0, "{ideal}");
+        // The system admitted nothing: everything the ideal admitted was denied below it.
+        assert!((below - ideal).abs() < 1e-9, "{below}");
+        // A system that admits what arrives, under the limit, denies nothing below it.
+        let under: Vec<_> = (0..1000).map(|ms| (ms, 1, 1)).collect();
+        assert_eq!(ideal_admissions(&under, 50.0, 1000.0), (1000.0, 0.0));
     }
 }

@@ -17,15 +17,23 @@
 //! [[phases]]                  # from `at` (fraction of the run) until the next phase
 //! at = 0.0
 //! offered = 0.0               # decisions/s per active agent; 0 = as fast as it can
+//! # total = 26000.0           # or decisions/s for all active agents together (the same
+//! #                           # load whatever --agents says)
 //! active = [0, 1, 2, 3]       # which agents send (default: all)
+//! skew = "zipf:1.2"           # how the active agents share `offered` x their number:
+//!                             # "even" (default), "zipf:S" (the k-th active agent weighs
+//!                             # 1/(k+1)^S), "one:F" (one agent sends F of it)
+//! rotate = 16                 # the skew's ranks move this many agents on (moving demand)
+//! rates = [900.0, 10.0]       # or each agent's own rate (decisions/s; missing = 0)
 //!
 //! [[faults]]
 //! at = 0.5
 //! action = "crash-agent"      # the agent stops at once, abandoning its leases
 //! agent = 3
-//! # also: "kill-store" / "restore-store" (embedded or spawn stores; a spawned Redis
-//! # restarts empty), "promote-replica" (spawn-replica store), "stop-coordinator" /
-//! # "start-coordinator" (Redis stores)
+//! # also: "leave-agent" (the agent returns its leases and stops), "join-agent" (the agent
+//! # starts only then), "kill-store" / "restore-store" (embedded or spawn stores; a
+//! # spawned Redis restarts empty), "promote-replica" (spawn-replica store),
+//! # "stop-coordinator" / "start-coordinator" (Redis stores)
 //! ```
 //!
 //! On a Redis store Leasehold runs with a coordinator in the same process (accounting,
@@ -81,7 +89,115 @@ pub(crate) struct Phase {
     pub(crate) at: f64,
     #[serde(default)]
     pub(crate) offered: f64,
+    /// Decisions/s of all the active agents together (instead of `offered`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) total: Option<f64>,
     pub(crate) active: Option<Vec<usize>>,
+    /// How the active agents share `offered` times their number (see the module doc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) skew: Option<String>,
+    /// The skew's ranks move this many agents on.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) rotate: usize,
+    /// Each agent's own offered rate, decisions/s (agents past the end: 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rates: Option<Vec<f64>>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// How a phase's load is split over the agents.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Skew {
+    Even,
+    Zipf(f64),
+    One(f64),
+}
+
+impl Skew {
+    fn parse(text: &str) -> Result<Self, String> {
+        let bad =
+            || format!("skew = {text:?}: \"even\", \"zipf:S\" (S > 0) or \"one:F\" (0 < F <= 1)");
+        match text.split_once(':') {
+            None if text == "even" => Ok(Skew::Even),
+            Some(("zipf", v)) => match v.parse::<f64>() {
+                Ok(s) if s > 0.0 && s.is_finite() => Ok(Skew::Zipf(s)),
+                _ => Err(bad()),
+            },
+            Some(("one", v)) => match v.parse::<f64>() {
+                Ok(f) if f > 0.0 && f <= 1.0 => Ok(Skew::One(f)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+
+    /// The weight of rank `k` of `n` (weights sum to 1).
+    fn weight(self, k: usize, n: usize) -> f64 {
+        match self {
+            Skew::Even => 1.0 / n as f64,
+            Skew::Zipf(s) => {
+                let sum: f64 = (0..n).map(|i| 1.0 / ((i + 1) as f64).powf(s)).sum();
+                1.0 / ((k + 1) as f64).powf(s) / sum
+            }
+            Skew::One(_) if n == 1 => 1.0,
+            Skew::One(f) if k == 0 => f,
+            Skew::One(f) => (1.0 - f) / (n - 1) as f64,
+        }
+    }
+}
+
+/// What one agent sends in a phase.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Pace {
+    /// Nothing.
+    Idle,
+    /// As fast as it can.
+    Flat,
+    /// This many decisions per second.
+    Rate(f64),
+}
+
+impl Phase {
+    /// The pace of `agent` of `agents` in this phase.
+    pub(crate) fn pace(&self, agent: usize, agents: usize) -> Pace {
+        if let Some(rates) = &self.rates {
+            return match rates.get(agent) {
+                Some(&r) if r > 0.0 => Pace::Rate(r),
+                _ => Pace::Idle,
+            };
+        }
+        let active: Vec<usize> = match &self.active {
+            Some(a) => a.clone(),
+            None => (0..agents).collect(),
+        };
+        let Some(pos) = active.iter().position(|&a| a == agent) else {
+            return Pace::Idle;
+        };
+        let n = active.len();
+        let offered = self.total.map_or(self.offered, |t| t / n as f64);
+        if offered == 0.0 {
+            return if self.total.is_some() {
+                Pace::Idle
+            } else {
+                Pace::Flat
+            };
+        }
+        let skew = self
+            .skew
+            .as_deref()
+            .map_or(Ok(Skew::Even), Skew::parse)
+            .unwrap_or(Skew::Even);
+        let rank = (pos + n - self.rotate % n) % n;
+        let rate = offered * n as f64 * skew.weight(rank, n);
+        if rate > 0.0 {
+            Pace::Rate(rate)
+        } else {
+            Pace::Idle
+        }
+    }
 }
 
 /// Something that goes wrong at `at` (a fraction of the run).
@@ -121,11 +237,15 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "failover",
     "cluster",
     "hot-split",
+    "fleet",
+    "fleet-under",
 ];
 
 /// Fault actions a scenario may use.
 pub(crate) const FAULTS: &[&str] = &[
     "crash-agent",
+    "leave-agent",
+    "join-agent",
     "kill-store",
     "restore-store",
     "promote-replica",
@@ -146,6 +266,10 @@ fn phase(at: f64, offered: f64, active: Option<Vec<usize>>) -> Phase {
         at,
         offered,
         active,
+        total: None,
+        skew: None,
+        rotate: 0,
+        rates: None,
     }
 }
 
@@ -271,7 +395,7 @@ impl Scenario {
                 spec.lease_max = Some(20);
                 let mut s = base(spec, keys(1, "uniform"), vec![phase(0.0, 0.0, None)]);
                 s.store = Some("cluster-spawn".into());
-                s.split_above = Some(2000.0);
+                s.split_above = Some(500.0);
                 for (at, action) in [(0.6, "stop-coordinator"), (0.8, "start-coordinator")] {
                     s.faults.push(Fault {
                         at,
@@ -279,6 +403,32 @@ impl Scenario {
                         agent: None,
                     });
                 }
+                s
+            }
+            // One popular tenant served by 64 gateways, 1.3x its limit in total, Zipf
+            // over the gateways, the heavy ones moving every quarter of the run.
+            "fleet" => {
+                let phases = (0..4)
+                    .map(|k| Phase {
+                        total: Some(20_000.0 * 1.3),
+                        skew: Some("zipf:1.2".into()),
+                        rotate: 16 * k,
+                        ..phase(k as f64 / 4.0, 0.0, None)
+                    })
+                    .collect();
+                let mut s = base(rule(20_000, "20000/s"), keys(1, "uniform"), phases);
+                s.agents = 64;
+                s
+            }
+            // The same tenant and fleet at 0.6x the limit: one bucket would deny nothing.
+            "fleet-under" => {
+                let phases = vec![Phase {
+                    total: Some(20_000.0 * 0.6),
+                    skew: Some("zipf:1.2".into()),
+                    ..phase(0.0, 0.0, None)
+                }];
+                let mut s = base(rule(20_000, "20000/s"), keys(1, "uniform"), phases);
+                s.agents = 64;
                 s
             }
             other => {
@@ -301,8 +451,8 @@ impl Scenario {
         let rule = Rule::from_spec("sim", &self.rule)
             .map_err(|e| format!("scenario {}: {e}", self.name))?;
         let err = |what: String| Err(format!("scenario {}: {what}", self.name));
-        if self.agents == 0 || self.agents > 256 {
-            return err(format!("agents = {} must be 1..=256", self.agents));
+        if self.agents == 0 || self.agents > 1000 {
+            return err(format!("agents = {} must be 1..=1000", self.agents));
         }
         if self.threads_per_agent == 0 || self.threads_per_agent > 64 {
             return err(format!(
@@ -357,6 +507,33 @@ impl Scenario {
                     p.at, self.agents
                 ));
             }
+            if let Some(skew) = &p.skew {
+                Skew::parse(skew)
+                    .map_err(|e| format!("scenario {}: phase at {}: {e}", self.name, p.at))?;
+                if p.offered == 0.0 && p.total.is_none() {
+                    return err(format!(
+                        "phase at {}: skew splits `offered` or `total`: give one",
+                        p.at
+                    ));
+                }
+            }
+            if let Some(t) = p.total
+                && !(t.is_finite() && t >= 0.0 && p.offered == 0.0)
+            {
+                return err(format!(
+                    "phase at {}: total = {t} must be >= 0, and then offered is not given",
+                    p.at
+                ));
+            }
+            if let Some(rates) = &p.rates
+                && (rates.len() > self.agents
+                    || rates.iter().any(|r| !(r.is_finite() && *r >= 0.0)))
+            {
+                return err(format!(
+                    "phase at {}: rates must be at most {} numbers >= 0",
+                    p.at, self.agents
+                ));
+            }
         }
         for f in &self.faults {
             if !FAULTS.contains(&f.action.as_str()) {
@@ -369,10 +546,10 @@ impl Scenario {
             if !(0.0..1.0).contains(&f.at) {
                 return err(format!("fault at {}: at must be in [0, 1)", f.at));
             }
-            if f.action == "crash-agent" && f.agent.is_none_or(|a| a >= self.agents) {
+            if f.action.ends_with("-agent") && f.agent.is_none_or(|a| a >= self.agents) {
                 return err(format!(
-                    "fault crash-agent at {}: needs agent in 0..{}",
-                    f.at, self.agents
+                    "fault {} at {}: needs agent in 0..{}",
+                    f.action, f.at, self.agents
                 ));
             }
         }
@@ -426,5 +603,58 @@ mod tests {
         let mut s = Scenario::built_in("hot-key").unwrap();
         s.rule.capacity = 0;
         assert!(s.validate().unwrap_err().contains("capacity"));
+        let mut s = Scenario::built_in("fleet").unwrap();
+        s.phases[0].skew = Some("zipf:-1".into());
+        assert!(s.validate().unwrap_err().contains("zipf:-1"));
+    }
+
+    #[test]
+    fn the_example_scenario_files_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/scenarios");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let s = Scenario::from_file(&path).unwrap();
+            s.validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            n += 1;
+        }
+        assert!(n >= 3, "examples/scenarios holds {n} files");
+    }
+
+    #[test]
+    fn skews_split_the_phase_load_over_the_agents() {
+        let s = Scenario::built_in("fleet").unwrap();
+        let total: f64 = (0..64)
+            .map(|a| match s.phases[0].pace(a, 64) {
+                Pace::Rate(r) => r,
+                other => panic!("{other:?}"),
+            })
+            .sum();
+        assert!((total - 26_000.0).abs() < 1e-6, "{total}");
+        // Zipf: agent 0 leads the first phase, agent 16 the second.
+        let lead = |p: &Phase| {
+            (0..64)
+                .max_by(|&a, &b| match (p.pace(a, 64), p.pace(b, 64)) {
+                    (Pace::Rate(x), Pace::Rate(y)) => x.total_cmp(&y),
+                    _ => std::cmp::Ordering::Equal,
+                })
+                .unwrap()
+        };
+        assert_eq!(lead(&s.phases[0]), 0);
+        assert_eq!(lead(&s.phases[1]), 16);
+        let one = Phase {
+            skew: Some("one:0.9".into()),
+            ..phase(0.0, 100.0, Some(vec![2, 3]))
+        };
+        assert_eq!(one.pace(2, 4), Pace::Rate(180.0));
+        assert!(matches!(one.pace(3, 4), Pace::Rate(r) if (r - 20.0).abs() < 1e-9));
+        assert_eq!(one.pace(0, 4), Pace::Idle);
+        let rates = Phase {
+            rates: Some(vec![5.0]),
+            ..phase(0.0, 0.0, None)
+        };
+        assert_eq!(rates.pace(0, 2), Pace::Rate(5.0));
+        assert_eq!(rates.pace(1, 2), Pace::Idle);
     }
 }

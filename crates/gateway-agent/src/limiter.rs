@@ -996,10 +996,14 @@ impl Limiter {
         let now = self.now_ns();
         let admitted = reply.granted == cost;
         // Promotion: a cold key used faster than the threshold starts leasing.
-        if io
-            .policy
-            .exact_done(&entry.rule, &self.inner.policy, now, cost, admitted)
-        {
+        if io.policy.exact_done(
+            &entry.rule,
+            &self.inner.policy,
+            now,
+            cost,
+            admitted,
+            reply.scale_ppm != 0,
+        ) {
             ks.share_milli
                 .store(io.policy.share_milli(), Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);

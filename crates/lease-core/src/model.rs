@@ -190,7 +190,8 @@ pub struct Reply {
     pub now_us: u64,
     /// Acquire: the fraction of its demand each agent may have, in millionths: `r / Σ
     /// demand` over the agents holding records, at most 1 000 000 (proportional share;
-    /// 1 000 000 for an agent alone with demand).
+    /// 1 000 000 for an agent alone with demand). Exact: the same scale, at least 1, when
+    /// other agents report demand on the key (they lease it), else 0.
     pub scale_ppm: u64,
     /// 1 when this bucket is not the one to use now (a parent during a split, or a part
     /// whose term is over): nothing was granted, ask the parent.
@@ -836,6 +837,12 @@ impl GlobalBucket {
                     reply.granted = cost;
                 } else {
                     reply.retry_us = s.level.time_until(cost, p.rate);
+                }
+                // Other agents lease this key: say so (their proportional scale, at
+                // least 1), so an agent that sees it cold starts leasing at once.
+                let own = prior.as_ref().map_or(0, |r| r.demand);
+                if s.demand_sum > own {
+                    reply.scale_ppm = scale_ppm(p, s.demand_sum, 0).max(1);
                 }
                 record = kept(prior.as_ref(), prior_credit, now + p.grace_us, req.seq);
             }

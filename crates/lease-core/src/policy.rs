@@ -247,8 +247,11 @@ impl KeyPolicy {
         g
     }
 
-    /// Counts an exact decision of `cost` taken at `now_ns` (`admitted` or not); returns
-    /// true when the key becomes hot (auto leasing, local rate above the threshold).
+    /// Counts an exact decision of `cost` taken at `now_ns` (`admitted` or not), whose
+    /// reply said whether other agents lease the key (`leased_elsewhere`); returns true
+    /// when the key becomes hot here (auto leasing): its local rate passed the threshold,
+    /// or the fleet leases it already (a popular tenant spread over many gateways is hot
+    /// even where each sees a few requests a second).
     pub fn exact_done(
         &mut self,
         rule: &Rule,
@@ -256,6 +259,7 @@ impl KeyPolicy {
         now_ns: u64,
         cost: u64,
         admitted: bool,
+        leased_elsewhere: bool,
     ) -> bool {
         if admitted {
             self.exact_total += cost;
@@ -265,10 +269,13 @@ impl KeyPolicy {
             self.cold_tokens = 0;
         }
         self.cold_tokens += cost;
-        if rule.leasing() != Leasing::Auto || self.cold_tokens <= cfg.hot_above_per_sec {
+        let fast = self.cold_tokens > cfg.hot_above_per_sec;
+        if rule.leasing() != Leasing::Auto || !(fast || leased_elsewhere) {
             return false;
         }
-        let elapsed_ms = (now_ns - self.cold_window_ns).max(1_000_000) / 1_000_000;
+        // The demand seen cold, over at least a second: a lease starts small and grows
+        // with what is measured.
+        let elapsed_ms = (now_ns - self.cold_window_ns).max(1_000_000_000) / 1_000_000;
         self.demand_milli = self.cold_tokens * 1_000_000 / elapsed_ms;
         self.reported_milli = self.demand_milli as f64;
         self.measured_ns = (elapsed_ms * 1_000_000).min(1_000_000_000);

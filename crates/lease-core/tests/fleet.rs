@@ -57,7 +57,7 @@ fn setup(agents: usize, load: f64, split: &Split, secs: u64) -> Setup {
 fn line(name: &str, o: &Outcome) -> String {
     format!(
         "{name}: utilisation {:.4} ({:.4} with the leases held at the end), share error {:.3}, below-limit denials {}, \
-         unavailable {}, worst window excess {:.0}, calls/1k {:.1} ({} refused)",
+         unavailable {}, worst window excess {:.0}, calls/1k {:.1} ({} refused), waited {:.3}%",
         o.utilisation,
         (o.admitted + o.held_at_end) as f64 / o.ideal_admitted as f64,
         o.worst_share_error,
@@ -66,6 +66,7 @@ fn line(name: &str, o: &Outcome) -> String {
         o.worst_window_excess,
         o.calls_per_1k,
         o.refused,
+        o.waited as f64 * 100.0 / o.offered.max(1) as f64,
     )
 }
 
@@ -95,9 +96,14 @@ fn check_targets(name: &str, load: f64, secs: u64, o: &Outcome) {
     // the second half began.
     let dry_at = B as f64 / ((load - 1.0) * R);
     // An agent banks up to B * share of credit (its own bucket within the key's), so over
-    // a window of a few seconds its part wanders by up to (B / r) / window.
+    // a window of a few seconds its part may wander by up to (B / r) / window; over the
+    // 5 s windows of the matrix the fleets stay within 8%.
     let window = secs as f64 / 2.0;
-    let allowed = if secs >= 10 { 0.08 } else { 0.2 };
+    let allowed = if secs >= 10 {
+        0.08
+    } else {
+        B as f64 / R / window
+    };
     if dry_at + 1.0 <= window {
         assert!(o.worst_share_error <= allowed, "{}", line(name, o));
     }

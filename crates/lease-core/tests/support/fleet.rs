@@ -192,6 +192,9 @@ pub(crate) struct Outcome {
     pub(crate) calls: u64,
     /// Acquires that granted nothing.
     pub(crate) refused: u64,
+    /// Decisions that waited for a store call (the others were decided locally, from the
+    /// lease or the denial cache).
+    pub(crate) waited: u64,
     pub(crate) calls_per_1k: f64,
     /// Per agent: admitted, and what it offered.
     pub(crate) per_agent: Vec<(u64, u64)>,
@@ -224,6 +227,7 @@ pub(crate) struct Fleet {
     max_committed: u64,
     restarts: u64,
     refused: u64,
+    waited: u64,
 }
 
 impl Fleet {
@@ -245,6 +249,7 @@ impl Fleet {
             max_committed: 0,
             restarts: 0,
             refused: 0,
+            waited: 0,
         };
         f.go()
     }
@@ -343,6 +348,14 @@ impl Fleet {
                 t_ideal = 0;
             }
         }
+        // Calls still in flight when the run stops complete (and the second calls they
+        // lead to): their callers are decided.
+        for pass in 1..=3 {
+            let end = self.s.total_ms * MS + pass * self.s.rtt_us * 1000;
+            for i in 0..self.s.agents {
+                self.complete(i, end);
+            }
+        }
         let admitted: u64 = self.ours.iter().filter(|x| **x).count() as u64;
         let ideal_admitted: u64 = self.ideal_ok.iter().filter(|x| **x).count() as u64;
         let below = self
@@ -375,6 +388,7 @@ impl Fleet {
             worst_window_excess: self.worst_window(),
             calls: self.calls,
             refused: self.refused,
+            waited: self.waited,
             calls_per_1k: self.calls as f64 * 1000.0 / offered.max(1) as f64,
             per_agent: self
                 .agents
@@ -431,7 +445,8 @@ impl Fleet {
             self.agents[i].last_admitted += 1;
         }
         self.agents[i].admitted += 1;
-        self.admitted_ms[(t / MS) as usize] += 1;
+        let last = self.admitted_ms.len() - 1;
+        self.admitted_ms[((t / MS) as usize).min(last)] += 1;
     }
 
     fn deny(&mut self, i: usize, cost: u64) {
@@ -450,6 +465,7 @@ impl Fleet {
             return;
         }
         let start = a.inflight.is_none();
+        self.waited += 1;
         a.waiting.push_back(Waiter {
             id,
             cost,

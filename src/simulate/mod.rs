@@ -131,7 +131,7 @@ impl Env {
     /// Checks that the scenario's faults can happen to this store.
     fn supports(choice: &StoreChoice, action: &str) -> bool {
         match action {
-            "crash-agent" => true,
+            "crash-agent" | "leave-agent" | "join-agent" => true,
             "kill-store" | "restore-store" => {
                 matches!(choice, StoreChoice::Embedded | StoreChoice::Spawn)
             }

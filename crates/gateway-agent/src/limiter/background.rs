@@ -1,0 +1,225 @@
+//! The agent's background loop: prefetches, the sweep (reclaim, demotion, renewal,
+//! forgetting idle keys), metrics, the report to the coordinator, topology and rules
+//! file refreshes.
+
+use super::*;
+
+pub(super) async fn background(
+    inner: Weak<Inner>,
+    mut prefetch: mpsc::Receiver<Arc<KeyState>>,
+    watch: Option<Duration>,
+) {
+    let Some(sweep_every) = inner.upgrade().map(|i| i.config.sweep_every) else {
+        return;
+    };
+    let mut sweep = tokio::time::interval(sweep_every);
+    // Metrics and the coordinator's report, on the whole seconds of the wall clock so
+    // every agent's report covers the same second.
+    let mut publish = tokio::time::interval_at(
+        Instant::now() + Duration::from_millis(1000 - wall_ms() % 1000),
+        Duration::from_secs(1),
+    );
+    publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut topology = tokio::time::interval(TOPOLOGY_EVERY);
+    topology.tick().await;
+    let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
+    let watching = watch.period() < Duration::from_secs(3600);
+    loop {
+        tokio::select! {
+            ks = prefetch.recv() => {
+                let Some(ks) = ks else { return };
+                let Some(inner) = inner.upgrade() else { return };
+                tokio::spawn(refill(Limiter { inner }, ks));
+            }
+            _ = sweep.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                Limiter { inner }.sweep();
+            }
+            _ = publish.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                for e in inner.rules.load().by_name.values() {
+                    e.counters.publish(&e.name);
+                }
+                metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
+                inner.error_kinds.publish();
+                metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
+                if matches!(inner.store, Store::Redis(_)) {
+                    tokio::spawn(report(Limiter { inner }));
+                }
+            }
+            _ = topology.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                if let Store::Redis(r) = &inner.store {
+                    let r = r.clone();
+                    let inner = Arc::downgrade(&inner);
+                    tokio::spawn(async move {
+                        match r.shards().await {
+                            Ok(ranges) => {
+                                if let Some(inner) = inner.upgrade() {
+                                    inner.breakers.set_topology(&ranges);
+                                }
+                            }
+                            Err(e) => tracing::debug!(error = %e, "slot map refresh failed"),
+                        }
+                    });
+                }
+            }
+            _ = watch.tick(), if watching => {
+                let Some(inner) = inner.upgrade() else { return };
+                let changed = inner.rules_file.as_ref().is_some_and(|p| {
+                    std::fs::metadata(p).and_then(|m| m.modified()).ok() != *inner.rules_mtime.lock()
+                });
+                if changed && let Err(e) = (Limiter { inner }).reload_rules() {
+                    tracing::error!(error = %e, "rules file refused; the rules in force stay");
+                }
+            }
+        }
+    }
+}
+
+pub(super) fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Writes this agent's report for the coordinator (see [`crate::report`]): running
+/// totals of the leased buckets it used recently.
+pub(super) async fn report(limiter: Limiter) {
+    use crate::report::{KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report};
+    let Store::Redis(store) = &limiter.inner.store else {
+        return;
+    };
+    let at_ms = wall_ms();
+    let now = limiter.now_ns();
+    let mut keys: Vec<(u64, Arc<KeyState>)> = {
+        let guard = limiter.inner.keys.guard();
+        limiter
+            .inner
+            .keys
+            .iter(&guard)
+            .map(|(_, ks)| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
+            // Leased keys: exact decisions are exact by construction, and cold keys are
+            // most keys.
+            .filter(|(last, ks)| {
+                ks.lease.held() > 0
+                    || ks.without_store.load(Ordering::Relaxed) > 0
+                    || (ks.hot.load(Ordering::Relaxed)
+                        && now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000)
+            })
+            .collect()
+    };
+    keys.sort_unstable_by_key(|(last, _)| std::cmp::Reverse(*last));
+    keys.truncate(MAX_KEYS_PER_REPORT);
+    let mut lines = Vec::with_capacity(keys.len());
+    for (_, ks) in keys {
+        let mut io = ks.io.lock().await;
+        // Admissions made without the store count against the bucket like any other.
+        io.policy
+            .admitted_without_store(ks.without_store.swap(0, Ordering::Relaxed));
+        let held = ks.lease.held();
+        let t = io.policy.totals(held);
+        if t.calls == 0 && t.admitted == 0 {
+            continue;
+        }
+        let totals = KeyReport {
+            admitted: t.admitted,
+            calls: t.calls,
+            demand_milli: t.demand_milli,
+            held,
+        };
+        lines.push((ks.bucket.as_str().to_owned(), totals));
+    }
+    let text = Report::encode(at_ms, lines.iter().map(|(k, r)| (k.as_str(), *r)));
+    if let Err(e) = store.report(limiter.inner.agent, at_ms, &text).await {
+        tracing::debug!(error = %e, "report to the coordinator failed");
+    }
+}
+
+pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
+    let rules = limiter.inner.rules.load_full();
+    if let Ok(entry) = rules.get(&ks.rule) {
+        let mut io = ks.io.lock().await;
+        if ks.hot.load(Ordering::Acquire) && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
+        {
+            let _ = limiter.acquire(&ks, &mut io, entry, 0).await;
+        }
+    }
+    ks.prefetching.store(false, Ordering::Release);
+}
+
+impl Limiter {
+    /// Returns the tokens of idle leases and demotes their keys, renews live leases close
+    /// to expiry, and forgets cold keys idle for long.
+    pub(super) fn sweep(&self) {
+        let inner = &self.inner;
+        let now = self.now_ns();
+        let rules = inner.rules.load_full();
+        let guard = inner.keys.guard();
+        let mut forget = Vec::new();
+        let forget_after = inner.config.forget_after.as_nanos() as u64;
+        for (id, ks) in inner.keys.iter(&guard) {
+            // Most keys are cold and hold nothing: all they need is to be forgotten once
+            // idle for long, checked without a lock or a rule lookup.
+            if !ks.hot.load(Ordering::Acquire) && ks.lease.held() == 0 {
+                if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
+                    && ks.waiters.load(Ordering::Acquire) == 0
+                {
+                    forget.push(id.clone());
+                }
+                continue;
+            }
+            let Ok(entry) = rules.get(&ks.rule) else {
+                forget.push(id.clone());
+                continue;
+            };
+            let Ok(mut io) = ks.io.clone().try_lock_owned() else {
+                continue;
+            };
+            let held = ks.lease.held();
+            let action = io.policy.sweep(
+                &entry.rule,
+                &inner.policy,
+                now,
+                &ks.lease,
+                ks.denied_tokens.load(Ordering::Relaxed),
+                ks.last_io_ns.load(Ordering::Relaxed),
+            );
+            let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+            match action {
+                SweepAction::Keep => {}
+                SweepAction::Idle => {
+                    if entry.rule.leasing() == Leasing::Auto {
+                        ks.hot.store(false, Ordering::Release);
+                    }
+                    if held > 0 {
+                        tokio::spawn(async move {
+                            let mut io = io;
+                            let _ = this.release(&ks, &mut io, &entry, true).await;
+                        });
+                    }
+                }
+                SweepAction::Reclaim(reclaim) => {
+                    // Reclaim: tokens this agent is not spending, or more than its share
+                    // of a contended key, go back where other agents can lease them.
+                    tokio::spawn(async move {
+                        let mut io = io;
+                        let idle = reclaim == Reclaim::Idle;
+                        if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
+                            entry.counters.incr(Counter::Reclaims);
+                        }
+                    });
+                }
+                SweepAction::Renew => {
+                    tokio::spawn(async move {
+                        let mut io = io;
+                        let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                    });
+                }
+            }
+        }
+        for id in forget {
+            inner.keys.remove(&id, &guard);
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Building a `Limiter`: its configuration, the store it talks to, and the checks made
+//! before the first decision.
+
+use super::*;
+
+/// Why a limiter could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// No rules were given.
+    #[error("no rules: call .rules(..) or .rules_file(..)")]
+    NoRules,
+    /// No store was named.
+    #[error("no store: call .redis(url), .cluster(nodes) or .embedded()")]
+    NoStore,
+    /// The rules file was refused.
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+    /// The store could not be reached or set up.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// The Prometheus exporter could not start.
+    #[error("prometheus exporter: {0}")]
+    Prometheus(String),
+    /// `build` was called outside a tokio runtime.
+    #[error("Limiter::build must run inside a tokio runtime")]
+    NoRuntime,
+}
+
+/// Tuning of the agent. The defaults suit a gateway doing thousands of decisions per
+/// second per hot key.
+#[derive(Clone, Debug)]
+pub struct LimiterConfig {
+    /// A cold key (auto leasing) becomes leased above this many tokens per second here.
+    pub hot_above_per_sec: u64,
+    /// A leased key whose lease saw no spending for this long returns its tokens and
+    /// becomes cold again (capped at half the lease lifetime).
+    pub idle_after: Duration,
+    /// A lease that saw no spending for this long returns its tokens (the key stays
+    /// leased), so budget stranded with an agent whose demand moved elsewhere is back in
+    /// the bucket within about this long (capped at `idle_after`).
+    pub return_after: Duration,
+    /// A cold key with no activity for this long is forgotten (memory released).
+    pub forget_after: Duration,
+    /// A lease covers about this much of the key's local demand.
+    pub horizon: Duration,
+    /// A lease stops being spent this long before the store would let it expire
+    /// (capped at a quarter of the lease lifetime), covering clock rate differences.
+    pub margin: Duration,
+    /// Callers queued per key in `check_wait`.
+    pub max_waiters: usize,
+    /// How often the background task sweeps keys.
+    pub sweep_every: Duration,
+    /// Circuit breakers and bulkheads.
+    pub breaker: BreakerConfig,
+    /// Redis connection settings.
+    pub store: StoreConfig,
+}
+
+impl LimiterConfig {
+    /// The part of the configuration the per-key policy reads.
+    fn policy(&self) -> PolicyConfig {
+        PolicyConfig {
+            horizon: self.horizon,
+            margin: self.margin,
+            return_after: self.return_after,
+            idle_after: self.idle_after,
+            hot_above_per_sec: self.hot_above_per_sec,
+        }
+    }
+}
+
+impl Default for LimiterConfig {
+    fn default() -> Self {
+        let p = PolicyConfig::default();
+        Self {
+            hot_above_per_sec: p.hot_above_per_sec,
+            idle_after: p.idle_after,
+            return_after: p.return_after,
+            forget_after: Duration::from_secs(30),
+            horizon: p.horizon,
+            margin: p.margin,
+            max_waiters: 1024,
+            sweep_every: Duration::from_millis(100),
+            breaker: BreakerConfig::default(),
+            store: StoreConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum Target {
+    Redis(String),
+    Cluster(Vec<String>),
+    Embedded,
+    Store(Store),
+}
+
+/// Builds a [`Limiter`].
+#[derive(Debug, Default)]
+pub struct LimiterBuilder {
+    target: Option<Target>,
+    rules: Option<Rules>,
+    rules_file: Option<PathBuf>,
+    watch: Option<Duration>,
+    config: LimiterConfig,
+    prometheus: Option<std::net::SocketAddr>,
+    agent: Option<u64>,
+}
+
+impl LimiterBuilder {
+    /// Buckets in one Redis (`redis://host:port`).
+    pub fn redis(mut self, url: impl Into<String>) -> Self {
+        self.target = Some(Target::Redis(url.into()));
+        self
+    }
+    /// Buckets in a Redis Cluster, reached through any of `nodes`.
+    pub fn cluster<S: Into<String>>(mut self, nodes: impl IntoIterator<Item = S>) -> Self {
+        self.target = Some(Target::Cluster(nodes.into_iter().map(Into::into).collect()));
+        self
+    }
+    /// Buckets in this process (single-process gateways, demos, tests).
+    pub fn embedded(mut self) -> Self {
+        self.target = Some(Target::Embedded);
+        self
+    }
+    /// An already connected store (several limiters sharing one store).
+    pub fn store(mut self, store: Store) -> Self {
+        self.target = Some(Target::Store(store));
+        self
+    }
+    /// Rules built in code.
+    pub fn rules(mut self, rules: Rules) -> Self {
+        self.rules = Some(rules);
+        self
+    }
+    /// Rules from a TOML file, which [`Limiter::reload_rules`] reads again.
+    pub fn rules_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.rules_file = Some(path.into());
+        self
+    }
+    /// Reload the rules file by itself when it changes, checking every `interval`.
+    pub fn watch_rules(mut self, interval: Duration) -> Self {
+        self.watch = Some(interval);
+        self
+    }
+    /// Tuning.
+    pub fn config(mut self, config: LimiterConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Serve Prometheus metrics on `addr` (keep it on loopback unless fronted).
+    pub fn prometheus(mut self, addr: std::net::SocketAddr) -> Self {
+        self.prometheus = Some(addr);
+        self
+    }
+    /// A fixed agent id instead of a random one (ids must be unique per live process).
+    pub fn agent_id(mut self, id: u64) -> Self {
+        self.agent = Some(id);
+        self
+    }
+
+    /// Connects, loads the rules and starts the background task.
+    pub async fn build(self) -> Result<Limiter, BuildError> {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
+        let rules = match (&self.rules_file, self.rules) {
+            (Some(path), _) => Rules::from_file(path)?,
+            (None, Some(rules)) => rules,
+            (None, None) => return Err(BuildError::NoRules),
+        };
+        let store = match self.target.ok_or(BuildError::NoStore)? {
+            Target::Redis(url) => {
+                Store::Redis(RedisStore::connect(&url, self.config.store.clone()).await?)
+            }
+            Target::Cluster(nodes) => {
+                Store::Redis(RedisStore::connect_cluster(&nodes, self.config.store.clone()).await?)
+            }
+            Target::Embedded => Store::Embedded(EmbeddedStore::new()),
+            Target::Store(store) => store,
+        };
+        let breakers = Breakers::new(self.config.breaker);
+        if let Store::Redis(r) = &store {
+            warn_on_eviction(r).await;
+            breakers.set_topology(&r.shards().await?);
+        }
+        if let Some(addr) = self.prometheus {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .with_http_listener(addr)
+                .install()
+                .map_err(|e| BuildError::Prometheus(e.to_string()))?;
+        }
+        let (tx, rx) = mpsc::channel(4096);
+        let clock = quanta::Clock::new();
+        let inner = Arc::new(Inner {
+            // Id 0 is the store's reservation in the parts of a split bucket.
+            agent: AgentId(self.agent.unwrap_or_else(rand::random).max(1)),
+            seq: AtomicU64::new(0),
+            store,
+            rules: ArcSwap::from_pointee(RuleTable::new(&rules, None)),
+            rules_file: self.rules_file,
+            rules_mtime: parking_lot::Mutex::new(None),
+            keys: papaya::HashMap::builder()
+                .hasher(foldhash::fast::RandomState::default())
+                .build(),
+            base: clock.raw(),
+            clock,
+            breakers,
+            error_kinds: ErrorCounts::default(),
+            prefetch: tx,
+            policy: self.config.policy(),
+            config: self.config,
+        });
+        inner.note_rules_mtime();
+        handle.spawn(background(Arc::downgrade(&inner), rx, self.watch));
+        Ok(Limiter { inner })
+    }
+}
+
+async fn warn_on_eviction(store: &RedisStore) {
+    match store.maxmemory_policy().await {
+        Ok(policy) if policy == "noeviction" || policy.starts_with("volatile-") => {
+            metrics::gauge!("leasehold_store_may_evict_buckets").set(0.0);
+        }
+        Ok(policy) => {
+            metrics::gauge!("leasehold_store_may_evict_buckets").set(1.0);
+            tracing::warn!(
+                %policy,
+                "Redis maxmemory-policy may evict bucket keys, which resets their budgets; \
+                 use noeviction or a volatile-* policy"
+            );
+        }
+        Err(e) => tracing::warn!(error = %e, "could not read Redis maxmemory-policy"),
+    }
+}

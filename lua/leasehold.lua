@@ -31,10 +31,19 @@ local function fail(msg)
   error({err = msg})
 end
 
+-- An argument as it may appear in an error: at most 64 bytes of it.
+local function clip(v)
+  local text = tostring(v)
+  if #text > 64 then return string.sub(text, 1, 64) .. '... (' .. #text .. ' bytes)' end
+  return text
+end
+
+-- A plain decimal integer (no sign, exponent, hex, space or fraction), at most max.
 local function int(v, what, max)
-  local n = tonumber(v)
-  if n == nil or n ~= math.floor(n) or n < 0 or n > max then
-    fail('LH_ARG invalid argument ' .. what .. ' = ' .. tostring(v))
+  local n = nil
+  if type(v) == 'string' and #v <= 16 and string.match(v, '^%d+$') then n = tonumber(v) end
+  if n == nil or n > max then
+    fail('LH_ARG invalid argument ' .. what .. ' = ' .. clip(v))
   end
   return n
 end
@@ -77,13 +86,33 @@ local function params(args)
     pdrop = int(args[13], 'part_drop', MAX),
   }
   if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
-    fail('LH_ARG invalid bucket parameters: capacity ' .. tostring(args[1]) ..
-      ', rate ' .. tostring(args[2]) .. '/' .. tostring(args[3]) .. 'us')
+    fail('LH_ARG invalid bucket parameters: capacity ' .. clip(args[1]) ..
+      ', rate ' .. clip(args[2]) .. '/' .. clip(args[3]) .. 'us')
   end
   if type(p.id) ~= 'string' or #p.id < 1 or #p.id > 32 or not string.match(p.id, '^%x+$') then
-    fail('LH_ARG invalid argument agent = ' .. tostring(p.id))
+    fail('LH_ARG invalid argument agent = ' .. clip(p.id))
   end
   return p
+end
+
+-- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
+-- or a split part's, lh:{RULE|SUBJECT|SALT.PART}. Part arguments come with a part key and
+-- only with one. Checked before anything is read or written, so a foreign key (an
+-- application's hash, say) is never touched.
+local function the_key(keys, p)
+  if #keys ~= 1 then fail('LH_ARG exactly one key expected, got ' .. #keys) end
+  local key = keys[1]
+  local part = #key <= 512 and string.match(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
+  if not part and (#key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
+    fail('LH_ARG not a bucket key: ' .. clip(key))
+  end
+  local seeded = p.pgen ~= 0 or p.puntil ~= 0 or p.ptok ~= 0 or p.pout ~= 0 or p.pdrop ~= 0
+  if part and not seeded then
+    fail('LH_ARG a part key needs its split (part_gen) arguments: ' .. clip(key))
+  elseif seeded and not part then
+    fail('LH_ARG split part arguments on a key that is not a part: ' .. clip(key))
+  end
+  return key
 end
 
 local function cap_of(p, out)
@@ -414,7 +443,7 @@ local function acquire(keys, args)
     fail('LH_CAPACITY ' .. fmt(min) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
   end
   if want < min or want > p.cap then fail('LH_ARG invalid argument want = ' .. fmt(want)) end
-  local key = keys[1]
+  local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved, ttl = where(s, p, now)
@@ -474,7 +503,7 @@ end
 local function release(keys, args)
   local p = params(args)
   local returned = int(args[14], 'returned', MAX_HELD)
-  local key = keys[1]
+  local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)
@@ -506,7 +535,7 @@ local function exact(keys, args)
   if cost > p.cap then
     fail('LH_CAPACITY ' .. fmt(cost) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
   end
-  local key = keys[1]
+  local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)
@@ -533,7 +562,7 @@ local function split(keys, args)
   end
   local salt = int(args[15], 'salt', MAX)
   local untl = int(args[16], 'until', MAX)
-  local key = keys[1]
+  local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)

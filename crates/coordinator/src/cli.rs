@@ -45,7 +45,10 @@ pub async fn connect(url: &str) -> Result<RedisStore, String> {
         }
         None => RedisStore::connect(url, StoreConfig::default()).await,
     };
-    store.map_err(|e| format!("{url}: {e}"))
+    store.map_err(|e| {
+        let text = gateway_agent::redis_store::redact_in(&e.to_string(), url);
+        format!("{}: {text}", gateway_agent::redis_store::redact(url))
+    })
 }
 
 /// Runs until `shutdown` completes; errors name what is wrong (rules file, Redis, port).

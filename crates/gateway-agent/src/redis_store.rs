@@ -225,8 +225,13 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects to one Redis (`redis://host:port`) and loads the library.
     pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Misconfigured(format!("redis url {url:?}: {e}")))?;
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::Misconfigured(format!(
+                "redis url {:?}: {}",
+                redact(url),
+                redact_in(&e.to_string(), url)
+            ))
+        })?;
         let cm = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             .set_response_timeout(Some(config.call_timeout))
@@ -252,7 +257,14 @@ impl RedisStore {
             .response_timeout(config.call_timeout)
             .retries(3)
             .build()
-            .map_err(|e| StoreError::Misconfigured(format!("cluster nodes {nodes:?}: {e}")))?;
+            .map_err(|e| {
+                let mut text = e.to_string();
+                for n in nodes {
+                    text = redact_in(&text, n);
+                }
+                let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+                StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
+            })?;
         let conn = tokio::time::timeout(config.connect_timeout * 2, client.get_async_connection())
             .await
             .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
@@ -529,5 +541,79 @@ fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
         Err(nums) => Err(StoreError::Misconfigured(format!(
             "unexpected reply {nums:?}; is an older leasehold library loaded?"
         ))),
+    }
+}
+
+/// `url` with its password replaced by `***` (`redis://user:***@host:6379`), for errors
+/// and logs: credentials are never echoed.
+pub fn redact(url: &str) -> String {
+    match password(url) {
+        Some((start, end)) => format!("{}***{}", &url[..start], &url[end..]),
+        None => url.to_owned(),
+    }
+}
+
+/// `text` with every occurrence of `url`'s password replaced by `***`.
+pub fn redact_in(text: &str, url: &str) -> String {
+    match password(url) {
+        Some((start, end)) if end > start => text.replace(&url[start..end], "***"),
+        _ => text.to_owned(),
+    }
+}
+
+/// Where the password of `scheme://user:password@host/...` lies, if there is one.
+fn password(url: &str) -> Option<(usize, usize)> {
+    let after_scheme = url.find("://")? + 3;
+    let authority_end = url[after_scheme..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| after_scheme + i);
+    let at = url[after_scheme..authority_end].rfind('@')? + after_scheme;
+    let colon = url[after_scheme..at].find(':')? + after_scheme;
+    Some((colon + 1, at))
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_show() {
+        assert_eq!(
+            redact("redis://:s3cret@10.0.0.1:6379/0"),
+            "redis://:***@10.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact("rediss://app:p@ss:w@host:6380"),
+            "rediss://app:***@host:6380"
+        );
+        assert_eq!(redact("redis://app@host"), "redis://app@host");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        assert_eq!(redact("not a url"), "not a url");
+        assert_eq!(
+            redact_in("failed: s3cret rejected", "redis://:s3cret@h"),
+            "failed: *** rejected"
+        );
+    }
+
+    #[test]
+    fn connect_errors_carry_no_password() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        for url in [
+            "redis://:hunter2-secret@127.0.0.1:notaport",
+            "redis://user:hunter2-secret@127.0.0.1:1",
+        ] {
+            let config = StoreConfig {
+                connect_timeout: std::time::Duration::from_millis(200),
+                ..StoreConfig::default()
+            };
+            let text = match rt.block_on(RedisStore::connect(url, config)) {
+                Ok(_) => panic!("{} connected", redact(url)),
+                Err(e) => e.to_string(),
+            };
+            assert!(!text.contains("hunter2"), "{text}");
+        }
     }
 }

@@ -30,6 +30,15 @@ use crate::view::SplitView;
 /// The leader lock.
 pub const LOCK_KEY: &str = "lh:coordinator";
 
+/// Extends the leader lock only if this instance holds it (token compare and PEXPIRE in
+/// one script).
+const RENEW_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
+
+/// Releases the leader lock only if this instance holds it.
+const DELETE_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+     return redis.call('DEL', KEYS[1]) else return 0 end";
+
 /// Tuning of the coordinator.
 #[derive(Clone, Debug)]
 pub struct CoordinatorConfig {
@@ -169,22 +178,25 @@ impl Coordinator {
         if self.store.query::<Option<String>>(&set).await?.is_some() {
             return Ok(true);
         }
-        let holder: Option<String> = self.store.query(redis::cmd("GET").arg(LOCK_KEY)).await?;
-        if holder.as_deref() != Some(id.as_str()) {
-            return Ok(false);
-        }
-        let mut renew = redis::cmd("PEXPIRE");
-        renew.arg(LOCK_KEY).arg(ttl);
+        // Renew only our own lock, in one atomic step: between a GET and a PEXPIRE the
+        // lock could expire and pass to another instance.
+        let mut renew = redis::cmd("EVAL");
+        renew
+            .arg(RENEW_IF_OURS)
+            .arg(1)
+            .arg(LOCK_KEY)
+            .arg(&id)
+            .arg(ttl);
         Ok(self.store.query::<i64>(&renew).await? == 1)
     }
 
     async fn unlock(&self) -> Result<(), StoreError> {
-        let holder: Option<String> = self.store.query(redis::cmd("GET").arg(LOCK_KEY)).await?;
-        if holder == Some(self.id.to_string()) {
-            self.store
-                .query::<i64>(redis::cmd("DEL").arg(LOCK_KEY))
-                .await?;
-        }
+        let mut del = redis::cmd("EVAL");
+        del.arg(DELETE_IF_OURS)
+            .arg(1)
+            .arg(LOCK_KEY)
+            .arg(self.id.to_string());
+        self.store.query::<i64>(&del).await?;
         Ok(())
     }
 

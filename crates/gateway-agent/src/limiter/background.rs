@@ -41,6 +41,8 @@ pub(super) async fn background(
                     e.counters.publish(&e.name);
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
+                metrics::counter!("leasehold_keys_decided_without_state_total")
+                    .absolute(inner.keys_over_cap.load(Ordering::Relaxed));
                 inner.error_kinds.publish();
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
@@ -221,5 +223,42 @@ impl Limiter {
         for id in forget {
             inner.keys.remove(&id, &guard);
         }
+        self.make_room(now, &guard);
+    }
+
+    /// Above 90% of `max_keys`, drops idle cold keys (no lease, no waiter), the longest
+    /// idle first, down to 80%.
+    fn make_room(&self, now: u64, guard: &impl papaya::Guard) {
+        let inner = &self.inner;
+        let max = inner.config.max_keys;
+        let len = inner.keys.len();
+        if len * 10 <= max * 9 {
+            return;
+        }
+        let mut cold: Vec<(u64, KeyId)> = inner
+            .keys
+            .iter(guard)
+            .filter(|(_, ks)| {
+                !ks.hot.load(Ordering::Acquire)
+                    && ks.lease.held() == 0
+                    && ks.waiters.load(Ordering::Acquire) == 0
+            })
+            .map(|(id, ks)| {
+                let idle = now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed));
+                (u64::MAX - idle, id.clone())
+            })
+            .collect();
+        let excess = (len - max * 8 / 10).min(cold.len());
+        if excess == 0 {
+            return;
+        }
+        cold.select_nth_unstable_by_key(excess - 1, |(k, _)| *k);
+        for (_, id) in &cold[..excess] {
+            inner.keys.remove(id, guard);
+        }
+        inner
+            .keys_evicted
+            .fetch_add(excess as u64, Ordering::Relaxed);
+        metrics::counter!("leasehold_keys_evicted_total").increment(excess as u64);
     }
 }

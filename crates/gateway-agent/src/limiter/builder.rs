@@ -41,6 +41,10 @@ pub struct LimiterConfig {
     pub return_after: Duration,
     /// A cold key with no activity for this long is forgotten (memory released).
     pub forget_after: Duration,
+    /// The most keys whose state the agent keeps (about 1 KB each). Past it, idle cold
+    /// keys are dropped first (oldest first), a key holding a lease is never dropped, and
+    /// a new key is decided by one exact call without keeping its state.
+    pub max_keys: usize,
     /// A lease covers about this much of the key's local demand.
     pub horizon: Duration,
     /// A lease stops being spent this long before the store would let it expire
@@ -77,6 +81,7 @@ impl Default for LimiterConfig {
             idle_after: p.idle_after,
             return_after: p.return_after,
             forget_after: Duration::from_secs(30),
+            max_keys: 50_000,
             horizon: p.horizon,
             margin: p.margin,
             max_waiters: 1024,
@@ -205,6 +210,8 @@ impl LimiterBuilder {
             clock,
             breakers,
             error_kinds: ErrorCounts::default(),
+            keys_over_cap: AtomicU64::new(0),
+            keys_evicted: AtomicU64::new(0),
             prefetch: tx,
             policy: self.config.policy(),
             config: self.config,

@@ -263,6 +263,36 @@ struct KeyState {
     waiters: AtomicUsize,
     in_emergency: AtomicBool,
     emergency: parking_lot::Mutex<Option<Emergency>>,
+    /// Made for one decision while the key map was full; never in the map, never leased.
+    transient: bool,
+}
+
+impl KeyState {
+    fn new(rule: &str, entry: &RuleEntry, bucket: BucketKey, now: u64, transient: bool) -> Self {
+        Self {
+            rule: rule.into(),
+            capacity: AtomicU64::new(entry.params.capacity),
+            counters: entry.counters.clone(),
+            slot: bucket.slot(),
+            bucket,
+            lease: lease_core::LocalLease::new(),
+            hot: AtomicBool::new(!transient && entry.rule.leasing() == Leasing::Lease),
+            deny_until_ns: AtomicU64::new(0),
+            denied_tokens: AtomicU64::new(0),
+            prefetch_after_ns: AtomicU64::new(0),
+            low_water: AtomicU64::new(1),
+            prefetching: AtomicBool::new(false),
+            share_milli: AtomicU64::new(0),
+            without_store: AtomicU64::new(0),
+            last_io_ns: AtomicU64::new(now),
+            io: Arc::new(AsyncMutex::new(Io::default())),
+            queue: AsyncMutex::new(()),
+            waiters: AtomicUsize::new(0),
+            in_emergency: AtomicBool::new(false),
+            emergency: parking_lot::Mutex::new(None),
+            transient,
+        }
+    }
 }
 
 struct Inner {
@@ -277,6 +307,10 @@ struct Inner {
     base: u64,
     breakers: Breakers,
     error_kinds: ErrorCounts,
+    /// Decisions made without keeping the key's state (the map was full), and keys the
+    /// sweep dropped to make room.
+    keys_over_cap: AtomicU64,
+    keys_evicted: AtomicU64,
     prefetch: mpsc::Sender<Arc<KeyState>>,
     config: LimiterConfig,
     /// The part of `config` the lease-core policy reads.
@@ -566,32 +600,17 @@ impl Limiter {
             return Ok(Fast::Slow(ks.clone(), entry.clone()));
         }
         let bucket = BucketKey::new(entry.rule.name(), subject)?;
+        if keys.len() >= self.inner.config.max_keys {
+            // Full (a flood of distinct subjects, say): this key is decided by one exact
+            // call without keeping its state, and the sweep makes room, idle cold keys
+            // first. Memory stays bounded whatever the callers send.
+            self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
+            let ks = Arc::new(KeyState::new(rule, entry, bucket, now, true));
+            return Ok(Fast::Slow(ks, entry.clone()));
+        }
         let ks = keys.get_or_insert_with(
             KeyId::new(rule, subject),
-            || {
-                Arc::new(KeyState {
-                    rule: rule.into(),
-                    capacity: AtomicU64::new(capacity),
-                    counters: entry.counters.clone(),
-                    slot: bucket.slot(),
-                    bucket,
-                    lease: lease_core::LocalLease::new(),
-                    hot: AtomicBool::new(entry.rule.leasing() == Leasing::Lease),
-                    deny_until_ns: AtomicU64::new(0),
-                    denied_tokens: AtomicU64::new(0),
-                    prefetch_after_ns: AtomicU64::new(0),
-                    low_water: AtomicU64::new(1),
-                    prefetching: AtomicBool::new(false),
-                    share_milli: AtomicU64::new(0),
-                    without_store: AtomicU64::new(0),
-                    last_io_ns: AtomicU64::new(now),
-                    io: Arc::new(AsyncMutex::new(Io::default())),
-                    queue: AsyncMutex::new(()),
-                    waiters: AtomicUsize::new(0),
-                    in_emergency: AtomicBool::new(false),
-                    emergency: parking_lot::Mutex::new(None),
-                })
-            },
+            || Arc::new(KeyState::new(rule, entry, bucket, now, false)),
             guard,
         );
         Ok(Fast::Slow(ks.clone(), entry.clone()))
@@ -609,6 +628,9 @@ impl Limiter {
     }
 
     fn is_hot(ks: &KeyState, entry: &RuleEntry) -> bool {
+        if ks.transient {
+            return false;
+        }
         match entry.rule.leasing() {
             Leasing::Lease => true,
             Leasing::Exact => false,
@@ -1063,6 +1085,15 @@ impl Limiter {
     /// Keys held in memory.
     pub fn keys_in_memory(&self) -> usize {
         self.inner.keys.len()
+    }
+
+    /// Keys dropped to keep the map within `max_keys` (idle cold keys, oldest first),
+    /// and decisions made without keeping state because it was full.
+    pub fn keys_evicted(&self) -> (u64, u64) {
+        (
+            self.inner.keys_evicted.load(Ordering::Relaxed),
+            self.inner.keys_over_cap.load(Ordering::Relaxed),
+        )
     }
 
     /// Returns every unspent leased token to the store (graceful shutdown).

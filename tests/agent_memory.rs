@@ -1,0 +1,105 @@
+//! Agent memory under a flood of distinct subjects (an unauthenticated client sending a
+//! new API key with every request), on a real Redis: the key map stays within
+//! `max_keys`, every decision stays right (each subject's one token is admitted once and
+//! then denied), and the process's memory stays bounded.
+//!
+//! `LEASEHOLD_FLOOD_KEYS` (default 50 000) and `LEASEHOLD_FLOOD_MAX_KEYS` (default 5 000)
+//! set the size; the README's figure is 1 000 000 keys with the default cap of 50 000 in
+//! a release build.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+mod support;
+
+use std::sync::Arc;
+
+use gateway_agent::{Decision, Limiter, LimiterConfig, Rules};
+
+const RULES: &str = "[rules.api]\ncapacity = 1\nrate = \"1/1h\"\ntimeout = \"2s\"\n";
+
+fn env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Resident memory of this process, bytes.
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: u64 = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+#[test]
+fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
+    let keys = env("LEASEHOLD_FLOOD_KEYS", 50_000);
+    let max_keys = env("LEASEHOLD_FLOOD_MAX_KEYS", 5_000);
+    let server = support::server();
+    support::runtime().block_on(async {
+        let limiter = Limiter::builder()
+            .redis(server.url())
+            .rules(Rules::from_toml(RULES).unwrap())
+            .config(LimiterConfig {
+                store: support::config(),
+                max_keys,
+                ..LimiterConfig::default()
+            })
+            .build()
+            .await
+            .unwrap();
+        let before = rss();
+        let limiter = Arc::new(limiter);
+        let tasks = 16;
+        let mut handles = Vec::new();
+        for t in 0..tasks {
+            let l = limiter.clone();
+            handles.push(tokio::spawn(async move {
+                let (mut wrong, mut most) = (0u64, 0usize);
+                for i in (t..keys).step_by(tasks) {
+                    let subject = format!("flood-{i:08}");
+                    let first = l.check(&subject, "api", 1).await.unwrap();
+                    let second = l.check(&subject, "api", 1).await.unwrap();
+                    if !matches!(first, Decision::Allowed { .. })
+                        || !matches!(second, Decision::Denied { .. })
+                    {
+                        wrong += 1;
+                    }
+                    most = most.max(l.keys_in_memory());
+                }
+                (wrong, most)
+            }));
+        }
+        let (mut wrong, mut most) = (0, 0);
+        for h in handles {
+            let (w, m) = h.await.unwrap();
+            wrong += w;
+            most = most.max(m);
+        }
+        let after = rss();
+        let (evicted, without_state) = limiter.keys_evicted();
+        println!(
+            "{keys} distinct keys, max_keys {max_keys}: at most {most} keys in memory, \
+             {evicted} evicted, {without_state} decided without keeping state; RSS {:.1} MB \
+             before, {:.1} MB after ({:+.1} MB)",
+            before as f64 / 1e6,
+            after as f64 / 1e6,
+            (after as f64 - before as f64) / 1e6
+        );
+        assert_eq!(
+            wrong, 0,
+            "subjects whose first check was not admitted or second not denied"
+        );
+        assert!(
+            most <= max_keys + tasks,
+            "{most} keys in memory, cap {max_keys}"
+        );
+        assert!(evicted + without_state > 0, "the cap was never reached");
+        // About 1 KB per key at the cap, plus the allocator's slack.
+        let bound = 64e6 + max_keys as f64 * 2_000.0;
+        assert!(
+            ((after as f64) - (before as f64)) < bound,
+            "RSS grew by {:.1} MB",
+            (after as f64 - before as f64) / 1e6
+        );
+    });
+}

@@ -208,6 +208,7 @@ local function begin(key, p)
     end
   else
     s = fresh(p, server_now)
+    s.created = true
   end
   local now = math.max(server_now, s.ts)
   local rec = nil
@@ -451,6 +452,11 @@ local function acquire(keys, args)
   local prior_demand = rec and rec.demand or 0
   -- State-based report: the agent's own count replaces ours; declaring more than we
   -- knew (a grant lost in a failover) lowers the tokens instead of minting any.
+  -- An agent holding tokens from, or measuring demand on, a bucket that no longer
+  -- exists: the bucket was lost (evicted, flushed, or a replica promoted without it). It
+  -- restarts empty, not full: what it handed out may all have been spent (model.rs,
+  -- Op::Acquire).
+  if s.created and (held > 0 or demand > 0) then s.tok, s.car = 0, 0 end
   s.out = s.out - prior_held + held
   s.ds = s.ds - prior_demand + demand
   clamp(s, p)

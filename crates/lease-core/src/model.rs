@@ -681,6 +681,8 @@ impl GlobalBucket {
         {
             self.state = None;
         }
+        // A call that creates the key (it never existed, expired, or was lost).
+        let mut created = self.state.is_none();
         // Worked on in place: nothing below fails once the replay check has passed.
         let mut s = match self.state.take() {
             Some(s) => s,
@@ -711,6 +713,7 @@ impl GlobalBucket {
             // carry a longer term.
             if s.part_gen_us < seed.gen_us {
                 s = BucketState::seeded(p, now);
+                created = false;
             } else if s.part_gen_us == seed.gen_us {
                 s.part_until_us = s.part_until_us.max(seed.until_us);
             }
@@ -744,6 +747,15 @@ impl GlobalBucket {
                 min,
                 demand,
             } => {
+                // An agent holding tokens from, or measuring demand on, a bucket that no
+                // longer exists: the bucket was lost (evicted, flushed, a replica promoted
+                // without it). It restarts empty, not full: what it handed out may all be
+                // spent. (A bucket expires only once every lease in it has, I6, and full;
+                // an agent declares nothing past its lease's deadline, and reports demand
+                // only on a key it has used, which an idle agent withdraws.)
+                if created && (held > 0 || demand > 0) {
+                    s.level = Level::default();
+                }
                 // State-based report: the agent's own count replaces ours. Declaring more
                 // than we knew (after a failover lost a grant) lowers the tokens instead.
                 s.outstanding = s.outstanding - prior_held + held;

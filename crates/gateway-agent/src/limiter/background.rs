@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// How often the store's eviction policy is read again.
+const POLICY_EVERY: Duration = Duration::from_secs(30);
+
 pub(super) async fn background(
     inner: Weak<Inner>,
     mut prefetch: mpsc::Receiver<Arc<KeyState>>,
@@ -22,6 +25,8 @@ pub(super) async fn background(
     publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut topology = tokio::time::interval(TOPOLOGY_EVERY);
     topology.tick().await;
+    let mut policy = tokio::time::interval(POLICY_EVERY);
+    policy.tick().await;
     let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
     let watching = watch.period() < Duration::from_secs(3600);
     loop {
@@ -41,12 +46,33 @@ pub(super) async fn background(
                     e.counters.publish(&e.name);
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
+                metrics::gauge!("leasehold_store_may_evict_buckets")
+                    .set(if inner.evicting.load(Ordering::Relaxed) { 1.0 } else { 0.0 });
                 metrics::counter!("leasehold_keys_decided_without_state_total")
                     .absolute(inner.keys_over_cap.load(Ordering::Relaxed));
                 inner.error_kinds.publish();
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
                     tokio::spawn(report(Limiter { inner }));
+                }
+            }
+            _ = policy.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                if let Store::Redis(r) = &inner.store {
+                    let r = r.clone();
+                    let inner = Arc::downgrade(&inner);
+                    tokio::spawn(async move {
+                        let found = super::builder::evicting_policy(&r).await;
+                        let Some(inner) = inner.upgrade() else { return };
+                        let was = inner.evicting.swap(found.is_some(), Ordering::Relaxed);
+                        if let (Some(policy), false) = (found, was) {
+                            tracing::error!(
+                                %policy,
+                                "Redis maxmemory-policy changed to one that may evict bucket \
+                                 keys: an evicted bucket comes back full; set noeviction"
+                            );
+                        }
+                    });
                 }
             }
             _ = topology.tick() => {

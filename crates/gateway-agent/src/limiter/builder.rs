@@ -21,6 +21,16 @@ pub enum BuildError {
     /// The Prometheus exporter could not start.
     #[error("prometheus exporter: {0}")]
     Prometheus(String),
+    /// Redis may evict bucket keys (see `LimiterConfig::allow_evicting_store`).
+    #[error(
+        "Redis maxmemory-policy is {policy}: it may evict bucket keys (each carries an expiry), \
+         and an evicted bucket comes back full, admitting what was already spent. Set \
+         maxmemory-policy noeviction, or LimiterConfig::allow_evicting_store to run anyway"
+    )]
+    EvictingStore {
+        /// The policy in force.
+        policy: String,
+    },
     /// `build` was called outside a tokio runtime.
     #[error("Limiter::build must run inside a tokio runtime")]
     NoRuntime,
@@ -50,6 +60,11 @@ pub struct LimiterConfig {
     /// A lease stops being spent this long before the store would let it expire
     /// (capped at a quarter of the lease lifetime), covering clock rate differences.
     pub margin: Duration,
+    /// Run on a Redis whose `maxmemory-policy` may evict bucket keys (anything but
+    /// `noeviction`). An evicted bucket comes back full, so by default `build` refuses
+    /// such a store; set this to run anyway (the agent logs an error, re-reads the policy
+    /// every 30 s and sets `leasehold_store_may_evict_buckets` to 1).
+    pub allow_evicting_store: bool,
     /// Callers queued per key in `check_wait`.
     pub max_waiters: usize,
     /// How often the background task sweeps keys.
@@ -82,6 +97,7 @@ impl Default for LimiterConfig {
             return_after: p.return_after,
             forget_after: Duration::from_secs(30),
             max_keys: 50_000,
+            allow_evicting_store: false,
             horizon: p.horizon,
             margin: p.margin,
             max_waiters: 1024,
@@ -183,8 +199,19 @@ impl LimiterBuilder {
             Target::Store(store) => store,
         };
         let breakers = Breakers::new(self.config.breaker);
+        let evicting = AtomicBool::new(false);
         if let Store::Redis(r) = &store {
-            warn_on_eviction(r).await;
+            if let Some(policy) = evicting_policy(r).await {
+                if !self.config.allow_evicting_store {
+                    return Err(BuildError::EvictingStore { policy });
+                }
+                tracing::error!(
+                    %policy,
+                    "Redis maxmemory-policy may evict bucket keys, and an evicted bucket comes \
+                     back full (allow_evicting_store is set)"
+                );
+                evicting.store(true, Ordering::Relaxed);
+            }
             breakers.set_topology(&r.shards().await?);
         }
         if let Some(addr) = self.prometheus {
@@ -210,6 +237,7 @@ impl LimiterBuilder {
             clock,
             breakers,
             error_kinds: ErrorCounts::default(),
+            evicting,
             keys_over_cap: AtomicU64::new(0),
             keys_evicted: AtomicU64::new(0),
             prefetch: tx,
@@ -222,19 +250,21 @@ impl LimiterBuilder {
     }
 }
 
-async fn warn_on_eviction(store: &RedisStore) {
+/// Whether Redis may evict bucket keys under `policy`. Every bucket key carries an expiry
+/// (I6), so the `volatile-*` policies may evict them as well as the `allkeys-*` ones, and
+/// an evicted bucket comes back full: only `noeviction` is safe.
+pub(super) fn may_evict(policy: &str) -> bool {
+    policy != "noeviction"
+}
+
+/// Reads the store's eviction policy; `Some(policy)` when it may evict bucket keys.
+/// Unreadable (an ACL without CONFIG) is logged and taken as safe.
+pub(super) async fn evicting_policy(store: &RedisStore) -> Option<String> {
     match store.maxmemory_policy().await {
-        Ok(policy) if policy == "noeviction" || policy.starts_with("volatile-") => {
-            metrics::gauge!("leasehold_store_may_evict_buckets").set(0.0);
+        Ok(policy) => may_evict(&policy).then_some(policy),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read Redis maxmemory-policy");
+            None
         }
-        Ok(policy) => {
-            metrics::gauge!("leasehold_store_may_evict_buckets").set(1.0);
-            tracing::warn!(
-                %policy,
-                "Redis maxmemory-policy may evict bucket keys, which resets their budgets; \
-                 use noeviction or a volatile-* policy"
-            );
-        }
-        Err(e) => tracing::warn!(error = %e, "could not read Redis maxmemory-policy"),
     }
 }

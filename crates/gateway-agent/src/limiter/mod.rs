@@ -307,6 +307,8 @@ struct Inner {
     base: u64,
     breakers: Breakers,
     error_kinds: ErrorCounts,
+    /// The store's eviction policy may evict bucket keys (read at start, then every 30 s).
+    evicting: AtomicBool,
     /// Decisions made without keeping the key's state (the map was full), and keys the
     /// sweep dropped to make room.
     keys_over_cap: AtomicU64,

@@ -48,6 +48,27 @@ pub enum RulesError {
         /// The rule's problem.
         source: RuleError,
     },
+    /// The file is not valid TOML (a number too large for 64 bits, say).
+    #[error("rules file {path}: {message}")]
+    Syntax {
+        /// The file.
+        path: String,
+        /// The parser's message, with the line at fault.
+        message: String,
+    },
+    /// A field that counts tokens holds something other than a whole number (the
+    /// configuration layer would round `10.5` to 11).
+    #[error("rules file {path}: rule {rule}: {field} = {value}: must be a whole number of tokens")]
+    NotWhole {
+        /// The file.
+        path: String,
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+        /// The value as written.
+        value: String,
+    },
     /// An environment override that does not apply.
     #[error("environment override {var}: {why}")]
     Override {
@@ -87,6 +108,9 @@ impl Rules {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RulesError> {
         let path = path.as_ref();
         let shown = path.display().to_string();
+        if let Ok(text) = std::fs::read_to_string(path) {
+            whole_numbers(&text, &shown)?;
+        }
         let source = config::File::from(path).format(config::FileFormat::Toml);
         Self::load(source, &shown, std::env::vars())
     }
@@ -101,6 +125,7 @@ impl Rules {
         text: &str,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, RulesError> {
+        whole_numbers(text, "<inline>")?;
         Self::load(
             config::File::from_str(text, config::FileFormat::Toml),
             "<inline>",
@@ -229,9 +254,62 @@ fn apply_overrides(
     Ok(())
 }
 
+/// The fields of a rule that count tokens.
+const TOKEN_FIELDS: [&str; 4] = ["capacity", "lease_min", "lease_max", "max_outstanding"];
+
+/// Refuses text that is not TOML (with the line and the text at fault), and a token
+/// count written as anything but an integer (naming the rule and field).
+fn whole_numbers(text: &str, shown: &str) -> Result<(), RulesError> {
+    let doc = text
+        .parse::<toml::Table>()
+        .map_err(|e| RulesError::Syntax {
+            path: shown.to_owned(),
+            message: e.to_string().trim_end().chars().take(400).collect(),
+        })?;
+    let Some(rules) = doc.get("rules").and_then(toml::Value::as_table) else {
+        return Ok(());
+    };
+    for (rule, spec) in rules {
+        let Some(spec) = spec.as_table() else {
+            continue;
+        };
+        for field in TOKEN_FIELDS {
+            match spec.get(field) {
+                None | Some(toml::Value::Integer(_)) => {}
+                Some(other) => {
+                    return Err(RulesError::NotWhole {
+                        path: shown.to_owned(),
+                        rule: rule.chars().take(80).collect(),
+                        field,
+                        value: other.to_string().chars().take(80).collect(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_counts_must_be_whole_and_errors_name_rule_field_and_value() {
+        let e = Rules::from_toml("[rules.a]\ncapacity = 10.5\nrate = \"1/s\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rule a") && e.contains("capacity = 10.5"), "{e}");
+        let e = Rules::from_toml("[rules.b]\ncapacity = 10\nrate = \"1/s\"\nlease_max = \"5\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rule b") && e.contains("lease_max"), "{e}");
+        let e = Rules::from_toml("[rules.c]\ncapacity = 99999999999999999999\nrate = \"1/s\"\n")
+            .unwrap_err()
+            .to_string();
+        println!("{e}");
+        assert!(e.contains("capacity"), "{e}");
+    }
 
     #[test]
     fn reads_dotted_names_and_validates_each_rule() {

@@ -7,7 +7,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use gateway_agent::{Admission, Decision, Limiter, LimiterConfig, Rules};
+use gateway_agent::{Admission, Decision, Limiter, LimiterConfig};
 use lease_core::{BucketKey, RuleName};
 use redis_harness::Cluster;
 
@@ -32,7 +32,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
     support::runtime().block_on(async {
         let l = Limiter::builder()
             .cluster(c.urls())
-            .rules(Rules::from_toml(rules).unwrap())
+            .rules(support::rules(rules))
             .config(LimiterConfig { store: support::config(), ..LimiterConfig::default() })
             .build()
             .await

@@ -6,14 +6,14 @@
 
 mod support;
 
-use gateway_agent::{BuildError, Limiter, LimiterConfig, Rules};
+use gateway_agent::{BuildError, Limiter, LimiterConfig};
 
 const RULES: &str = "[rules.api]\ncapacity = 100\nrate = \"1/1h\"\n";
 
 async fn build(url: &str, allow: bool) -> Result<Limiter, BuildError> {
     Limiter::builder()
         .redis(url)
-        .rules(Rules::from_toml(RULES).unwrap())
+        .rules(support::rules(RULES))
         .config(LimiterConfig {
             store: support::config(),
             allow_evicting_store: allow,

@@ -12,7 +12,7 @@ mod support;
 
 use std::sync::Arc;
 
-use gateway_agent::{Decision, Limiter, LimiterConfig, Rules};
+use gateway_agent::{Decision, Limiter, LimiterConfig};
 
 const RULES: &str = "[rules.api]\ncapacity = 1\nrate = \"1/1h\"\ntimeout = \"2s\"\n";
 
@@ -38,7 +38,7 @@ fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
     support::runtime().block_on(async {
         let limiter = Limiter::builder()
             .redis(server.url())
-            .rules(Rules::from_toml(RULES).unwrap())
+            .rules(support::rules(RULES))
             .config(LimiterConfig {
                 store: support::config(),
                 max_keys,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gateway_agent::{Admission, Decision, Limiter, LimiterConfig, Rules};
+use gateway_agent::{Admission, Decision, Limiter, LimiterConfig};
 use redis_harness::{Fault, FaultProxy, RedisServer};
 use support::{field, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -19,7 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 async fn limiter(url: &str, rules: &str) -> Limiter {
     Limiter::builder()
         .redis(url)
-        .rules(Rules::from_toml(rules).expect("rules"))
+        .rules(support::rules(rules))
         .config(LimiterConfig {
             store: support::config(),
             ..LimiterConfig::default()
@@ -97,7 +97,12 @@ fn example_gateway_admits_exactly_the_burst_the_bucket_allows() {
     let server = server();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("limits.toml");
-    std::fs::write(&config, "[rules.api]\ncapacity = 10\nrate = \"1/s\"\n").unwrap();
+    // A generous timeout: this tests the burst, not how fast a loaded machine answers.
+    std::fs::write(
+        &config,
+        "[rules.api]\ncapacity = 10\nrate = \"1/s\"\ntimeout = \"2s\"\n",
+    )
+    .unwrap();
     let (_gw, addr) = gateway(&server.url(), &config, "api");
     support::runtime().block_on(async {
         let start = Instant::now();

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use coordinator::{Admin, Coordinator, CoordinatorConfig};
-use gateway_agent::Rules;
 use support::http_get as get;
 
 const RULES: &str = "[rules.api]\ncapacity = 500\nrate = \"2000/s\"\nleasing = \"lease\"\n";
@@ -26,13 +25,12 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         let store = support::store(&server.url()).await;
         let coordinator = Arc::new(Coordinator::new(
             store.clone(),
-            Rules::from_toml(RULES).unwrap(),
+            support::rules(RULES),
             CoordinatorConfig::default(),
         ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let admin = Admin::new(store, Rules::from_toml(RULES).unwrap())
-            .with_snapshot(coordinator.snapshot());
+        let admin = Admin::new(store, support::rules(RULES)).with_snapshot(coordinator.snapshot());
         let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(coordinator::serve(listener, admin, async {
             let _ = stopped.await;

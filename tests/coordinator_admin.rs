@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use coordinator::Admin;
-use gateway_agent::{Limiter, Rules};
+use gateway_agent::Limiter;
 use support::http_get as get;
 
 /// Leases of at most 200 tokens: every agent refills, and so reports its demand, several
@@ -24,7 +24,7 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
             agents.push(
                 Limiter::builder()
                     .redis(server.url())
-                    .rules(Rules::from_toml(RULES).unwrap())
+                    .rules(support::rules(RULES))
                     .build()
                     .await
                     .unwrap(),
@@ -48,7 +48,7 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(coordinator::serve(
             listener,
-            Admin::new(store, Rules::from_toml(RULES).unwrap()),
+            Admin::new(store, support::rules(RULES)),
             async {
                 let _ = stopped.await;
             },

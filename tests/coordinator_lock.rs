@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use coordinator::{Coordinator, CoordinatorConfig, service::LOCK_KEY};
-use gateway_agent::{RedisStore, Rules};
+use gateway_agent::RedisStore;
 
 const RULES: &str = "[rules.api]\ncapacity = 10\nrate = \"10/s\"\n";
 
@@ -18,7 +18,7 @@ async fn instance(url: &str) -> Coordinator {
         lock_ttl: Duration::from_secs(30),
         ..CoordinatorConfig::default()
     };
-    Coordinator::new(store, Rules::from_toml(RULES).unwrap(), config)
+    Coordinator::new(store, support::rules(RULES), config)
 }
 
 #[test]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use coordinator::key_view;
-use gateway_agent::{Decision, Rules};
+use gateway_agent::Decision;
 use lease_core::{BucketKey, RuleName};
 
 const RULES: &str = "[rules.api]\ncapacity = 200\nrate = \"400/s\"\nleasing = \"lease\"\n";
@@ -59,7 +59,7 @@ fn skewed_agents_converge_to_proportional_shares() {
         let store = support::store(&server.url()).await;
         let key = BucketKey::new(&RuleName::new("api").unwrap(), "k").unwrap();
         let (fields, pttl, now) = store.bucket(&key).await.unwrap();
-        let rule = Rules::from_toml(RULES).unwrap().get("api").unwrap().clone();
+        let rule = support::rules(RULES).get("api").unwrap().clone();
         let view = key_view(&key, &rule, &fields, pttl, now);
         stop.store(true, Ordering::Relaxed);
         for t in tasks {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use coordinator::plan::SplitPolicy;
 use coordinator::{Coordinator, CoordinatorConfig, Running};
-use gateway_agent::{Decision, Limiter, RedisStore, Rules};
+use gateway_agent::{Decision, Limiter, RedisStore};
 use lease_core::{BucketKey, RuleName};
 use redis_harness::Cluster;
 
@@ -70,7 +70,7 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
         },
         ..CoordinatorConfig::default()
     };
-    let rules = Rules::from_toml(RULES).unwrap();
+    let rules = support::rules(RULES);
     Arc::new(Coordinator::new(store.clone(), rules, config)).spawn()
 }
 

@@ -87,7 +87,7 @@ pub async fn limiter_with(
     toml: &str,
 ) -> gateway_agent::Limiter {
     builder
-        .rules(gateway_agent::Rules::from_toml(toml).expect("test rules are valid"))
+        .rules(rules(toml))
         .config(gateway_agent::LimiterConfig {
             store: config(),
             ..gateway_agent::LimiterConfig::default()
@@ -136,4 +136,20 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .expect("status");
     let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     (status, body)
+}
+
+/// Rules from `toml`, each rule without a `timeout` given a generous one (2 s): tests
+/// must pass on a loaded machine, where the default 50 ms is not always met; the tests
+/// of timeouts set theirs.
+pub fn rules(toml: &str) -> gateway_agent::Rules {
+    let mut doc: toml::Table = toml.parse().expect("test rules are TOML");
+    if let Some(rules) = doc.get_mut("rules").and_then(toml::Value::as_table_mut) {
+        for (_, spec) in rules.iter_mut() {
+            if let Some(spec) = spec.as_table_mut() {
+                spec.entry("timeout")
+                    .or_insert_with(|| toml::Value::String("2s".into()));
+            }
+        }
+    }
+    gateway_agent::Rules::from_toml(&doc.to_string()).expect("test rules are valid")
 }

@@ -46,11 +46,20 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    match run(Args::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = Limiter::builder()
         .rules_file(&args.config)
         .watch_rules(Duration::from_secs(1));
@@ -63,12 +72,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         builder = builder.prometheus(addr);
     }
     let limiter = builder.build().await?;
+    // Every rule the gateway will check must exist now, not answer 500 at each request.
+    for rule in std::iter::once(&args.rule).chain(args.ip_rule.as_ref()) {
+        limiter
+            .bucket_params(rule)
+            .map_err(|e| format!("--rule {rule}: {e}"))?;
+    }
     let (rule, ip_rule) = (args.rule.clone(), args.ip_rule.clone());
     let layer = RateLimitLayer::new(limiter.clone(), move |headers, ext| {
-        if let Some(key) = headers.get("x-api-key") {
+        // Every x-api-key header counts: with several, the subject is all of them, so a
+        // second header cannot pick whose budget a request spends.
+        let mut keys = headers.get_all("x-api-key").iter();
+        if let Some(first) = keys.next() {
+            let mut subject = first.as_bytes().to_vec();
+            for k in keys {
+                subject.push(b',');
+                subject.extend_from_slice(k.as_bytes());
+            }
             return Some(Check {
                 rule: rule.clone(),
-                subject: key.as_bytes().to_vec(),
+                subject,
                 cost: 1,
             });
         }

@@ -140,6 +140,18 @@ pub enum RuleError {
         /// The accepted range.
         why: String,
     },
+    /// A field given where another field makes it meaningless.
+    #[error("rule {rule}: {field} = {value:?}: {why}")]
+    Conflict {
+        /// The rule.
+        rule: String,
+        /// The field.
+        field: &'static str,
+        /// The text given.
+        value: String,
+        /// Why it does not apply.
+        why: &'static str,
+    },
     /// A field holds a word that is not one of its choices.
     #[error("rule {rule}: {field} = {value:?}: expected one of {choices}")]
     Choice {
@@ -404,11 +416,11 @@ impl Rule {
         };
         if spec.emergency_rate.is_some() && !matches!(failure, FailurePolicy::LocalEmergency { .. })
         {
-            return Err(RuleError::Choice {
+            return Err(RuleError::Conflict {
                 rule: rule(),
                 field: "emergency_rate",
                 value: spec.emergency_rate.clone().unwrap_or_default(),
-                choices: "only with on_failure = \"local_emergency\"",
+                why: "applies only with on_failure = \"local_emergency\"",
             });
         }
         Ok(Self {
@@ -510,6 +522,13 @@ mod tests {
 
     #[test]
     fn errors_name_the_field_and_value() {
+        let mut s = spec(10, "1/s");
+        s.emergency_rate = Some("5/s".into());
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "rule a: emergency_rate = \"5/s\": applies only with on_failure = \"local_emergency\""
+        );
         let e = Rule::from_spec("a", &spec(0, "1/s"))
             .unwrap_err()
             .to_string();

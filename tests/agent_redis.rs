@@ -335,3 +335,29 @@ fn eight_agents_on_one_hot_key_never_admit_more_than_the_bucket() {
         assert!(admitted as f64 <= bound, "admitted {admitted} > {bound}");
     });
 }
+
+/// A Redis that wants a password says so, and the password never shows in the error.
+#[test]
+fn a_missing_or_wrong_password_is_named_and_never_echoed() {
+    let server = redis_harness::RedisServer::start_with(&["--requirepass", "s3cret-pw"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    support::runtime().block_on(async {
+        let port = server.url().rsplit(':').next().unwrap().to_owned();
+        let missing = format!("redis://127.0.0.1:{port}");
+        let e = gateway_agent::RedisStore::connect(&missing, support::config())
+            .await
+            .expect_err("no password")
+            .to_string();
+        assert!(e.contains("NOAUTH") && e.contains("PASSWORD@"), "{e}");
+        let wrong = format!("redis://:wrong-pw@127.0.0.1:{port}");
+        let e = gateway_agent::RedisStore::connect(&wrong, support::config())
+            .await
+            .expect_err("wrong password")
+            .to_string();
+        assert!(!e.contains("wrong-pw"), "{e}");
+        let right = format!("redis://:s3cret-pw@127.0.0.1:{port}");
+        gateway_agent::RedisStore::connect(&right, support::config())
+            .await
+            .expect("the right password connects");
+    });
+}

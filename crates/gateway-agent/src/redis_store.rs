@@ -282,6 +282,17 @@ impl RedisStore {
             }),
             config,
         };
+        // A small command first: an unauthenticated client's large FUNCTION LOAD is cut
+        // off by Redis as a protocol error, which would hide the missing password.
+        if let Err(e) = store.conn.query(&redis::cmd("PING")).await
+            && e.code() == Some("NOAUTH")
+        {
+            return Err(StoreError::Misconfigured(
+                "Redis requires a password (NOAUTH): give it in the URL, \
+                 redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT"
+                    .into(),
+            ));
+        }
         store.reload(0).await?;
         Ok(store)
     }

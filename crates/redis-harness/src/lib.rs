@@ -151,8 +151,12 @@ impl RedisServer {
                     why: format!("exited with {status}; log: {}", self.log_tail()),
                 });
             }
+            // PONG, or NOAUTH from a server started with --requirepass: it answers.
             if let Ok(mut c) = self.connection()
-                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+                && match redis::cmd("PING").query::<String>(&mut c) {
+                    Ok(_) => true,
+                    Err(e) => e.code() == Some("NOAUTH"),
+                }
             {
                 return Ok(());
             }

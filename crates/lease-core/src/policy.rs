@@ -8,17 +8,18 @@
 //!
 //! The whole policy, in order of a key's life:
 //! - **cold**: every decision is one exact call; a key whose local rate passes
-//!   `hot_above_per_sec` is promoted and leases from then on ([`KeyPolicy::exact_done`]);
-//! - **demand**: measured at each acquire as what the lease spent plus what was denied,
-//!   since the previous grant ([`KeyPolicy::acquire`]); reported to the store as an
-//!   average over about a second;
+//!   `hot_above_per_sec`, or that other agents lease already, is promoted and leases from
+//!   then on ([`KeyPolicy::exact_done`]);
+//! - **demand**: measured at acquires as what the lease spent plus what was denied, over
+//!   at least 5 ms ([`KeyPolicy::acquire`]); reported to the store as an average over
+//!   about a second;
 //! - **sizing**: a lease covers `horizon` of the agent's demand times the share of it the
 //!   store granted (see [`crate::sizing`]); under the low-water mark the agent prefetches;
 //! - **denial cache**: a refused caller denies locally until the time the store named;
 //! - **sweep**: idle leases go back and their keys demote; leases larger than the share
 //!   justifies go back; live leases close to expiry renew ([`KeyPolicy::sweep`]);
 //! - **emergency**: with the store unreachable, a `local_emergency` rule admits at the
-//!   agent's last granted share of the rate ([`KeyPolicy::emergency_rate`]).
+//!   agent's last granted share of the rate ([`emergency_limit`]).
 
 use std::time::Duration;
 
@@ -106,7 +107,7 @@ pub struct KeyPolicy {
     last_want: u64,
     /// When the last non-empty grant was installed (agent clock).
     granted_at_ns: u64,
-    /// Demand for sizing: the rate since the last grant, smoothed over two grants.
+    /// Demand for sizing: the measured rate, smoothed over two measurements.
     demand_milli: u64,
     /// Demand reported to the store, thousandths of a token per second.
     reported_milli: f64,
@@ -235,8 +236,8 @@ impl KeyPolicy {
         };
         if reply.granted == 0 && !ending {
             // A refused caller denies until the store's time; a refused prefetch waited
-            // for a quarter of a lease, callers need less and try for themselves when the
-            // lease runs dry.
+            // for a batch (see `sizing::size_lease`), callers need less and try for
+            // themselves when the lease runs dry.
             let until = now_ns + reply.retry_us.max(1) * 1000;
             if needed > 0 {
                 g.deny_until_ns = Some(until);
@@ -377,9 +378,7 @@ impl KeyPolicy {
     /// Running totals for the coordinator's report.
     pub fn totals(&self, held: u64) -> Totals {
         Totals {
-            admitted: (self.granted_total + self.exact_total)
-                .saturating_sub(self.unspent_total + held)
-                + self.emergency_total,
+            admitted: self.lease_spent(held) + self.exact_total + self.emergency_total,
             calls: self.calls_total,
             demand_milli: self.reported(),
         }

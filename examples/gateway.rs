@@ -28,9 +28,9 @@ struct Args {
     /// Address to serve on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// `redis://HOST:PORT`, or `embedded` for an in-process store.
-    #[arg(long, default_value = "embedded")]
-    redis: String,
+    /// The store (default: `embedded`, an in-process store).
+    #[command(flatten)]
+    store: leasehold::agent::StoreArgs,
     /// Rules file (TOML); reloaded when it changes.
     #[arg(long)]
     config: PathBuf,
@@ -63,10 +63,15 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = Limiter::builder()
         .rules_file(&args.config)
         .watch_rules(Duration::from_secs(1));
-    builder = if args.redis == "embedded" {
-        builder.embedded()
-    } else {
-        builder.redis(&args.redis)
+    builder = match args.store.address()? {
+        None => builder.embedded(),
+        Some(a) if a == "embedded" => builder.embedded(),
+        Some(address) => builder
+            .redis(address)
+            .config(leasehold::agent::LimiterConfig {
+                store: args.store.config(),
+                ..leasehold::agent::LimiterConfig::default()
+            }),
     };
     if let Some(addr) = args.metrics {
         builder = builder.prometheus(addr);

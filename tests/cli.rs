@@ -84,3 +84,49 @@ fn coordinator_names_what_is_wrong() {
     ]);
     assert!(!ok && stderr.contains("redis://127.0.0.1:1"), "{stderr}");
 }
+
+/// The store's address from a file or the environment, never echoed: a wrong password
+/// read from `--redis-url-file` or `LEASEHOLD_REDIS_URL` shows as `***` in the error.
+#[test]
+fn coordinator_reads_the_address_from_a_file_or_the_environment_and_hides_it() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("redis-url");
+    std::fs::write(&file, "redis://:file-secret-pw@127.0.0.1:1\n").expect("write");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis-url-file",
+        file.to_str().expect("utf-8"),
+        "--config",
+        example,
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("redis://:***@127.0.0.1:1"), "{stderr}");
+    assert!(!stderr.contains("file-secret-pw"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["coordinator", "--config", example])
+        .env("LEASEHOLD_REDIS_URL", "redis://:env-secret-pw@127.0.0.1:1")
+        .output()
+        .expect("run leasehold");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("***@127.0.0.1:1") && !stderr.contains("env-secret-pw"),
+        "{stderr}"
+    );
+
+    let help = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["coordinator", "--help"])
+        .env("LEASEHOLD_REDIS_URL", "redis://:env-secret-pw@127.0.0.1:1")
+        .output()
+        .expect("run leasehold");
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("--redis-url-file") && !text.contains("env-secret-pw"),
+        "{text}"
+    );
+
+    let (ok, _, stderr) = leasehold(&["coordinator", "--config", example]);
+    assert!(!ok && stderr.contains("no store given"), "{stderr}");
+}

@@ -135,7 +135,9 @@ impl Env {
             "kill-store" | "restore-store" => {
                 matches!(choice, StoreChoice::Embedded | StoreChoice::Spawn)
             }
-            "promote-replica" => matches!(choice, StoreChoice::SpawnReplica),
+            "promote-replica" | "stall-replication" => {
+                matches!(choice, StoreChoice::SpawnReplica)
+            }
             "stop-coordinator" | "start-coordinator" => !matches!(choice, StoreChoice::Embedded),
             _ => false,
         }
@@ -156,10 +158,14 @@ impl Env {
             ("restore-store", Self::Single(server)) => {
                 server.restart().map_err(|e| e.to_string())?
             }
+            ("stall-replication", Self::Pair { pair, .. }) => {
+                pair.link.set(redis_harness::Fault::Blackhole);
+            }
             ("promote-replica", Self::Pair { pair, vip }) => {
                 pair.fail_over().map_err(|e| e.to_string())?;
                 vip.set_upstream(pair.replica.addr());
                 vip.cut();
+                pair.rejoin().map_err(|e| e.to_string())?;
             }
             (action, _) => return Err(format!("fault {action} does not apply to this store")),
         }

@@ -57,6 +57,7 @@ pub fn config() -> StoreConfig {
     StoreConfig {
         connect_timeout: Duration::from_secs(2),
         call_timeout: Duration::from_millis(800),
+        ..StoreConfig::default()
     }
 }
 

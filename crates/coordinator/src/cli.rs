@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gateway_agent::{RedisStore, Rules, StoreConfig};
+use gateway_agent::{RedisStore, Rules, StoreArgs, StoreConfig};
 
 use crate::plan::SplitPolicy;
 use crate::{Admin, Coordinator, CoordinatorConfig};
@@ -15,9 +15,9 @@ use crate::{Admin, Coordinator, CoordinatorConfig};
 /// each key's bound, splits keys too hot for one shard, and serves the admin endpoint.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Args {
-    /// The Redis holding the buckets: redis://HOST:PORT, or cluster://HOST:PORT,HOST:PORT.
-    #[arg(long)]
-    pub redis: String,
+    /// The Redis holding the buckets.
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// The rules file the agents use.
     #[arg(long)]
     pub config: PathBuf,
@@ -32,22 +32,12 @@ pub struct Args {
     pub term: u64,
 }
 
-/// Connects to `redis://…` or `cluster://host:port,host:port`.
-pub async fn connect(url: &str) -> Result<RedisStore, String> {
-    let store = match url.strip_prefix("cluster://") {
-        Some(nodes) => {
-            let nodes: Vec<String> = nodes
-                .split(',')
-                .filter(|n| !n.is_empty())
-                .map(|n| format!("redis://{n}"))
-                .collect();
-            RedisStore::connect_cluster(&nodes, StoreConfig::default()).await
-        }
-        None => RedisStore::connect(url, StoreConfig::default()).await,
-    };
-    store.map_err(|e| {
-        let text = gateway_agent::redis_store::redact_in(&e.to_string(), url);
-        format!("{}: {text}", gateway_agent::redis_store::redact(url))
+/// Connects to the store `address` names (see [`RedisStore::open`]); the error never
+/// shows the password.
+pub async fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
+    RedisStore::open(address, config).await.map_err(|e| {
+        let text = gateway_agent::redis_store::redact_in(&e.to_string(), address);
+        format!("{}: {text}", gateway_agent::redis_store::redact(address))
     })
 }
 
@@ -69,7 +59,10 @@ pub async fn run(
         ));
     }
     let rules = Rules::from_file(&args.config).map_err(|e| e.to_string())?;
-    let store = connect(&args.redis).await?;
+    let address = args.store.address()?.ok_or(
+        "no store given: pass --redis URL, --redis-url-file FILE or set LEASEHOLD_REDIS_URL",
+    )?;
+    let store = connect(&address, args.store.config()).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("listen {}: {e}", args.listen))?;

@@ -20,10 +20,14 @@ pub mod redis_store;
 pub mod report;
 pub mod rules;
 pub mod store;
+#[cfg(feature = "cli")]
+pub mod store_args;
 
 pub use limiter::{
     Admission, BuildError, CheckError, Decision, Limiter, LimiterBuilder, LimiterConfig,
 };
-pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError};
+pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
 pub use rules::{Rules, RulesError, UnknownRule};
 pub use store::{EmbeddedStore, Store};
+#[cfg(feature = "cli")]
+pub use store_args::StoreArgs;

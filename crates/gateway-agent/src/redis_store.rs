@@ -9,13 +9,14 @@
 //! `(agent, seq)`, so that retry, and the cluster client's own retries after `MOVED`,
 //! `ASK` or a dropped connection, never debit twice.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use lease_core::key::BucketKey;
 use lease_core::model::{Op, ProtocolError, Reply, Request, validate};
-use lease_core::rule::BucketParams;
+use lease_core::rule::{BucketParams, Replication};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, RedisError, Value};
@@ -56,6 +57,19 @@ pub enum StoreError {
         /// Its explanation, truncated.
         message: String,
     },
+    /// A grant that fewer replicas than the rule's `replicas` acknowledged within its
+    /// `replica_timeout`: a failover now could lose it, so it is not spent and counts as
+    /// an unknown outcome (the failure policy decides; the next acquire declares what
+    /// the agent holds, which returns the grant to the bucket).
+    #[error("grant of {granted} acknowledged by {acked} of {wanted} replicas in time")]
+    NotReplicated {
+        /// Tokens the primary granted.
+        granted: u64,
+        /// Replicas that acknowledged.
+        acked: u64,
+        /// Replicas the rule asks for.
+        wanted: u32,
+    },
     /// The store answered in a way that needs an operator: an unexpected reply, a bad
     /// address.
     #[error("store misconfigured: {0}")]
@@ -82,13 +96,15 @@ pub enum ErrorKind {
     Refused,
     /// Refused before sending: the request can never succeed as written.
     Protocol,
+    /// A grant that too few replicas acknowledged in time (rules with `replicas`).
+    NotReplicated,
     /// Any other error reply or unexpected answer.
     Other,
 }
 
 impl ErrorKind {
     /// Every kind, in `repr` order.
-    pub const ALL: [ErrorKind; 9] = [
+    pub const ALL: [ErrorKind; 10] = [
         Self::Timeout,
         Self::Unavailable,
         Self::Offline,
@@ -97,6 +113,7 @@ impl ErrorKind {
         Self::ReadOnly,
         Self::Refused,
         Self::Protocol,
+        Self::NotReplicated,
         Self::Other,
     ];
 
@@ -111,6 +128,7 @@ impl ErrorKind {
             Self::ReadOnly => "readonly",
             Self::Refused => "refused",
             Self::Protocol => "protocol",
+            Self::NotReplicated => "not_replicated",
             Self::Other => "other",
         }
     }
@@ -140,6 +158,7 @@ impl StoreError {
                 "READONLY" => ErrorKind::ReadOnly,
                 _ => ErrorKind::Other,
             },
+            Self::NotReplicated { .. } => ErrorKind::NotReplicated,
             Self::Misconfigured(_) => ErrorKind::Other,
         }
     }
@@ -160,6 +179,22 @@ fn truncated(text: &str) -> String {
     format!("{}... ({} bytes)", &text[..end], text.len())
 }
 
+/// `scheme://node` for each of the comma-separated `nodes` (`cluster://` addresses).
+fn node_urls(scheme: &str, nodes: &str) -> Vec<String> {
+    nodes
+        .split(',')
+        .filter(|n| !n.is_empty())
+        .map(|n| format!("{scheme}://{n}"))
+        .collect()
+}
+
+fn manager_settings(config: &StoreConfig) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(Some(config.call_timeout))
+        .set_number_of_retries(1)
+}
+
 /// Connection settings.
 #[derive(Clone, Debug)]
 pub struct StoreConfig {
@@ -167,6 +202,9 @@ pub struct StoreConfig {
     pub connect_timeout: Duration,
     /// Bound on one call, reload included.
     pub call_timeout: Duration,
+    /// Certificates for `rediss://` (TLS through rustls). Without a CA file the system's
+    /// trust store is used.
+    pub tls: TlsFiles,
 }
 
 impl Default for StoreConfig {
@@ -174,14 +212,107 @@ impl Default for StoreConfig {
         Self {
             connect_timeout: Duration::from_secs(1),
             call_timeout: Duration::from_millis(500),
+            tls: TlsFiles::default(),
         }
     }
+}
+
+/// PEM files for TLS connections (`rediss://`, `rediss+sentinel://`).
+#[derive(Clone, Debug, Default)]
+pub struct TlsFiles {
+    /// The CA that signed the server's certificate, when it is not in the system's trust
+    /// store (a private CA, as managed services and self-run clusters use).
+    pub ca_file: Option<PathBuf>,
+    /// A client certificate, for servers that require one (`tls-auth-clients yes`).
+    pub client_cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub client_key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    fn is_empty(&self) -> bool {
+        self.ca_file.is_none() && self.client_cert.is_none() && self.client_key.is_none()
+    }
+
+    /// Reads the files; an error names the file and what is wrong with it.
+    fn load(&self) -> Result<redis::TlsCertificates, StoreError> {
+        let read = |what: &str, path: &Path| {
+            let bytes = std::fs::read(path).map_err(|e| {
+                StoreError::Misconfigured(format!("{what} {}: {e}", path.display()))
+            })?;
+            if !bytes.starts_with(b"-----BEGIN") {
+                return Err(StoreError::Misconfigured(format!(
+                    "{what} {}: not a PEM file (it must start with -----BEGIN)",
+                    path.display()
+                )));
+            }
+            Ok(bytes)
+        };
+        let root_cert = match &self.ca_file {
+            Some(p) => Some(read("TLS CA file", p)?),
+            None => None,
+        };
+        let client_tls = match (&self.client_cert, &self.client_key) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read("TLS client certificate", cert)?,
+                client_key: read("TLS client key", key)?,
+            }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(StoreError::Misconfigured(
+                    "a TLS client certificate was given without its key".into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(StoreError::Misconfigured(
+                    "a TLS client key was given without its certificate".into(),
+                ));
+            }
+        };
+        Ok(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        })
+    }
+}
+
+/// Makes rustls use the ring provider (the only one built), once per process.
+fn tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Err only when a provider is installed already, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// A client for one node, with the TLS files when the URL asks for TLS.
+fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
+    let bad = |e: RedisError| {
+        StoreError::Misconfigured(format!(
+            "redis url {:?}: {}",
+            redact(url),
+            redact_in(&e.to_string(), url)
+        ))
+    };
+    if url.starts_with("rediss://") {
+        tls_provider();
+        if !tls.is_empty() {
+            return redis::Client::build_with_tls(url, tls.load()?).map_err(bad);
+        }
+    } else if !tls.is_empty() {
+        return Err(StoreError::Misconfigured(format!(
+            "TLS files were given but the url {:?} is not rediss://",
+            redact(url)
+        )));
+    }
+    redis::Client::open(url).map_err(bad)
 }
 
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(Arc<SentinelConn>),
 }
 
 impl Conn {
@@ -189,6 +320,82 @@ impl Conn {
         match self {
             Self::Single(c) => cmd.query_async(&mut c.clone()).await,
             Self::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            Self::Sentinel(s) => s.query(cmd).await,
+        }
+    }
+
+    async fn query_pipe(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+        match self {
+            Self::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Self::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+            Self::Sentinel(s) => s.query_pipe(pipe).await,
+        }
+    }
+}
+
+/// The primary that the Sentinels name, found again after a failover: a call that finds
+/// the node gone or demoted (`READONLY`) starts one lookup in the background, and the
+/// calls after it go to the primary the Sentinels name then.
+struct SentinelConn {
+    sentinels: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+    current: arc_swap::ArcSwap<ConnectionManager>,
+    settings: ConnectionManagerConfig,
+    looking: std::sync::atomic::AtomicBool,
+    /// Where the service was found, for logs.
+    service: String,
+}
+
+impl SentinelConn {
+    async fn query(self: &Arc<Self>, cmd: &Cmd) -> Result<Value, RedisError> {
+        let mut conn = ConnectionManager::clone(&self.current.load());
+        let reply = cmd.query_async(&mut conn).await;
+        self.after(&reply);
+        reply
+    }
+
+    async fn query_pipe(
+        self: &Arc<Self>,
+        pipe: &redis::Pipeline,
+    ) -> Result<Vec<Value>, RedisError> {
+        let mut conn = ConnectionManager::clone(&self.current.load());
+        let reply = pipe.query_async(&mut conn).await;
+        self.after(&reply);
+        reply
+    }
+
+    fn after<T>(self: &Arc<Self>, reply: &Result<T, RedisError>) {
+        let Err(e) = reply else { return };
+        let moved = e.is_io_error()
+            || e.is_connection_refusal()
+            || e.is_connection_dropped()
+            || e.is_timeout()
+            || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
+        if moved && !self.looking.swap(true, Ordering::AcqRel) {
+            let me = Arc::clone(self);
+            tokio::spawn(async move {
+                me.find_primary().await;
+                me.looking.store(false, Ordering::Release);
+            });
+        }
+    }
+
+    async fn find_primary(&self) {
+        let client = match self.sentinels.lock().await.async_get_client().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(service = %self.service, error = %e, "no Sentinel named a primary");
+                return;
+            }
+        };
+        let addr = client.get_connection_info().addr().to_string();
+        match ConnectionManager::new_with_config(client, self.settings.clone()).await {
+            Ok(conn) => {
+                tracing::warn!(service = %self.service, primary = %addr, "connected to the primary the Sentinels name");
+                self.current.store(Arc::new(conn));
+            }
+            Err(e) => {
+                tracing::warn!(service = %self.service, primary = %addr, error = %e, "primary named by the Sentinels unreachable");
+            }
         }
     }
 }
@@ -215,6 +422,7 @@ impl std::fmt::Debug for RedisStore {
                 &match self.conn {
                     Conn::Single(_) => "single",
                     Conn::Cluster(_) => "cluster",
+                    Conn::Sentinel(_) => "sentinel",
                 },
             )
             .field("library_loads", &self.library_loads())
@@ -223,27 +431,141 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to one Redis (`redis://host:port`) and loads the library.
+    /// Connects to the store `address` names and loads the library:
+    /// - `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or `rediss://…` for TLS: one Redis;
+    /// - `cluster://HOST:PORT,HOST:PORT` (or `clusters://…` for TLS): a Redis Cluster, by
+    ///   any of its nodes;
+    /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE` (or
+    ///   `rediss+sentinel://…`): the primary that these Sentinels name for `SERVICE`,
+    ///   followed through failovers. The credentials are the data nodes'.
+    pub async fn open(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let result = if let Some(nodes) = address.strip_prefix("cluster://") {
+            Self::connect_cluster(&node_urls("redis", nodes), config).await
+        } else if let Some(nodes) = address.strip_prefix("clusters://") {
+            Self::connect_cluster(&node_urls("rediss", nodes), config).await
+        } else if let Some(rest) = address.strip_prefix("redis+sentinel://") {
+            Self::connect_sentinel(false, rest, config).await
+        } else if let Some(rest) = address.strip_prefix("rediss+sentinel://") {
+            Self::connect_sentinel(true, rest, config).await
+        } else {
+            Self::connect(address, config).await
+        };
+        result.map_err(|e| match e {
+            StoreError::Misconfigured(text) => StoreError::Misconfigured(redact_in(&text, address)),
+            other => other,
+        })
+    }
+
+    /// Connects to one Redis (`redis://host:port`, `rediss://host:port`) and loads the
+    /// library.
     pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| {
-            StoreError::Misconfigured(format!(
-                "redis url {:?}: {}",
-                redact(url),
-                redact_in(&e.to_string(), url)
-            ))
-        })?;
-        let cm = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.call_timeout))
-            .set_number_of_retries(1);
+        let client = client(url, &config.tls)?;
         let conn = tokio::time::timeout(
             config.connect_timeout * 2,
-            ConnectionManager::new_with_config(client, cm),
+            ConnectionManager::new_with_config(client, manager_settings(&config)),
         )
         .await
         .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
         .map_err(StoreError::Unavailable)?;
         Self::start(Conn::Single(conn), config).await
+    }
+
+    /// Connects to the primary that the Sentinels in `rest`
+    /// (`[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE`) name, and loads the library.
+    async fn connect_sentinel(
+        tls: bool,
+        rest: &str,
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let bad = |why: &str| {
+            StoreError::Misconfigured(format!(
+                "sentinel address {:?}: {why}; expected \
+                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE",
+                redact(&format!("redis+sentinel://{rest}"))
+            ))
+        };
+        let (authority, service) = rest.split_once('/').ok_or_else(|| bad("no /SERVICE"))?;
+        if service.is_empty() || service.contains(['/', '?', '#']) {
+            return Err(bad("the service name is missing or malformed"));
+        }
+        let (credentials, hosts) = match authority.rsplit_once('@') {
+            Some((c, h)) => (Some(c), h),
+            None => (None, authority),
+        };
+        let mut sentinels = Vec::new();
+        for host in hosts.split(',').filter(|h| !h.is_empty()) {
+            let (name, port) = host
+                .rsplit_once(':')
+                .ok_or_else(|| bad("a Sentinel lacks :PORT"))?;
+            let port: u16 = port
+                .parse()
+                .map_err(|_| bad("a Sentinel's port is not a number"))?;
+            let name = name
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            sentinels.push(if tls {
+                redis::ConnectionAddr::TcpTls {
+                    host: name,
+                    port,
+                    insecure: false,
+                    tls_params: None,
+                }
+            } else {
+                redis::ConnectionAddr::Tcp(name, port)
+            });
+        }
+        if sentinels.is_empty() {
+            return Err(bad("no Sentinel given"));
+        }
+        let mut builder = redis::sentinel::SentinelClientBuilder::new(
+            sentinels,
+            service,
+            redis::sentinel::SentinelServerType::Master,
+        )
+        .map_err(|e| bad(&e.to_string()))?;
+        if let Some(c) = credentials {
+            let (user, password) = c.split_once(':').unwrap_or((c, ""));
+            if !user.is_empty() {
+                builder = builder.set_client_to_redis_username(user);
+            }
+            if !password.is_empty() {
+                builder = builder.set_client_to_redis_password(password);
+            }
+        }
+        if tls {
+            tls_provider();
+            builder = builder
+                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+            if !config.tls.is_empty() {
+                let certs = config.tls.load()?;
+                builder = builder
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs);
+            }
+        } else if !config.tls.is_empty() {
+            return Err(bad(
+                "TLS files were given for a plain-text address (use rediss+sentinel://)",
+            ));
+        }
+        let mut sentinel = builder.build().map_err(|e| bad(&e.to_string()))?;
+        let settings = manager_settings(&config);
+        let conn = tokio::time::timeout(config.connect_timeout * 2, async {
+            let client = sentinel.async_get_client().await?;
+            ConnectionManager::new_with_config(client, settings.clone()).await
+        })
+        .await
+        .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
+        .map_err(StoreError::Unavailable)?;
+        let conn = SentinelConn {
+            sentinels: tokio::sync::Mutex::new(sentinel),
+            current: arc_swap::ArcSwap::from_pointee(conn),
+            settings,
+            looking: std::sync::atomic::AtomicBool::new(false),
+            service: service.to_owned(),
+        };
+        Self::start(Conn::Sentinel(Arc::new(conn)), config).await
     }
 
     /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
@@ -252,19 +574,29 @@ impl RedisStore {
         nodes: &[String],
         config: StoreConfig,
     ) -> Result<Self, StoreError> {
-        let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+        let mut builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.call_timeout)
-            .retries(3)
-            .build()
-            .map_err(|e| {
-                let mut text = e.to_string();
-                for n in nodes {
-                    text = redact_in(&text, n);
-                }
-                let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
-                StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
-            })?;
+            .retries(3);
+        if nodes.iter().any(|n| n.starts_with("rediss://")) {
+            tls_provider();
+            if !config.tls.is_empty() {
+                builder = builder.certs(config.tls.load()?);
+            }
+        } else if !config.tls.is_empty() {
+            return Err(StoreError::Misconfigured(
+                "TLS files were given for plain-text cluster nodes (use clusters:// or rediss:// nodes)"
+                    .into(),
+            ));
+        }
+        let client = builder.build().map_err(|e| {
+            let mut text = e.to_string();
+            for n in nodes {
+                text = redact_in(&text, n);
+            }
+            let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+            StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
+        })?;
         let conn = tokio::time::timeout(config.connect_timeout * 2, client.get_async_connection())
             .await
             .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
@@ -327,18 +659,64 @@ impl RedisStore {
         params: &BucketParams,
         req: &Request,
     ) -> Result<Reply, StoreError> {
+        self.call_replicated(key, params, req, None).await
+    }
+
+    /// [`RedisStore::call`], and for an acquire or exact call with `replication`, a
+    /// `WAIT` pipelined behind it (one round trip): a grant that too few replicas
+    /// acknowledged in time is [`StoreError::NotReplicated`].
+    pub async fn call_replicated(
+        &self,
+        key: &BucketKey,
+        params: &BucketParams,
+        req: &Request,
+        replication: Option<Replication>,
+    ) -> Result<Reply, StoreError> {
         validate(params, req)?;
         let cmd = fcall(key, params, req);
+        let wait = replication.filter(|_| matches!(req.op, Op::Acquire { .. } | Op::Exact { .. }));
         let limit = self.config.call_timeout;
         tokio::time::timeout(limit, async {
             let seen = self.loader.generation.load(Ordering::Acquire);
-            match self.conn.query(&cmd).await {
+            let Some(r) = wait else {
+                return match self.conn.query(&cmd).await {
+                    Err(e) if is_missing_library(&e) => {
+                        self.reload(seen).await?;
+                        parse(self.conn.query(&cmd).await)
+                    }
+                    other => parse(other),
+                };
+            };
+            let mut pipe = redis::pipe();
+            pipe.add_command(cmd)
+                .cmd("WAIT")
+                .arg(r.replicas)
+                .arg(r.timeout.as_millis().max(1) as u64);
+            let replies = match self.conn.query_pipe(&pipe).await {
                 Err(e) if is_missing_library(&e) => {
                     self.reload(seen).await?;
-                    parse(self.conn.query(&cmd).await)
+                    self.conn.query_pipe(&pipe).await
                 }
-                other => parse(other),
+                other => other,
             }
+            .map_err(classify)?;
+            let mut replies = replies.into_iter();
+            let reply =
+                parse_value(replies.next().ok_or_else(|| {
+                    StoreError::Misconfigured("empty reply to FCALL + WAIT".into())
+                })?)?;
+            let acked: u64 = replies
+                .next()
+                .and_then(|v| redis::from_redis_value(v).ok())
+                .ok_or_else(|| StoreError::Misconfigured("WAIT gave no count".into()))?;
+            if reply.granted > 0 && acked < u64::from(r.replicas) {
+                return Err(StoreError::NotReplicated {
+                    granted: reply.granted,
+                    acked,
+                    wanted: r.replicas,
+                });
+            }
+            Ok(reply)
         })
         .await
         .map_err(|_| StoreError::Timeout(limit))?
@@ -378,7 +756,7 @@ impl RedisStore {
     /// The slot ranges of the store's primaries, named `host:port`: one range covering
     /// every slot for a single Redis, `CLUSTER SLOTS` for a cluster.
     pub async fn shards(&self) -> Result<Vec<crate::breaker::ShardRange>, StoreError> {
-        if let Conn::Single(_) = self.conn {
+        if let Conn::Single(_) | Conn::Sentinel(_) = self.conn {
             return Ok(vec![(0, lease_core::key::SLOTS - 1, "single".to_owned())]);
         }
         let mut cmd = redis::cmd("CLUSTER");
@@ -544,7 +922,10 @@ fn classify(e: RedisError) -> StoreError {
 }
 
 fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
-    let v = v.map_err(classify)?;
+    parse_value(v.map_err(classify)?)
+}
+
+fn parse_value(v: Value) -> Result<Reply, StoreError> {
     let nums: Vec<u64> = redis::from_redis_value(v.clone())
         .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
     match <[u64; 14]>::try_from(nums) {

@@ -255,7 +255,13 @@ fn apply_overrides(
 }
 
 /// The fields of a rule that count tokens.
-const TOKEN_FIELDS: [&str; 4] = ["capacity", "lease_min", "lease_max", "max_outstanding"];
+const TOKEN_FIELDS: [&str; 5] = [
+    "capacity",
+    "lease_min",
+    "lease_max",
+    "max_outstanding",
+    "replicas",
+];
 
 /// Refuses text that is not TOML (with the line and the text at fault), and a token
 /// count written as anything but an integer (naming the rule and field).

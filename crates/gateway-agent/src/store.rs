@@ -32,8 +32,20 @@ impl Store {
         params: &BucketParams,
         req: &Request,
     ) -> Result<Reply, StoreError> {
+        self.call_replicated(key, params, req, None).await
+    }
+
+    /// [`Store::call`], waiting for `replication` on grants (see
+    /// [`RedisStore::call_replicated`]); the embedded store has no replicas and ignores it.
+    pub async fn call_replicated(
+        &self,
+        key: &BucketKey,
+        params: &BucketParams,
+        req: &Request,
+        replication: Option<lease_core::rule::Replication>,
+    ) -> Result<Reply, StoreError> {
         match self {
-            Self::Redis(s) => s.call(key, params, req).await,
+            Self::Redis(s) => s.call_replicated(key, params, req, replication).await,
             Self::Embedded(s) => s.call(key, params, req),
         }
     }

@@ -194,6 +194,21 @@ pub struct RuleSpec {
     pub timeout: Option<String>,
     /// `"auto"` (default), `"lease"` or `"exact"`.
     pub leasing: Option<String>,
+    /// Wait for this many replicas to acknowledge each call that grants tokens (Redis
+    /// `WAIT`) before spending them; a grant not acknowledged in time counts as unknown
+    /// (the failure policy decides). Default 0: no wait.
+    pub replicas: Option<u64>,
+    /// With `replicas`: how long to wait for them (default `"5ms"`, below `timeout`).
+    pub replica_timeout: Option<String>,
+}
+
+/// Replication a rule asks of each grant (`replicas` in its spec).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replication {
+    /// How many replicas must acknowledge the write.
+    pub replicas: u32,
+    /// How long to wait for them.
+    pub timeout: Duration,
 }
 
 /// A validated rule.
@@ -210,6 +225,7 @@ pub struct Rule {
     failure: FailurePolicy,
     timeout: Duration,
     leasing: Leasing,
+    replication: Option<Replication>,
 }
 
 /// The parameters of a rule that the global bucket needs, as integers; what the Lua
@@ -250,6 +266,8 @@ pub struct PartSeed {
 
 const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
 const MAX_TIMEOUT: Duration = Duration::from_secs(60);
+/// More replicas than any deployment has: a typo, refused.
+const MAX_REPLICAS: u64 = 16;
 
 impl Rule {
     /// A strict rule with capacity B and rate r, default lease bounds and policy.
@@ -423,7 +441,51 @@ impl Rule {
                 why: "applies only with on_failure = \"local_emergency\"",
             });
         }
+        let replication = match spec.replicas {
+            None | Some(0) => {
+                if let Some(t) = &spec.replica_timeout {
+                    return Err(RuleError::Conflict {
+                        rule: rule(),
+                        field: "replica_timeout",
+                        value: t.clone(),
+                        why: "applies only with replicas = 1 or more",
+                    });
+                }
+                None
+            }
+            Some(n) if n > MAX_REPLICAS => {
+                return Err(range(
+                    "replicas",
+                    n,
+                    format!("must be at most {MAX_REPLICAS}"),
+                ));
+            }
+            Some(n) => {
+                let t = dur(
+                    "replica_timeout",
+                    &spec.replica_timeout,
+                    Duration::from_millis(5).min(timeout / 2),
+                    MAX_TIMEOUT,
+                )?;
+                if t >= timeout {
+                    return Err(RuleError::Duration {
+                        rule: rule(),
+                        field: "replica_timeout",
+                        value: spec.replica_timeout.clone().unwrap_or_default(),
+                        why: format!(
+                            "must be shorter than the rule's timeout ({})",
+                            humantime::format_duration(timeout)
+                        ),
+                    });
+                }
+                Some(Replication {
+                    replicas: n as u32,
+                    timeout: t,
+                })
+            }
+        };
         Ok(Self {
+            replication,
             name,
             capacity,
             rate,
@@ -481,6 +543,10 @@ impl Rule {
     /// Lease or per-request calls.
     pub fn leasing(&self) -> Leasing {
         self.leasing
+    }
+    /// The replication each grant waits for, if the rule asks for any.
+    pub fn replication(&self) -> Option<Replication> {
+        self.replication
     }
 
     /// The integers the global bucket works with.
@@ -570,5 +636,29 @@ mod tests {
         let mut s = spec(100, "10/s");
         s.max_outstanding = Some(30);
         assert!(Rule::from_spec("a", &s).is_err());
+    }
+
+    #[test]
+    fn replicas_wait_within_the_timeout() {
+        assert_eq!(Rule::new("a", 10, "1/s").unwrap().replication(), None);
+        let mut s = spec(10, "1/s");
+        s.replicas = Some(1);
+        let r = Rule::from_spec("a", &s).unwrap().replication().unwrap();
+        assert_eq!((r.replicas, r.timeout), (1, Duration::from_millis(5)));
+        s.replica_timeout = Some("50ms".into());
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(
+            e.contains("replica_timeout") && e.contains("shorter than the rule's timeout (50ms)"),
+            "{e}"
+        );
+        s.replicas = Some(17);
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(e.contains("replicas = 17"), "{e}");
+        s.replicas = None;
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(
+            e.contains("replica_timeout") && e.contains("replicas = 1 or more"),
+            "{e}"
+        );
     }
 }

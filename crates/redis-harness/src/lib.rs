@@ -43,6 +43,9 @@ pub enum HarnessError {
     /// A command to a node failed.
     #[error("redis command failed: {0}")]
     Redis(#[from] redis::RedisError),
+    /// Test certificates could not be made.
+    #[error("certificates: {0}")]
+    Certs(String),
     /// An I/O error (temp dir, process, socket).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
@@ -79,6 +82,7 @@ fn free_port(with_bus: bool) -> Result<u16> {
 pub struct RedisServer {
     child: Option<Child>,
     port: u16,
+    tls_port: Option<u16>,
     dir: tempfile::TempDir,
     args: Vec<String>,
 }
@@ -94,6 +98,47 @@ impl RedisServer {
         Self::launch(extra, false)
     }
 
+    /// A node that also serves TLS on [`RedisServer::tls_port`] with `certs`' server
+    /// certificate; with `require_client_cert` it refuses TLS clients without a
+    /// certificate signed by `certs`' CA. The plain port stays open for the harness.
+    pub fn start_tls(certs: &TestCerts, require_client_cert: bool) -> Result<Self> {
+        let mut last = None;
+        for _ in 0..5 {
+            let tls_port = free_port(false)?.to_string();
+            let path = |p: &Path| p.to_string_lossy().into_owned();
+            let (cert, key, ca) = (
+                path(&certs.server_cert),
+                path(&certs.server_key),
+                path(&certs.ca_cert),
+            );
+            let auth = if require_client_cert { "yes" } else { "no" };
+            let args = [
+                "--tls-port",
+                &tls_port,
+                "--tls-cert-file",
+                &cert,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--tls-auth-clients",
+                auth,
+            ];
+            match Self::launch(&args, false) {
+                Ok(mut server) => {
+                    server.tls_port = tls_port.parse().ok();
+                    return Ok(server);
+                }
+                Err(e @ HarnessError::NotReady { .. }) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or(HarnessError::NotReady {
+            port: 0,
+            why: "could not start".into(),
+        }))
+    }
+
     fn launch(extra: &[&str], cluster: bool) -> Result<Self> {
         binary("redis-server")?;
         let mut last = None;
@@ -103,6 +148,7 @@ impl RedisServer {
             let mut server = Self {
                 child: None,
                 port: free_port(cluster)?,
+                tls_port: None,
                 dir: tempfile::Builder::new()
                     .prefix("leasehold-redis-")
                     .tempdir()?,
@@ -188,6 +234,16 @@ impl RedisServer {
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The TLS port, for a node started with [`RedisServer::start_tls`].
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT`, for a node started with [`RedisServer::start_tls`].
+    pub fn tls_url(&self) -> Option<String> {
+        self.tls_port.map(|p| format!("rediss://127.0.0.1:{p}"))
     }
 
     /// The node's working directory.
@@ -336,6 +392,255 @@ impl ReplicaPair {
         self.primary.kill();
         let _: String = self.replica.cmd(&["REPLICAOF", "NO", "ONE"])?;
         Ok(())
+    }
+
+    /// After [`ReplicaPair::fail_over`]: starts the old primary again, empty, as a
+    /// replica of the promoted one (directly, not through `link`), as an operator or a
+    /// Sentinel would, so writes can be acknowledged by a replica again. Returns once the
+    /// full sync has begun; it completes in the background.
+    pub fn rejoin(&mut self) -> Result<()> {
+        self.primary.restart()?;
+        // Sync at once instead of waiting 5 s for more replicas to share the transfer.
+        let _: String = self
+            .replica
+            .cmd(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"])?;
+        let port = self.replica.port().to_string();
+        let _: String = self.primary.cmd(&["REPLICAOF", "127.0.0.1", &port])?;
+        Ok(())
+    }
+}
+
+/// A private CA and, signed by it, a server certificate for `127.0.0.1`, `::1` and
+/// `localhost` and a client certificate: PEM files in a temporary directory, made fresh
+/// for each test.
+#[derive(Debug)]
+pub struct TestCerts {
+    /// The CA's certificate.
+    pub ca_cert: PathBuf,
+    /// The server's certificate.
+    pub server_cert: PathBuf,
+    /// The server's key.
+    pub server_key: PathBuf,
+    /// A client certificate signed by the CA.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+    /// A CA that signed nothing here: trusting it alone must fail.
+    pub other_ca_cert: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl TestCerts {
+    /// Generates the CA and both certificates.
+    pub fn generate() -> Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let err = |e: rcgen::Error| HarnessError::Certs(e.to_string());
+        let dir = tempfile::Builder::new()
+            .prefix("leasehold-certs-")
+            .tempdir()?;
+        let ca = |name: &str| -> Result<(CertificateParams, KeyPair, String)> {
+            let mut params = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            let key = KeyPair::generate().map_err(err)?;
+            let pem = params.self_signed(&key).map_err(err)?.pem();
+            Ok((params, key, pem))
+        };
+        let (ca_params, ca_key, ca_pem) = ca("leasehold test CA")?;
+        let (_, _, other_pem) = ca("leasehold unrelated CA")?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |names: Vec<String>, cn: &str| -> Result<(String, String)> {
+            let mut params = CertificateParams::new(names).map_err(err)?;
+            params.distinguished_name.push(DnType::CommonName, cn);
+            let key = KeyPair::generate().map_err(err)?;
+            let cert = params.signed_by(&key, &issuer).map_err(err)?;
+            Ok((cert.pem(), key.serialize_pem()))
+        };
+        let (server_pem, server_key) = leaf(
+            vec!["127.0.0.1".into(), "::1".into(), "localhost".into()],
+            "leasehold test server",
+        )?;
+        let (client_pem, client_key) = leaf(vec!["client".into()], "leasehold test client")?;
+        let write = |name: &str, text: &str| -> Result<PathBuf> {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text)?;
+            Ok(path)
+        };
+        Ok(Self {
+            ca_cert: write("ca.crt", &ca_pem)?,
+            server_cert: write("server.crt", &server_pem)?,
+            server_key: write("server.key", &server_key)?,
+            client_cert: write("client.crt", &client_pem)?,
+            client_key: write("client.key", &client_key)?,
+            other_ca_cert: write("other-ca.crt", &other_pem)?,
+            _dir: dir,
+        })
+    }
+}
+
+/// A primary and a replica (a [`ReplicaPair`]) watched by a Redis Sentinel that
+/// monitors them as service [`SentinelSet::SERVICE`], so failovers are real ones:
+/// the Sentinel promotes the replica and clients ask it where the primary is.
+#[derive(Debug)]
+pub struct SentinelSet {
+    /// The data nodes.
+    pub pair: ReplicaPair,
+    sentinel: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl SentinelSet {
+    /// The service name the Sentinel monitors.
+    pub const SERVICE: &'static str = "leasehold";
+
+    /// Starts the pair and the Sentinel and waits until the Sentinel knows the replica.
+    pub fn start() -> Result<Self> {
+        // Debian ships `redis-sentinel` (package redis-sentinel) as a separate name for
+        // the same binary; `redis-server --sentinel` is the same program.
+        let (bin, flag) = match binary("redis-sentinel") {
+            Ok(b) => (b, None),
+            Err(_) => (binary("redis-server")?, Some("--sentinel")),
+        };
+        let pair = ReplicaPair::start()?;
+        let dir = tempfile::Builder::new()
+            .prefix("leasehold-sentinel-")
+            .tempdir()?;
+        let port = free_port(false)?;
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndaemonize no\nprotected-mode no\n\
+                 dir {dir}\n\
+                 sentinel monitor {s} 127.0.0.1 {p} 1\n\
+                 sentinel down-after-milliseconds {s} 1000\n\
+                 sentinel failover-timeout {s} 5000\n\
+                 sentinel parallel-syncs {s} 1\n",
+                dir = dir.path().display(),
+                s = Self::SERVICE,
+                p = pair.primary.port(),
+            ),
+        )?;
+        let log = std::fs::File::create(dir.path().join("sentinel.log"))?;
+        let mut cmd = Command::new(bin);
+        cmd.arg(&conf);
+        if let Some(f) = flag {
+            cmd.arg(f);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        let set = Self {
+            pair,
+            sentinel: Some(child),
+            port,
+            dir,
+        };
+        set.wait_ready()?;
+        Ok(set)
+    }
+
+    fn wait_ready(&self) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT * 2;
+        loop {
+            // The replica must be one the Sentinel may promote: connected, and its link
+            // to the primary up as the Sentinel last saw it (else NOGOODSLAVE).
+            let known = self
+                .cmd::<Vec<std::collections::HashMap<String, String>>>(&[
+                    "SENTINEL",
+                    "REPLICAS",
+                    Self::SERVICE,
+                ])
+                .map(|replicas| {
+                    replicas.iter().any(|r| {
+                        r.get("flags").map(String::as_str) == Some("slave")
+                            && r.get("master-link-status").map(String::as_str) == Some("ok")
+                    })
+                })
+                .unwrap_or(false);
+            if known {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(self.dir.path().join("sentinel.log"))
+                    .unwrap_or_default();
+                return Err(HarnessError::NotReady {
+                    port: self.port,
+                    why: format!(
+                        "the Sentinel does not know the replica; log: {}",
+                        log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+                    ),
+                });
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis+sentinel://127.0.0.1:PORT/leasehold`.
+    pub fn url(&self) -> String {
+        format!("redis+sentinel://127.0.0.1:{}/{}", self.port, Self::SERVICE)
+    }
+
+    /// The Sentinel's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Runs one command on the Sentinel.
+    pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Result<T> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?;
+        let mut c = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        Ok(cmd.query(&mut c)?)
+    }
+
+    /// The primary's port as the Sentinel names it.
+    pub fn primary_port(&self) -> Result<u16> {
+        let (_, port): (String, u16) =
+            self.cmd(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", Self::SERVICE])?;
+        Ok(port)
+    }
+
+    /// Has the Sentinel fail over (`SENTINEL FAILOVER`) and waits until it names the
+    /// replica as the primary, the replica says it is one, and the old primary has been
+    /// made its replica (until then the old primary still takes writes, which the
+    /// failover loses: a window every Sentinel failover has).
+    pub fn fail_over(&self) -> Result<()> {
+        let _: String = self.cmd(&["SENTINEL", "FAILOVER", Self::SERVICE])?;
+        let deadline = Instant::now() + READY_TIMEOUT * 2;
+        let want = self.pair.replica.port();
+        loop {
+            let role: Vec<redis::Value> = self.pair.replica.cmd(&["ROLE"])?;
+            let primary =
+                matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master");
+            let old: Vec<redis::Value> = self.pair.primary.cmd(&["ROLE"])?;
+            let demoted = matches!(old.first(), Some(redis::Value::BulkString(b)) if b == b"slave");
+            if primary && demoted && self.primary_port()? == want {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(HarnessError::NotReady {
+                    port: want,
+                    why: "the Sentinel did not promote the replica".into(),
+                });
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for SentinelSet {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.sentinel.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 

@@ -129,7 +129,10 @@ pub struct LimiterBuilder {
 }
 
 impl LimiterBuilder {
-    /// Buckets in one Redis (`redis://host:port`).
+    /// Buckets at `address`: one Redis (`redis://host:port`, `rediss://…` for TLS), a
+    /// cluster (`cluster://host:port,host:port`) or the primary Sentinels name
+    /// (`redis+sentinel://host:port/service`); see [`RedisStore::open`]. TLS files go in
+    /// `LimiterConfig::store`.
     pub fn redis(mut self, url: impl Into<String>) -> Self {
         self.target = Some(Target::Redis(url.into()));
         self
@@ -190,7 +193,7 @@ impl LimiterBuilder {
         };
         let store = match self.target.ok_or(BuildError::NoStore)? {
             Target::Redis(url) => {
-                Store::Redis(RedisStore::connect(&url, self.config.store.clone()).await?)
+                Store::Redis(RedisStore::open(&url, self.config.store.clone()).await?)
             }
             Target::Cluster(nodes) => {
                 Store::Redis(RedisStore::connect_cluster(&nodes, self.config.store.clone()).await?)

@@ -963,7 +963,13 @@ impl Limiter {
         let mut attempt = 0;
         loop {
             entry.counters.incr(Counter::StoreCalls);
-            match self.inner.store.call(to.key, to.params, &req).await {
+            let replication = entry.rule.replication();
+            match self
+                .inner
+                .store
+                .call_replicated(to.key, to.params, &req, replication)
+                .await
+            {
                 Ok(reply) => {
                     permit.succeeded(self.now_ns());
                     return Ok(reply);
@@ -981,7 +987,9 @@ impl Limiter {
                         ErrorKind::Protocol => drop(permit),
                         _ => permit.failed(self.now_ns()),
                     }
-                    if !e.is_retryable() {
+                    if e.kind() == ErrorKind::NotReplicated {
+                        tracing::debug!(error = %e, key = %to.key, "grant not replicated in time");
+                    } else if !e.is_retryable() {
                         tracing::error!(error = %e, key = %to.key, "store refused a request");
                     }
                     return Err(CallError::Store(e));

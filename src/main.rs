@@ -1,5 +1,6 @@
 //! The `leasehold` command line.
 
+mod chaos;
 mod simulate;
 
 use std::path::PathBuf;
@@ -60,6 +61,23 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Runs the fault matrix under HTTP load against the example gateway (private
+    /// Redis primary and replica, coordinator and gateway as processes) and prints one
+    /// table row per fault. `scripts/chaos` builds what it needs and runs it.
+    Chaos {
+        /// The example gateway binary (`cargo build --release --example gateway`).
+        #[arg(long, default_value = "target/release/examples/gateway")]
+        gateway: PathBuf,
+        /// Distinct API keys in the flood.
+        #[arg(long, default_value_t = 1_000_000)]
+        flood_keys: u64,
+        /// Seconds each fault holds before it is cleared.
+        #[arg(long, default_value_t = 3.0)]
+        hold: f64,
+        /// Seconds each phase is watched after the fault is cleared.
+        #[arg(long, default_value_t = 4.0)]
+        watch: f64,
+    },
     /// Reads a rules file, validates every rule and prints what each one means.
     CheckConfig {
         /// The TOML rules file (`[rules.NAME]` tables).
@@ -70,6 +88,29 @@ enum Command {
 fn main() -> ExitCode {
     match Cli::parse().command {
         Command::CheckConfig { file } => check_config(&file),
+        Command::Chaos {
+            gateway,
+            flood_keys,
+            hold,
+            watch,
+        } => {
+            if !(hold.is_finite() && watch.is_finite() && hold >= 0.0 && watch >= 1.0) {
+                eprintln!("error: --hold must be >= 0 and --watch >= 1 (seconds)");
+                return ExitCode::FAILURE;
+            }
+            match chaos::run(chaos::Options {
+                gateway,
+                flood_keys,
+                hold: Duration::from_secs_f64(hold),
+                watch: Duration::from_secs_f64(watch),
+            }) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Coordinator(args) => coordinator(args),
         Command::Simulate {
             scenario,

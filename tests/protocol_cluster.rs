@@ -78,6 +78,22 @@ fn i7_cluster_buckets_land_on_their_slots_whatever_the_subject() {
                 .expect("EXISTS");
             assert_eq!(exists, 1, "{k} is not on the primary of slot {slot}");
             *per_shard.entry(owner.port).or_default() += 1;
+            // With `replicas`, WAIT rides in the same pipeline to the key's primary,
+            // whose replica acknowledges the grant.
+            let again = Request {
+                seq: 2,
+                op: Op::Exact { cost: 1 },
+                ..req
+            };
+            let wait = Some(lease_core::rule::Replication {
+                replicas: 1,
+                timeout: std::time::Duration::from_millis(500),
+            });
+            let r = st
+                .call_replicated(&k, &p, &again, wait)
+                .await
+                .unwrap_or_else(|e| panic!("FCALL + WAIT on {k}: {e}"));
+            assert_eq!(r.granted, 1);
         }
     });
     let primaries: Vec<_> = c

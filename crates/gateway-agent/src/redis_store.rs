@@ -324,10 +324,22 @@ impl Conn {
         }
     }
 
-    async fn query_pipe(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+    /// Runs `pipe` on one connection; on a cluster, on the primary serving `slot` (a
+    /// keyless command such as WAIT would otherwise go to every primary).
+    async fn query_pipe(
+        &self,
+        pipe: &redis::Pipeline,
+        slot: u16,
+    ) -> Result<Vec<Value>, RedisError> {
+        use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
         match self {
             Self::Single(c) => pipe.query_async(&mut c.clone()).await,
-            Self::Cluster(c) => pipe.query_async(&mut c.clone()).await,
+            Self::Cluster(c) => {
+                let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                c.clone()
+                    .route_pipeline(pipe.clone(), 0, pipe.len(), route)
+                    .await
+            }
             Self::Sentinel(s) => s.query_pipe(pipe).await,
         }
     }
@@ -692,10 +704,10 @@ impl RedisStore {
                 .cmd("WAIT")
                 .arg(r.replicas)
                 .arg(r.timeout.as_millis().max(1) as u64);
-            let replies = match self.conn.query_pipe(&pipe).await {
+            let replies = match self.conn.query_pipe(&pipe, key.slot()).await {
                 Err(e) if is_missing_library(&e) => {
                     self.reload(seen).await?;
-                    self.conn.query_pipe(&pipe).await
+                    self.conn.query_pipe(&pipe, key.slot()).await
                 }
                 other => other,
             }

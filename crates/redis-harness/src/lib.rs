@@ -678,6 +678,9 @@ impl Cluster {
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "2000",
+                    // Replicas sync at once instead of waiting 5 s for company.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ],
                 true,
             )?);
@@ -701,7 +704,31 @@ impl Cluster {
         }
         let cluster = Self { nodes };
         cluster.wait_ok(Duration::from_secs(30))?;
+        cluster.wait_replicas_synced(Duration::from_secs(30))?;
         Ok(cluster)
+    }
+
+    /// Waits until every replica's link to its primary is up, so writes can be
+    /// acknowledged (`WAIT`) and a failover finds a synced replica.
+    pub fn wait_replicas_synced(&self, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        for node in &self.nodes {
+            loop {
+                let info: String = node.cmd(&["INFO", "replication"])?;
+                let replica = info.contains("role:slave");
+                if !replica || info.contains("master_link_status:up") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(HarnessError::NotReady {
+                        port: node.port(),
+                        why: format!("replica not in sync: {info}"),
+                    });
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
     }
 
     /// Waits until every node says `cluster_state:ok` and sees three primaries with slots

@@ -30,7 +30,7 @@ struct Args {
     listen: SocketAddr,
     /// The store (default: `embedded`, an in-process store).
     #[command(flatten)]
-    store: leasehold::agent::StoreArgs,
+    store: leasehold::store::StoreArgs,
     /// Rules file (TOML); reloaded when it changes.
     #[arg(long)]
     config: PathBuf,

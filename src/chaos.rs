@@ -26,8 +26,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use leasehold_redis_harness::{FaultProxy, ReplicaPair};
 use parking_lot::Mutex;
-use redis_harness::{FaultProxy, ReplicaPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -277,7 +277,7 @@ pub(crate) fn run(opts: Options) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let h = |e: redis_harness::HarnessError| e.to_string();
+    let h = |e: leasehold_redis_harness::HarnessError| e.to_string();
     eprintln!("chaos: starting a primary, its replica, the coordinator and the gateway");
     let pair = ReplicaPair::start().map_err(h)?;
     let vip = FaultProxy::start(pair.primary.addr()).map_err(h)?;

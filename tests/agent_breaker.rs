@@ -8,8 +8,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use gateway_agent::{Decision, ErrorKind, Limiter};
-use redis_harness::{Fault, FaultProxy};
+use leasehold_agent::{Decision, ErrorKind, Limiter};
+use leasehold_redis_harness::{Fault, FaultProxy};
 use support::server;
 
 /// The breaker's cooldown (the default) plus room for a loaded machine.

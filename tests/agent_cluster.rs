@@ -7,9 +7,9 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use gateway_agent::{Admission, Decision, Limiter, LimiterConfig};
-use lease_core::{BucketKey, RuleName};
-use redis_harness::Cluster;
+use leasehold_agent::{Admission, Decision, Limiter, LimiterConfig};
+use leasehold_core::{BucketKey, RuleName};
+use leasehold_redis_harness::Cluster;
 
 #[test]
 fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use gateway_agent::{Admission, CheckError, Decision, Limiter, LimiterConfig, Rules};
+use leasehold_agent::{Admission, CheckError, Decision, Limiter, LimiterConfig, Rules};
 
 fn rules(text: &str) -> Rules {
     Rules::from_toml(text).expect("rules")

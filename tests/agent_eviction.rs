@@ -6,7 +6,7 @@
 
 mod support;
 
-use gateway_agent::{BuildError, Limiter, LimiterConfig};
+use leasehold_agent::{BuildError, Limiter, LimiterConfig};
 
 const RULES: &str = "[rules.api]\ncapacity = 100\nrate = \"1/1h\"\n";
 
@@ -50,7 +50,7 @@ fn an_evicting_store_is_refused_unless_allowed() {
                 .expect("allowed by the operator");
             assert!(matches!(
                 l.check("t", "api", 1).await.unwrap(),
-                gateway_agent::Decision::Allowed { .. }
+                leasehold_agent::Decision::Allowed { .. }
             ));
         }
     });
@@ -68,8 +68,8 @@ fn a_bucket_lost_under_a_lease_restarts_empty() {
         let rules =
             "[rules.api]\ncapacity = 100\nrate = \"1/1h\"\nleasing = \"lease\"\nlease_min = 10\n";
         let l = support::limiter(&server.url(), rules).await;
-        let key = lease_core::key::BucketKey::new(
-            &lease_core::rule::RuleName::new("api").unwrap(),
+        let key = leasehold_core::key::BucketKey::new(
+            &leasehold_core::rule::RuleName::new("api").unwrap(),
             "tenant-1",
         )
         .unwrap();
@@ -80,7 +80,7 @@ fn a_bucket_lost_under_a_lease_restarts_empty() {
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
             if matches!(
                 l.check("tenant-1", "api", 1).await.unwrap(),
-                gateway_agent::Decision::Allowed { .. }
+                leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;
             }
@@ -94,7 +94,7 @@ fn a_bucket_lost_under_a_lease_restarts_empty() {
             }
             if matches!(
                 l.check("tenant-1", "api", 1).await.unwrap(),
-                gateway_agent::Decision::Allowed { .. }
+                leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;
             }

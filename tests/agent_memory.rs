@@ -12,7 +12,7 @@ mod support;
 
 use std::sync::Arc;
 
-use gateway_agent::{Decision, Limiter, LimiterConfig};
+use leasehold_agent::{Decision, Limiter, LimiterConfig};
 
 const RULES: &str = "[rules.api]\ncapacity = 1\nrate = \"1/1h\"\ntimeout = \"2s\"\n";
 

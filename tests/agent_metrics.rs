@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gateway_agent::{Limiter, Rules};
+use leasehold_agent::{Limiter, Rules};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use gateway_agent::{Admission, Decision, Limiter, LimiterConfig};
-use redis_harness::{Fault, FaultProxy, RedisServer};
+use leasehold_agent::{Admission, Decision, Limiter, LimiterConfig};
+use leasehold_redis_harness::{Fault, FaultProxy, RedisServer};
 use support::{field, server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -242,8 +242,8 @@ fn latency_and_lost_replies_never_debit_twice() {
             run(1, &l).await;
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let rule = lease_core::RuleName::new("api").unwrap();
-        let key = lease_core::BucketKey::new(&rule, "t").unwrap();
+        let rule = leasehold_core::RuleName::new("api").unwrap();
+        let key = leasehold_core::BucketKey::new(&rule, "t").unwrap();
         let debited = 100_000 - field(&server, key.as_str(), "tok");
         println!(
             "through the fault proxy: {admitted} admitted, {unknown} with unknown outcome, store debited {debited}"
@@ -339,24 +339,24 @@ fn eight_agents_on_one_hot_key_never_admit_more_than_the_bucket() {
 /// A Redis that wants a password says so, and the password never shows in the error.
 #[test]
 fn a_missing_or_wrong_password_is_named_and_never_echoed() {
-    let server = redis_harness::RedisServer::start_with(&["--requirepass", "s3cret-pw"])
+    let server = leasehold_redis_harness::RedisServer::start_with(&["--requirepass", "s3cret-pw"])
         .unwrap_or_else(|e| panic!("{e}"));
     support::runtime().block_on(async {
         let port = server.url().rsplit(':').next().unwrap().to_owned();
         let missing = format!("redis://127.0.0.1:{port}");
-        let e = gateway_agent::RedisStore::connect(&missing, support::config())
+        let e = leasehold_agent::RedisStore::connect(&missing, support::config())
             .await
             .expect_err("no password")
             .to_string();
         assert!(e.contains("NOAUTH") && e.contains("PASSWORD@"), "{e}");
         let wrong = format!("redis://:wrong-pw@127.0.0.1:{port}");
-        let e = gateway_agent::RedisStore::connect(&wrong, support::config())
+        let e = leasehold_agent::RedisStore::connect(&wrong, support::config())
             .await
             .expect_err("wrong password")
             .to_string();
         assert!(!e.contains("wrong-pw"), "{e}");
         let right = format!("redis://:s3cret-pw@127.0.0.1:{port}");
-        gateway_agent::RedisStore::connect(&right, support::config())
+        leasehold_agent::RedisStore::connect(&right, support::config())
             .await
             .expect("the right password connects");
     });

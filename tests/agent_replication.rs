@@ -7,11 +7,11 @@ mod support;
 
 use std::time::Duration;
 
-use gateway_agent::{Decision, ErrorKind, StoreError};
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Request};
-use lease_core::rule::{Replication, RuleName};
-use redis_harness::{Fault, FaultProxy, ReplicaPair};
+use leasehold_agent::{Decision, ErrorKind, StoreError};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Request};
+use leasehold_core::rule::{Replication, RuleName};
+use leasehold_redis_harness::{Fault, FaultProxy, ReplicaPair};
 use support::{params, runtime};
 
 fn exact(seq: u64, cost: u64) -> Request {
@@ -27,9 +27,11 @@ fn a_grant_no_replica_acknowledged_is_an_error_and_a_denial_is_not() {
     let pair = ReplicaPair::start().unwrap_or_else(|e| panic!("{e}"));
     let k = BucketKey::new(&RuleName::new("wait").expect("name"), "t").expect("key");
     let p = params(10, "1/h", "1s", "100ms", None);
+    // Generous, so a loaded machine's replica still acknowledges in time; below the
+    // store's 800 ms call timeout, so a cut link shows as a refused grant.
     let one = Some(Replication {
         replicas: 1,
-        timeout: Duration::from_millis(20),
+        timeout: Duration::from_millis(400),
     });
     runtime().block_on(async {
         let store = support::store(&pair.primary.url()).await;

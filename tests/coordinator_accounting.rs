@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use coordinator::{Admin, Coordinator, CoordinatorConfig};
+use leasehold_coordinator::{Admin, Coordinator, CoordinatorConfig};
 use support::http_get as get;
 
 const RULES: &str = "[rules.api]\ncapacity = 500\nrate = \"2000/s\"\nleasing = \"lease\"\n";
@@ -32,7 +32,7 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         let addr = listener.local_addr().unwrap();
         let admin = Admin::new(store, support::rules(RULES)).with_snapshot(coordinator.snapshot());
         let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(coordinator::serve(listener, admin, async {
+        let serving = tokio::spawn(leasehold_coordinator::serve(listener, admin, async {
             let _ = stopped.await;
         }));
         let running = coordinator.clone().spawn();

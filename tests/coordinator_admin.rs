@@ -6,8 +6,8 @@ mod support;
 
 use std::time::Duration;
 
-use coordinator::Admin;
-use gateway_agent::Limiter;
+use leasehold_agent::Limiter;
+use leasehold_coordinator::Admin;
 use support::http_get as get;
 
 /// Leases of at most 200 tokens: every agent refills, and so reports its demand, several
@@ -40,13 +40,13 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let store = gateway_agent::RedisStore::connect(&server.url(), support::config())
+        let store = leasehold_agent::RedisStore::connect(&server.url(), support::config())
             .await
             .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(coordinator::serve(
+        let serving = tokio::spawn(leasehold_coordinator::serve(
             listener,
             Admin::new(store, support::rules(RULES)),
             async {

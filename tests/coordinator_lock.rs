@@ -7,8 +7,8 @@ mod support;
 
 use std::time::Duration;
 
-use coordinator::{Coordinator, CoordinatorConfig, service::LOCK_KEY};
-use gateway_agent::RedisStore;
+use leasehold_agent::RedisStore;
+use leasehold_coordinator::{Coordinator, CoordinatorConfig, service::LOCK_KEY};
 
 const RULES: &str = "[rules.api]\ncapacity = 10\nrate = \"10/s\"\n";
 

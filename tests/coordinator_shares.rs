@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use coordinator::key_view;
-use gateway_agent::Decision;
-use lease_core::{BucketKey, RuleName};
+use leasehold_agent::Decision;
+use leasehold_coordinator::key_view;
+use leasehold_core::{BucketKey, RuleName};
 
 const RULES: &str = "[rules.api]\ncapacity = 200\nrate = \"400/s\"\nleasing = \"lease\"\n";
 /// Offered decisions per 10 ms per agent: 100, 200, 400 and 800 per second.

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use coordinator::plan::SplitPolicy;
-use coordinator::{Coordinator, CoordinatorConfig, Running};
-use gateway_agent::{Decision, Limiter, RedisStore};
-use lease_core::{BucketKey, RuleName};
-use redis_harness::Cluster;
+use leasehold_agent::{Decision, Limiter, RedisStore};
+use leasehold_coordinator::plan::SplitPolicy;
+use leasehold_coordinator::{Coordinator, CoordinatorConfig, Running};
+use leasehold_core::{BucketKey, RuleName};
+use leasehold_redis_harness::Cluster;
 
 /// The split's term: each extension sets its end this far ahead.
 const TERM_SECS: u64 = 8;
@@ -77,7 +77,7 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
 async fn split_fields(store: &RedisStore, key: &BucketKey) -> (u64, u64, u64) {
     let (f, _, now) = store.bucket(key).await.unwrap();
     let generation = f.get("sg").and_then(|v| v.parse().ok()).unwrap_or(0u64);
-    let s = coordinator::view::parse_split(f.get("sp").map(String::as_str), generation);
+    let s = leasehold_coordinator::view::parse_split(f.get("sp").map(String::as_str), generation);
     (s.parts, s.gen_us, s.until_us.saturating_sub(now) / 1000)
 }
 

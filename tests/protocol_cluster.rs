@@ -5,11 +5,11 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gateway_agent::RedisStore;
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, GlobalBucket, Op, Request};
-use lease_core::rule::RuleName;
-use redis_harness::Cluster;
+use leasehold_agent::RedisStore;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, GlobalBucket, Op, Request};
+use leasehold_core::rule::RuleName;
+use leasehold_redis_harness::Cluster;
 use support::{config, params, runtime};
 
 fn cluster() -> Cluster {
@@ -85,7 +85,7 @@ fn i7_cluster_buckets_land_on_their_slots_whatever_the_subject() {
                 op: Op::Exact { cost: 1 },
                 ..req
             };
-            let wait = Some(lease_core::rule::Replication {
+            let wait = Some(leasehold_core::rule::Replication {
                 replicas: 1,
                 timeout: std::time::Duration::from_millis(500),
             });

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use gateway_agent::RedisStore;
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Reply, Request};
-use lease_core::rule::{BucketParams, RuleName};
-use lease_core::{LocalLease, Spend};
+use leasehold_agent::RedisStore;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Reply, Request};
+use leasehold_core::rule::{BucketParams, RuleName};
+use leasehold_core::{LocalLease, Spend};
 use support::{params, runtime, server, store};
 
 #[derive(Debug, Default)]

@@ -12,13 +12,13 @@ mod support;
 
 use std::time::Duration;
 
-use gateway_agent::StoreError;
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request, Split};
-use lease_core::rule::{BucketParams, RuleName};
+use leasehold_agent::StoreError;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request, Split};
+use leasehold_core::rule::{BucketParams, RuleName};
+use leasehold_redis_harness::RedisServer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use redis_harness::RedisServer;
 use support::{field, hash, params, runtime, server, store};
 
 fn seed() -> u64 {

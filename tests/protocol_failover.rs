@@ -8,11 +8,11 @@ mod support;
 
 use std::time::Duration;
 
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Request};
-use lease_core::rule::RuleName;
-use lease_core::{LocalLease, Spend};
-use redis_harness::{Fault, ReplicaPair};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Request};
+use leasehold_core::rule::RuleName;
+use leasehold_core::{LocalLease, Spend};
+use leasehold_redis_harness::{Fault, ReplicaPair};
 use support::{field, params, runtime, store};
 
 struct Agent {
@@ -51,7 +51,7 @@ fn i8_failover_redeclare_recovers_outstanding_and_overshoot_is_bounded() {
     runtime().block_on(async {
         let primary = store(&pair.primary.url()).await;
         let mut first_now = 0;
-        let acquire = async |st: &gateway_agent::RedisStore, a: &mut Agent, want: u64| {
+        let acquire = async |st: &leasehold_agent::RedisStore, a: &mut Agent, want: u64| {
             a.seq += 1;
             let sent = now_ns();
             let held = a.lease.declare(sent);

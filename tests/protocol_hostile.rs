@@ -7,7 +7,7 @@
 
 mod support;
 
-use redis_harness::RedisServer;
+use leasehold_redis_harness::RedisServer;
 use support::{runtime, server, store};
 
 /// capacity 10, 10 tokens per second, lease ttl 1 s, grace 0.1 s, strict.

@@ -9,11 +9,11 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gateway_agent::{RedisStore, StoreError};
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Reply, Request};
-use lease_core::rule::{BucketParams, RuleName};
-use redis_harness::{Fault, FaultProxy, RedisServer};
+use leasehold_agent::{RedisStore, StoreError};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Reply, Request};
+use leasehold_core::rule::{BucketParams, RuleName};
+use leasehold_redis_harness::{Fault, FaultProxy, RedisServer};
 use support::{field, hash, params, runtime, server, store};
 
 fn key(subject: &str) -> BucketKey {

@@ -7,12 +7,12 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gateway_agent::{LIBRARY, RedisStore, StoreError};
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Reply, Request};
-use lease_core::rule::{BucketParams, RuleName};
-use lease_core::{LocalLease, Spend};
-use redis_harness::RedisServer;
+use leasehold_agent::{LIBRARY, RedisStore, StoreError};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Reply, Request};
+use leasehold_core::rule::{BucketParams, RuleName};
+use leasehold_core::{LocalLease, Spend};
+use leasehold_redis_harness::RedisServer;
 use support::{field, params, runtime, server, store};
 
 fn rule() -> RuleName {

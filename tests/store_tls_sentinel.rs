@@ -6,11 +6,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use gateway_agent::{RedisStore, StoreConfig, StoreError, TlsFiles};
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Request};
-use lease_core::rule::RuleName;
-use redis_harness::{RedisServer, SentinelSet, TestCerts};
+use leasehold_agent::{RedisStore, StoreConfig, StoreError, TlsFiles};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Request};
+use leasehold_core::rule::RuleName;
+use leasehold_redis_harness::{RedisServer, SentinelSet, TestCerts};
 use support::{params, runtime};
 
 fn key(subject: &str) -> BucketKey {
@@ -120,14 +120,14 @@ fn a_server_that_requires_client_certificates_gets_one() {
         assert_eq!(reply.granted, 10);
 
         // The agent over mutual TLS: a capacity-3 key admits 3.
-        let limiter = gateway_agent::Limiter::builder()
+        let limiter = leasehold_agent::Limiter::builder()
             .redis(url.clone())
             .rules(support::rules(
                 "[rules.t]\ncapacity = 3\nrate = \"1/h\"\nleasing = \"exact\"\n",
             ))
-            .config(gateway_agent::LimiterConfig {
+            .config(leasehold_agent::LimiterConfig {
                 store: tls_config(Some(&certs.ca_cert), Some(&certs)),
-                ..gateway_agent::LimiterConfig::default()
+                ..leasehold_agent::LimiterConfig::default()
             })
             .build()
             .await
@@ -136,7 +136,7 @@ fn a_server_that_requires_client_certificates_gets_one() {
         for _ in 0..5 {
             if matches!(
                 limiter.check("tenant", "t", 1).await.expect("check"),
-                gateway_agent::Decision::Allowed { .. }
+                leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;
             }

@@ -20,10 +20,10 @@ use std::time::Duration;
 use governor::{Quota, RateLimiter};
 use leasehold::agent::{Decision, EmbeddedStore, Limiter, Rules, Store};
 use leasehold::core::rule::Rule;
+use leasehold_redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 use tokio::time::Instant;
 
 pub(crate) use report::SystemReport;
@@ -91,7 +91,7 @@ enum Env {
 
 impl Env {
     fn start(choice: &StoreChoice) -> Result<Self, String> {
-        let e = |e: redis_harness::HarnessError| e.to_string();
+        let e = |e: leasehold_redis_harness::HarnessError| e.to_string();
         Ok(match choice {
             StoreChoice::Embedded => Self::Embedded(EmbeddedStore::new()),
             StoreChoice::Spawn => Self::Single(RedisServer::start().map_err(e)?),
@@ -159,7 +159,7 @@ impl Env {
                 server.restart().map_err(|e| e.to_string())?
             }
             ("stall-replication", Self::Pair { pair, .. }) => {
-                pair.link.set(redis_harness::Fault::Blackhole);
+                pair.link.set(leasehold_redis_harness::Fault::Blackhole);
             }
             ("promote-replica", Self::Pair { pair, vip }) => {
                 pair.fail_over().map_err(|e| e.to_string())?;

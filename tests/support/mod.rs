@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use gateway_agent::{RedisStore, StoreConfig};
-use lease_core::rule::{BucketParams, Rule, RuleSpec};
-use redis_harness::RedisServer;
+use leasehold_agent::{RedisStore, StoreConfig};
+use leasehold_core::rule::{BucketParams, Rule, RuleSpec};
+use leasehold_redis_harness::RedisServer;
 
 /// A rule's bucket parameters from its spec fields.
 pub fn params(
@@ -78,20 +78,20 @@ pub fn field(server: &RedisServer, key: &str, name: &str) -> u64 {
 }
 
 /// A limiter on the Redis at `url` with the rules in `toml` and test timeouts.
-pub async fn limiter(url: &str, toml: &str) -> gateway_agent::Limiter {
-    limiter_with(gateway_agent::Limiter::builder().redis(url), toml).await
+pub async fn limiter(url: &str, toml: &str) -> leasehold_agent::Limiter {
+    limiter_with(leasehold_agent::Limiter::builder().redis(url), toml).await
 }
 
 /// `builder` with the rules in `toml` and test timeouts, built.
 pub async fn limiter_with(
-    builder: gateway_agent::LimiterBuilder,
+    builder: leasehold_agent::LimiterBuilder,
     toml: &str,
-) -> gateway_agent::Limiter {
+) -> leasehold_agent::Limiter {
     builder
         .rules(rules(toml))
-        .config(gateway_agent::LimiterConfig {
+        .config(leasehold_agent::LimiterConfig {
             store: config(),
-            ..gateway_agent::LimiterConfig::default()
+            ..leasehold_agent::LimiterConfig::default()
         })
         .build()
         .await
@@ -101,7 +101,7 @@ pub async fn limiter_with(
 /// Checks `subject` under `rule` as fast as `limiter` answers until `stop`, counting
 /// admissions in `admitted`; a denial yields to the other tasks.
 pub fn hammer(
-    limiter: &gateway_agent::Limiter,
+    limiter: &leasehold_agent::Limiter,
     subject: &'static str,
     rule: &'static str,
     stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -112,11 +112,11 @@ pub fn hammer(
     tokio::spawn(async move {
         while !stop.load(Ordering::Relaxed) {
             match l.check(subject, rule, 1).await.expect("valid check") {
-                gateway_agent::Decision::Allowed { .. } => {
+                leasehold_agent::Decision::Allowed { .. } => {
                     admitted.fetch_add(1, Ordering::Relaxed);
                 }
-                gateway_agent::Decision::Denied { .. } => tokio::task::yield_now().await,
-                gateway_agent::Decision::Unavailable { .. } => panic!("store unavailable"),
+                leasehold_agent::Decision::Denied { .. } => tokio::task::yield_now().await,
+                leasehold_agent::Decision::Unavailable { .. } => panic!("store unavailable"),
             }
         }
     })
@@ -142,7 +142,7 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 /// Rules from `toml`, each rule without a `timeout` given a generous one (2 s): tests
 /// must pass on a loaded machine, where the default 50 ms is not always met; the tests
 /// of timeouts set theirs.
-pub fn rules(toml: &str) -> gateway_agent::Rules {
+pub fn rules(toml: &str) -> leasehold_agent::Rules {
     let mut doc: toml::Table = toml.parse().expect("test rules are TOML");
     if let Some(rules) = doc.get_mut("rules").and_then(toml::Value::as_table_mut) {
         for (_, spec) in rules.iter_mut() {
@@ -152,5 +152,5 @@ pub fn rules(toml: &str) -> gateway_agent::Rules {
             }
         }
     }
-    gateway_agent::Rules::from_toml(&doc.to_string()).expect("test rules are valid")
+    leasehold_agent::Rules::from_toml(&doc.to_string()).expect("test rules are valid")
 }

@@ -3,7 +3,7 @@
 //! sees the bound hold in production and not only in tests.
 //!
 //! Agents report running totals on the whole seconds of their wall clocks (see
-//! `gateway_agent::report`). The difference between two reports of one agent is what it
+//! `leasehold_store::report`). The difference between two reports of one agent is what it
 //! admitted in between, credited to the seconds the interval covers (spread evenly when
 //! a report was missed). A second is settled once every report that covers it should
 //! have arrived; windows of 1 to 10 settled seconds are checked. Reports are taken a few
@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use gateway_agent::report::Report;
+use leasehold_store::report::Report;
 use serde::Serialize;
 
 /// Seconds of history kept per key.
@@ -207,7 +207,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gateway_agent::report::KeyReport;
+    use leasehold_store::report::KeyReport;
 
     fn report(at_ms: u64, admitted: u64, calls: u64) -> Report {
         let mut r = Report {

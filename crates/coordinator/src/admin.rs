@@ -11,9 +11,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use gateway_agent::{RedisStore, Rules};
-use lease_core::key::BucketKey;
-use lease_core::rule::RuleName;
+use leasehold_core::key::BucketKey;
+use leasehold_core::rule::RuleName;
+use leasehold_store::{RedisStore, Rules};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::service::Snapshot;

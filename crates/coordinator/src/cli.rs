@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gateway_agent::{RedisStore, Rules, StoreArgs, StoreConfig};
+use leasehold_store::{RedisStore, Rules, StoreArgs, StoreConfig};
 
 use crate::plan::SplitPolicy;
 use crate::{Admin, Coordinator, CoordinatorConfig};
@@ -36,8 +36,8 @@ pub struct Args {
 /// shows the password.
 pub async fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
     RedisStore::open(address, config).await.map_err(|e| {
-        let text = gateway_agent::redis_store::redact_in(&e.to_string(), address);
-        format!("{}: {text}", gateway_agent::redis_store::redact(address))
+        let text = leasehold_store::redis::redact_in(&e.to_string(), address);
+        format!("{}: {text}", leasehold_store::redis::redact(address))
     })
 }
 

@@ -5,8 +5,8 @@
 //!
 //! What needs no view across agents lives where the data is: each bucket computes the
 //! proportional share of its agents from the demand they report with their acquires and
-//! enforces it while the key is contended (`lease_core::model`), and each agent returns
-//! leases it is not spending (`lease_core::sizing::reclaim`). The coordinator does what
+//! enforces it while the key is contended (`leasehold_core::model`), and each agent returns
+//! leases it is not spending (`leasehold_core::sizing::reclaim`). The coordinator does what
 //! needs a view across keys and agents:
 //!
 //! - [`accounting`]: tokens admitted per key per second from the agents' reports, and

@@ -6,7 +6,7 @@ use clap::Parser;
 #[command(name = "leasehold-coordinator", about)]
 struct Cli {
     #[command(flatten)]
-    args: coordinator::cli::Args,
+    args: leasehold_coordinator::cli::Args,
 }
 
 fn main() -> std::process::ExitCode {
@@ -18,7 +18,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let done = rt.block_on(coordinator::cli::run(cli.args, async {
+    let done = rt.block_on(leasehold_coordinator::cli::run(cli.args, async {
         let _ = tokio::signal::ctrl_c().await;
     }));
     match done {

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use lease_core::key::BucketKey;
-use lease_core::model::{MAX_PARTS, Split};
-use lease_core::rule::BucketParams;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{MAX_PARTS, Split};
+use leasehold_core::rule::BucketParams;
 
 /// The splitting policy.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,7 +90,7 @@ pub fn choose_salt(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lease_core::rule::{Rule, RuleName};
+    use leasehold_core::rule::{Rule, RuleName};
 
     #[test]
     fn splits_hot_keys_extends_warm_ones_and_lets_cool_ones_lapse() {

@@ -16,10 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use gateway_agent::report::{AGENTS_KEY, REPORT_TTL_MS, Report, report_key};
-use gateway_agent::{RedisStore, Rules, StoreError};
-use lease_core::key::BucketKey;
-use lease_core::model::{AgentId, Op, Request, Split};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{AgentId, Op, Request, Split};
+use leasehold_store::report::{AGENTS_KEY, REPORT_TTL_MS, Report, report_key};
+use leasehold_store::{RedisStore, Rules, StoreError};
 use parking_lot::RwLock;
 use serde::Serialize;
 

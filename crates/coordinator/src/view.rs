@@ -1,10 +1,10 @@
 //! An operator's view of one bucket, from the fields of its Redis hash (see
-//! `lua/leasehold.lua` and `lease_core::model` for what each field means).
+//! `lua/leasehold.lua` and `leasehold_core::model` for what each field means).
 
 use std::collections::{BTreeMap, HashMap};
 
-use lease_core::key::BucketKey;
-use lease_core::rule::Rule;
+use leasehold_core::key::BucketKey;
+use leasehold_core::rule::Rule;
 use serde::Serialize;
 
 /// One agent's record in a bucket.
@@ -82,14 +82,14 @@ impl SplitView {
 
 /// The split stored in a bucket's `sp` field (parts, salt, until, tokens, outstanding,
 /// drop) with its start `sg`; all zero when absent or unreadable.
-pub fn parse_split(sp: Option<&str>, gen_us: u64) -> lease_core::model::Split {
+pub fn parse_split(sp: Option<&str>, gen_us: u64) -> leasehold_core::model::Split {
     let v: Vec<u64> = sp
         .unwrap_or_default()
         .split(',')
         .filter_map(|x| x.parse().ok())
         .collect();
     match v[..] {
-        [parts, salt, until_us, tokens, outstanding, drop_us] => lease_core::model::Split {
+        [parts, salt, until_us, tokens, outstanding, drop_us] => leasehold_core::model::Split {
             parts,
             salt,
             gen_us,
@@ -98,7 +98,7 @@ pub fn parse_split(sp: Option<&str>, gen_us: u64) -> lease_core::model::Split {
             outstanding,
             drop_us,
         },
-        _ => lease_core::model::Split::default(),
+        _ => leasehold_core::model::Split::default(),
     }
 }
 
@@ -183,7 +183,7 @@ pub fn key_view(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lease_core::rule::RuleName;
+    use leasehold_core::rule::RuleName;
 
     #[test]
     fn shares_follow_reported_demand_among_live_agents() {

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use lease_core::key::SLOTS;
+use leasehold_core::key::SLOTS;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Breaker settings.
@@ -172,8 +172,7 @@ impl Breaker {
     }
 }
 
-/// A slot range served by one primary, named by its address.
-pub type ShardRange = (u16, u16, String);
+pub use leasehold_store::ShardRange;
 
 #[derive(Debug)]
 struct Topology {

@@ -189,7 +189,7 @@ fn set(headers: &mut HeaderMap, name: &'static str, value: String) {
 
 /// `Retry-After` in whole seconds: rounded up, at least 1.
 pub fn retry_secs(wait: Duration) -> u64 {
-    lease_core::retry_after_secs(wait.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
+    leasehold_core::retry_after_secs(wait.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
 }
 
 /// `"RULE";q=B;w=W` with W the seconds an empty bucket takes to fill.

@@ -19,8 +19,8 @@
 mod fleet;
 
 use fleet::{Event, Fleet, Outcome, Phase, Setup, Split, rates};
-use lease_core::PolicyConfig;
-use lease_core::rule::{Rule, RuleSpec};
+use leasehold_core::PolicyConfig;
+use leasehold_core::rule::{Rule, RuleSpec};
 use proptest::prelude::*;
 
 /// B and r of the fleet key: 20 000 tokens, 20 000/s.

@@ -1,6 +1,6 @@
 //! Shifting demand on a virtual clock, with no coordinator: eight agents share one key,
 //! demand moves from one half of them to the other and back, and every agent runs the
-//! per-key policy `gateway-agent` drives (`lease_core::KeyPolicy`, through the fleet
+//! per-key policy `gateway-agent` drives (`leasehold_core::KeyPolicy`, through the fleet
 //! harness in `support/fleet.rs`) against the reference model of the bucket.
 //!
 //! The run is compared with one ideal token bucket (same B and r) fed the same arrivals:
@@ -13,8 +13,8 @@
 mod fleet;
 
 use fleet::{Fleet, MS, Outcome, Phase, Setup};
-use lease_core::PolicyConfig;
-use lease_core::rule::{Rule, RuleSpec};
+use leasehold_core::PolicyConfig;
+use leasehold_core::rule::{Rule, RuleSpec};
 
 /// The agents' `return_after`: their refresh interval for unused leases.
 const RETURN_AFTER_NS: u64 = 500 * MS;

@@ -9,9 +9,9 @@
 
 use std::num::NonZeroU64;
 
-use lease_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use lease_core::rule::{BucketParams, Mode, Rule, RuleSpec};
-use lease_core::{Level, LocalLease, Spend};
+use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
+use leasehold_core::rule::{BucketParams, Mode, Rule, RuleSpec};
+use leasehold_core::{Level, LocalLease, Spend};
 use proptest::prelude::*;
 
 #[derive(Clone, Copy, Debug)]

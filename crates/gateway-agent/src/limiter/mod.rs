@@ -29,11 +29,11 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
-use lease_core::bucket::Level;
-use lease_core::key::{BucketKey, SubjectError};
-use lease_core::model::{AgentId, Op, Reply, Split};
-use lease_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
-use lease_core::{KeyPolicy, PolicyConfig, Rate, Reclaim, Spend, SweepAction};
+use leasehold_core::bucket::Level;
+use leasehold_core::key::{BucketKey, SubjectError};
+use leasehold_core::model::{AgentId, Op, Reply, Split};
+use leasehold_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
+use leasehold_core::{KeyPolicy, PolicyConfig, Rate, Reclaim, Spend, SweepAction};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
@@ -236,7 +236,7 @@ struct Emergency {
 /// (the struct is aligned to it), so a decision touches one line of its key.
 #[repr(C, align(64))]
 struct KeyState {
-    lease: lease_core::LocalLease,
+    lease: leasehold_core::LocalLease,
     /// The rule's capacity, so the hot path needs no rule lookup; 0 once the rule is
     /// removed, which sends checks to the full path and its `UnknownRule`.
     capacity: AtomicU64,
@@ -275,7 +275,7 @@ impl KeyState {
             counters: entry.counters.clone(),
             slot: bucket.slot(),
             bucket,
-            lease: lease_core::LocalLease::new(),
+            lease: leasehold_core::LocalLease::new(),
             hot: AtomicBool::new(!transient && entry.rule.leasing() == Leasing::Lease),
             deny_until_ns: AtomicU64::new(0),
             denied_tokens: AtomicU64::new(0),
@@ -953,7 +953,7 @@ impl Limiter {
         let op = *op;
         let breaker = self.inner.breakers.for_slot(to.slot);
         let permit = breaker.enter(self.now_ns()).map_err(CallError::Refused)?;
-        let req = lease_core::Request {
+        let req = leasehold_core::Request {
             agent: self.inner.agent,
             seq: self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1,
             op,
@@ -1022,7 +1022,7 @@ impl Limiter {
                 let e = slot.get_or_insert_with(|| {
                     c.incr(Counter::EmergencyActivations);
                     ks.in_emergency.store(true, Ordering::Release);
-                    let (share, cap) = lease_core::emergency_limit(
+                    let (share, cap) = leasehold_core::emergency_limit(
                         &entry.rule,
                         &self.inner.policy,
                         ks.share_milli.load(Ordering::Relaxed),

@@ -15,9 +15,9 @@
 
 use std::collections::VecDeque;
 
-use lease_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use lease_core::rule::{BucketParams, Rule};
-use lease_core::{KeyPolicy, Level, LocalLease, PolicyConfig, Reclaim, Spend, SweepAction};
+use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
+use leasehold_core::rule::{BucketParams, Rule};
+use leasehold_core::{KeyPolicy, Level, LocalLease, PolicyConfig, Reclaim, Spend, SweepAction};
 
 pub(crate) const T0_US: u64 = 1_700_000_000_000_000;
 pub(crate) const MS: u64 = 1_000_000;

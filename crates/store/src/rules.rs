@@ -20,7 +20,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use lease_core::rule::{Rule, RuleError, RuleSpec};
+use leasehold_core::rule::{Rule, RuleError, RuleSpec};
 use serde::Deserialize;
 
 /// A validated set of rules by name.
@@ -37,16 +37,16 @@ pub enum RulesError {
     Read {
         /// The file.
         path: String,
-        /// What went wrong.
-        source: config::ConfigError,
+        /// What went wrong (boxed: the configuration error is large).
+        source: Box<config::ConfigError>,
     },
     /// A rule is invalid.
     #[error("rules file {path}: {source}")]
     Rule {
         /// The file.
         path: String,
-        /// The rule's problem.
-        source: RuleError,
+        /// The rule's problem (boxed: a rule error carries several strings).
+        source: Box<RuleError>,
     },
     /// The file is not valid TOML (a number too large for 64 bits, say).
     #[error("rules file {path}: {message}")]
@@ -143,7 +143,7 @@ impl Rules {
     {
         let read = |source| RulesError::Read {
             path: shown.to_owned(),
-            source,
+            source: Box::new(source),
         };
         let mut file: RulesFile = config::Config::builder()
             .add_source(source)
@@ -161,7 +161,7 @@ impl Rules {
         for (name, spec) in &file.rules {
             let rule = Rule::from_spec(name, spec).map_err(|source| RulesError::Rule {
                 path: shown.to_owned(),
-                source,
+                source: Box::new(source),
             })?;
             rules.insert(name.clone(), rule);
         }

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 
-use lease_core::model::AgentId;
+use leasehold_core::model::AgentId;
 
 /// The sorted set of agents, scored by their last report (wall-clock ms).
 pub const AGENTS_KEY: &str = "lh:agents";

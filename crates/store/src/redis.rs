@@ -14,15 +14,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use lease_core::key::BucketKey;
-use lease_core::model::{Op, ProtocolError, Reply, Request, validate};
-use lease_core::rule::{BucketParams, Replication};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{Op, ProtocolError, Reply, Request, validate};
+use leasehold_core::rule::{BucketParams, Replication};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, RedisError, Value};
 
 /// The function library, as shipped.
-pub const LIBRARY: &str = include_str!("../../../lua/leasehold.lua");
+pub const LIBRARY: &str = include_str!("../leasehold.lua");
 
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
@@ -749,7 +749,7 @@ impl RedisStore {
     /// Replaces `agent`'s report (see [`crate::report`]) and scores it live at `at_ms`.
     pub async fn report(
         &self,
-        agent: lease_core::model::AgentId,
+        agent: leasehold_core::model::AgentId,
         at_ms: u64,
         text: &str,
     ) -> Result<(), StoreError> {
@@ -767,9 +767,13 @@ impl RedisStore {
 
     /// The slot ranges of the store's primaries, named `host:port`: one range covering
     /// every slot for a single Redis, `CLUSTER SLOTS` for a cluster.
-    pub async fn shards(&self) -> Result<Vec<crate::breaker::ShardRange>, StoreError> {
+    pub async fn shards(&self) -> Result<Vec<crate::ShardRange>, StoreError> {
         if let Conn::Single(_) | Conn::Sentinel(_) = self.conn {
-            return Ok(vec![(0, lease_core::key::SLOTS - 1, "single".to_owned())]);
+            return Ok(vec![(
+                0,
+                leasehold_core::key::SLOTS - 1,
+                "single".to_owned(),
+            )]);
         }
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("SLOTS");

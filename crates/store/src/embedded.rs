@@ -1,6 +1,5 @@
-//! Where the global buckets live: Redis (one node or a cluster), or an in-process store
-//! that runs the reference model behind the same interface, for single-process use and
-//! demos.
+//! The in-process store: the reference model behind the same interface as Redis, for
+//! single-process use, demos and tests.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -8,56 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use lease_core::key::BucketKey;
-use lease_core::model::{GlobalBucket, Reply, Request, validate};
-use lease_core::rule::BucketParams;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{GlobalBucket, Reply, Request, validate};
+use leasehold_core::rule::BucketParams;
 use parking_lot::Mutex;
 
-use crate::redis_store::{RedisStore, StoreError};
-
-/// A global bucket store.
-#[derive(Clone, Debug)]
-pub enum Store {
-    /// Redis or Redis Cluster through the `leasehold` function library.
-    Redis(RedisStore),
-    /// The reference model in this process.
-    Embedded(EmbeddedStore),
-}
-
-impl Store {
-    /// Runs one request on the bucket at `key`.
-    pub async fn call(
-        &self,
-        key: &BucketKey,
-        params: &BucketParams,
-        req: &Request,
-    ) -> Result<Reply, StoreError> {
-        self.call_replicated(key, params, req, None).await
-    }
-
-    /// [`Store::call`], waiting for `replication` on grants (see
-    /// [`RedisStore::call_replicated`]); the embedded store has no replicas and ignores it.
-    pub async fn call_replicated(
-        &self,
-        key: &BucketKey,
-        params: &BucketParams,
-        req: &Request,
-        replication: Option<lease_core::rule::Replication>,
-    ) -> Result<Reply, StoreError> {
-        match self {
-            Self::Redis(s) => s.call_replicated(key, params, req, replication).await,
-            Self::Embedded(s) => s.call(key, params, req),
-        }
-    }
-
-    /// Times the library was loaded (Redis), 0 for the embedded store.
-    pub fn library_loads(&self) -> u64 {
-        match self {
-            Self::Redis(s) => s.library_loads(),
-            Self::Embedded(_) => 0,
-        }
-    }
-}
+use crate::redis::StoreError;
 
 const SHARDS: usize = 64;
 

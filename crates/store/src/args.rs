@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use crate::redis_store::{StoreConfig, TlsFiles};
+use crate::redis::{StoreConfig, TlsFiles};
 
 /// Where the buckets live and how to reach them.
 #[derive(Clone, Debug, Default, clap::Args)]

@@ -47,9 +47,12 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .init();
+    // Text to stderr; LEASEHOLD_LOG_FORMAT=json for JSON lines, RUST_LOG to filter.
+    let format = match std::env::var("LEASEHOLD_LOG_FORMAT").as_deref() {
+        Ok("json") => leasehold::coordinator::cli::LogFormat::Json,
+        _ => leasehold::coordinator::cli::LogFormat::Text,
+    };
+    leasehold::coordinator::cli::init_logging(format, "info");
     match run(Args::parse()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -74,7 +77,9 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }),
     };
     if let Some(addr) = args.metrics {
-        builder = builder.prometheus(addr);
+        let listener =
+            std::net::TcpListener::bind(addr).map_err(|e| format!("--metrics {addr}: {e}"))?;
+        builder = builder.prometheus(listener);
     }
     let limiter = builder.build().await?;
     // Every rule the gateway will check must exist now, not answer 500 at each request.

@@ -20,6 +20,16 @@ use leasehold::core::rule::{FailurePolicy, Mode};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text or JSON (to stderr; RUST_LOG filters; default info for the
+    /// coordinator, warn otherwise).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "text",
+        env = "LEASEHOLD_LOG_FORMAT"
+    )]
+    log_format: leasehold::coordinator::cli::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -86,7 +96,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let level = match cli.command {
+        Command::Coordinator(_) => "info",
+        _ => "warn",
+    };
+    leasehold::coordinator::cli::init_logging(cli.log_format, level);
+    match cli.command {
         Command::CheckConfig { file } => check_config(&file),
         Command::Chaos {
             gateway,

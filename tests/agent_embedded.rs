@@ -284,3 +284,39 @@ async fn watched_rules_file_reloads_by_itself() {
     }
     panic!("the watched rules file was not reloaded");
 }
+
+/// `shutdown` returns what the leases hold, stops the background loop, and leaves the
+/// limiter deciding by exact calls: nothing is leased again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_leases_and_leases_nothing_after() {
+    let l = limiter(LEASED).await;
+    for _ in 0..50 {
+        l.check("t", "api", 1).await.expect("check");
+    }
+    let before = l.stats("api").expect("stats");
+    assert!(before.lease_grants > 0, "{before:?}");
+    l.shutdown().await;
+    let after = l.stats("api").expect("stats");
+    assert!(
+        after.lease_tokens_returned > before.lease_tokens_returned,
+        "the unspent lease went back: {after:?}"
+    );
+    for _ in 0..20 {
+        let d = l.check("t", "api", 1).await.expect("check");
+        assert!(
+            matches!(
+                d,
+                Decision::Allowed {
+                    via: Admission::Exact,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+    }
+    // No refill or sweep runs any more: the lease counters stay where they were.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let end = l.stats("api").expect("stats");
+    assert_eq!(end.lease_grants, after.lease_grants, "{end:?}");
+    assert_eq!(end.admitted_exact, after.admitted_exact + 20, "{end:?}");
+}

@@ -8,19 +8,15 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test]
 async fn prometheus_exporter_serves_decision_counters_on_loopback() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
     let l = Limiter::builder()
         .embedded()
         .rules(
             Rules::from_toml("[rules.api]\ncapacity = 5\nrate = \"1/s\"\nleasing = \"exact\"\n")
                 .unwrap(),
         )
-        .prometheus(addr)
+        .prometheus(listener)
         .build()
         .await
         .unwrap();
@@ -42,9 +38,23 @@ async fn prometheus_exporter_serves_decision_counters_on_loopback() {
         body.contains("leasehold_decisions_total{rule=\"api\",outcome=\"denied\"} 195"),
         "{body}"
     );
+    // Decision and store call times are histograms with buckets, which sum over
+    // gateways (a summary's quantiles do not).
     assert!(
-        body.contains("leasehold_decision_seconds"),
+        body.contains("leasehold_decision_seconds_bucket{le="),
         "sampled decision times: {body}"
+    );
+    assert!(
+        body.contains("leasehold_store_call_seconds_bucket{shard=\"all\",op=\"exact\",le="),
+        "store call times by shard and op: {body}"
+    );
+    assert!(
+        body.contains("leasehold_breaker_open{shard=\"all\"} 0"),
+        "breaker state: {body}"
+    );
+    assert!(
+        body.contains("# HELP leasehold_decisions_total Decisions by rule and outcome"),
+        "help text: {body}"
     );
     assert!(
         body.contains("leasehold_store_calls_total{rule=\"api\"}"),

@@ -30,7 +30,9 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         ));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let admin = Admin::new(store, support::rules(RULES)).with_snapshot(coordinator.snapshot());
+        let admin = Admin::new(store, support::rules(RULES))
+            .with_metrics(leasehold_coordinator::admin::install_prometheus().expect("recorder"))
+            .with_snapshot(coordinator.snapshot());
         let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(leasehold_coordinator::serve(listener, admin, async {
             let _ = stopped.await;

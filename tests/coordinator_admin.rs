@@ -48,7 +48,9 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(leasehold_coordinator::serve(
             listener,
-            Admin::new(store, support::rules(RULES)),
+            Admin::new(store, support::rules(RULES)).with_metrics(
+                leasehold_coordinator::admin::install_prometheus().expect("recorder"),
+            ),
             async {
                 let _ = stopped.await;
             },

@@ -47,6 +47,13 @@ fn i7_cluster_buckets_land_on_their_slots_whatever_the_subject() {
     let mut per_shard: BTreeMap<u16, usize> = BTreeMap::new();
     runtime().block_on(async {
         let st = cluster_store(&c).await;
+        // WAIT is given seconds: on a machine with both cores busy a replica can take
+        // hundreds of milliseconds to acknowledge.
+        let mut patient = config();
+        patient.call_timeout = std::time::Duration::from_secs(10);
+        let waiting = RedisStore::connect_cluster(&c.urls(), patient)
+            .await
+            .unwrap_or_else(|e| panic!("cluster connect: {e}"));
         for (i, s) in subjects.iter().enumerate() {
             let k = BucketKey::new(&rule, s).expect("key");
             assert!(keys.insert(k.clone()), "two subjects share a key: {k}");
@@ -87,9 +94,9 @@ fn i7_cluster_buckets_land_on_their_slots_whatever_the_subject() {
             };
             let wait = Some(leasehold_core::rule::Replication {
                 replicas: 1,
-                timeout: std::time::Duration::from_millis(500),
+                timeout: std::time::Duration::from_secs(5),
             });
-            let r = st
+            let r = waiting
                 .call_replicated(&k, &p, &again, wait)
                 .await
                 .unwrap_or_else(|e| panic!("FCALL + WAIT on {k}: {e}"));

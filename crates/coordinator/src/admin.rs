@@ -26,7 +26,7 @@ type Shared = Arc<parking_lot::RwLock<Snapshot>>;
 pub struct Admin {
     store: RedisStore,
     rules: Arc<Rules>,
-    prometheus: PrometheusHandle,
+    prometheus: Option<PrometheusHandle>,
     snapshot: Option<Shared>,
 }
 
@@ -39,21 +39,22 @@ impl std::fmt::Debug for Admin {
 }
 
 impl Admin {
-    /// Serves views of `rules`' buckets in `store`. Installs a Prometheus recorder for
-    /// this process unless one is installed already (then `/metrics` shows only what
-    /// this recorder sees).
+    /// Serves views of `rules`' buckets in `store`. `/metrics` answers 404 until
+    /// [`Admin::with_metrics`] gives it a recorder's handle: the application owns the
+    /// recorder (see [`install_prometheus`]).
     pub fn new(store: RedisStore, rules: Rules) -> Self {
-        let recorder = PrometheusBuilder::new().build_recorder();
-        let prometheus = recorder.handle();
-        if metrics::set_global_recorder(recorder).is_err() {
-            tracing::debug!("a metrics recorder is already installed");
-        }
         Self {
             store,
             rules: Arc::new(rules),
-            prometheus,
+            prometheus: None,
             snapshot: None,
         }
+    }
+
+    /// Serves this Prometheus recorder's text on `/metrics`.
+    pub fn with_metrics(mut self, handle: PrometheusHandle) -> Self {
+        self.prometheus = Some(handle);
+        self
     }
 
     /// Also serves what a running coordinator knows (accounting, splits).
@@ -84,8 +85,107 @@ pub async fn serve(
         .await
 }
 
-async fn metrics_text(State(admin): State<Admin>) -> String {
-    admin.prometheus.render()
+async fn metrics_text(State(admin): State<Admin>) -> Response {
+    match &admin.prometheus {
+        Some(h) => h.render().into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "no metrics recorder was given to the admin endpoint".into(),
+        ),
+    }
+}
+
+/// What the coordinator records: (name, kind, help).
+pub const METRICS: &[(&str, &str, &str)] = &[
+    (
+        "leasehold_overshoot_ratio",
+        "gauge",
+        "Per rule, the worst key's overshoot over the last 1-10 s windows: (admitted - (B + r*W)) / (B + r*W), 0 when within the bound.",
+    ),
+    (
+        "leasehold_overshoot_worst_ratio",
+        "gauge",
+        "Per rule, the worst overshoot seen since the coordinator started.",
+    ),
+    (
+        "leasehold_admitted_tokens_total",
+        "counter",
+        "Per rule, tokens the agents report admitted on the keys the coordinator follows.",
+    ),
+    (
+        "leasehold_key_calls_per_second_max",
+        "gauge",
+        "Per rule, the most store calls per second one key received (the split trigger).",
+    ),
+    (
+        "leasehold_split_keys",
+        "gauge",
+        "Per rule, keys currently split over several shards.",
+    ),
+    (
+        "leasehold_coordinator_splits_total",
+        "counter",
+        "Splits started.",
+    ),
+    (
+        "leasehold_coordinator_leader",
+        "gauge",
+        "1 while this instance holds the leader lock and acts.",
+    ),
+    (
+        "leasehold_coordinator_agents",
+        "gauge",
+        "Live agents (reports seen within their TTL).",
+    ),
+    ("leasehold_coordinator_keys", "gauge", "Keys followed."),
+    (
+        "leasehold_coordinator_tick_seconds",
+        "histogram",
+        "Time one tick took (read reports, account, split).",
+    ),
+    (
+        "leasehold_coordinator_errors_total",
+        "counter",
+        "Ticks that failed (store errors).",
+    ),
+    (
+        "leasehold_coordinator_key_views_total",
+        "counter",
+        "Requests for one key's view on the admin endpoint.",
+    ),
+];
+
+/// Installs a Prometheus recorder as the process's global recorder (time histograms
+/// with buckets from 1 µs to 1 s) with the coordinator's help text, once per process,
+/// and returns its handle for [`Admin::with_metrics`].
+pub fn install_prometheus() -> Result<PrometheusHandle, String> {
+    static HANDLE: std::sync::OnceLock<Result<PrometheusHandle, String>> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+                    &[
+                        1e-6, 1e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                        0.1, 0.25, 0.5, 1.0,
+                    ],
+                )
+                .map_err(|e| e.to_string())?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
+            for &(name, kind, help) in METRICS {
+                match kind {
+                    "counter" => metrics::describe_counter!(name, help),
+                    "histogram" => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+                    _ => metrics::describe_gauge!(name, help),
+                }
+            }
+            Ok(handle)
+        })
+        .clone()
 }
 
 fn error(status: StatusCode, message: String) -> Response {

@@ -32,6 +32,32 @@ pub struct Args {
     pub term: u64,
 }
 
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    #[default]
+    Text,
+    /// One JSON object per event (for log pipelines).
+    Json,
+}
+
+/// Installs the process's log subscriber, writing to stderr: `RUST_LOG` filters
+/// (`RUST_LOG=leasehold_agent=debug,info`), else `default` (a level or directives).
+/// Keys appear in logs as their rule and a hash of the subject, never the subject.
+pub fn init_logging(format: LogFormat, default: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // Err only when a subscriber is installed already, which then serves.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
 /// Connects to the store `address` names (see [`RedisStore::open`]); the error never
 /// shows the password.
 pub async fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
@@ -75,7 +101,9 @@ pub async fn run(
         ..CoordinatorConfig::default()
     };
     let coordinator = Arc::new(Coordinator::new(store.clone(), rules.clone(), config));
-    let admin = Admin::new(store, rules).with_snapshot(coordinator.snapshot());
+    let admin = Admin::new(store, rules)
+        .with_snapshot(coordinator.snapshot())
+        .with_metrics(crate::admin::install_prometheus()?);
     println!(
         "coordinator admin endpoint on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?

@@ -7,10 +7,14 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     args: leasehold_coordinator::cli::Args,
+    /// Log lines as text or JSON (to stderr; RUST_LOG filters, default info).
+    #[arg(long, value_enum, default_value = "text", env = "LEASEHOLD_LOG_FORMAT")]
+    log_format: leasehold_coordinator::cli::LogFormat,
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    leasehold_coordinator::cli::init_logging(cli.log_format, "info");
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -215,6 +215,7 @@ impl Coordinator {
     }
 
     /// One round: reports in, accounting and metrics out, splits when leader.
+    #[tracing::instrument(level = "debug", name = "coordinator_tick", skip_all)]
     pub async fn tick(&self) -> Result<(), StoreError> {
         let started = std::time::Instant::now();
         let leader = self.lock().await?;
@@ -329,7 +330,7 @@ impl Coordinator {
                     let reply = self.store.call(&bucket, &params, &req).await?;
                     if split.is_none() && reply.split.parts != 0 {
                         started_splits += 1;
-                        tracing::info!(key = %bucket, parts = reply.split.parts, calls_per_sec = calls, "split");
+                        tracing::info!(key = %bucket.for_logs(), parts = reply.split.parts, calls_per_sec = calls, "split");
                     }
                     view = Some(reply.split).filter(|s| s.parts != 0);
                 }
@@ -346,7 +347,8 @@ impl Coordinator {
         snap.at_ms = now_ms;
         snap.keys = statuses;
         snap.splits_started += started_splits;
-        metrics::gauge!("leasehold_coordinator_tick_seconds").set(started.elapsed().as_secs_f64());
+        metrics::histogram!("leasehold_coordinator_tick_seconds")
+            .record(started.elapsed().as_secs_f64());
         Ok(())
     }
 }
@@ -390,7 +392,8 @@ fn publish(leader: bool, agents: usize, keys: &BTreeMap<String, KeyStatus>, spli
         let rule = rule.to_owned();
         metrics::gauge!("leasehold_overshoot_ratio", "rule" => rule.clone()).set(overshoot);
         metrics::gauge!("leasehold_overshoot_worst_ratio", "rule" => rule.clone()).set(worst);
-        metrics::gauge!("leasehold_admitted_tokens", "rule" => rule.clone()).set(admitted as f64);
+        metrics::counter!("leasehold_admitted_tokens_total", "rule" => rule.clone())
+            .absolute(admitted);
         metrics::gauge!("leasehold_key_calls_per_second_max", "rule" => rule.clone()).set(calls);
         metrics::gauge!("leasehold_split_keys", "rule" => rule).set(split as f64);
     }

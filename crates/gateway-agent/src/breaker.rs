@@ -234,6 +234,23 @@ impl Breakers {
         Arc::clone(&t.shards[usize::from(i)].1)
     }
 
+    /// The name of the shard serving `slot` (`host:port`, `single`, `all`).
+    pub(crate) fn shard_name(&self, slot: u16) -> String {
+        let t = self.topology.load();
+        let i = t.by_slot[usize::from(slot % SLOTS)];
+        t.shards[usize::from(i)].0.clone()
+    }
+
+    /// Each shard's name and whether its breaker is open at `now_ns`.
+    pub(crate) fn states(&self, now_ns: u64) -> Vec<(String, bool)> {
+        self.topology
+            .load()
+            .shards
+            .iter()
+            .map(|(n, b)| (n.clone(), b.is_open(now_ns)))
+            .collect()
+    }
+
     /// The shards known, by name.
     pub(crate) fn shard_names(&self) -> Vec<String> {
         self.topology

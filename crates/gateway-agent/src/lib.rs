@@ -4,7 +4,9 @@
 //! - [`limiter`]: the `Limiter` gateways call, its hot path, refill driver and failure
 //!   handling; [`breaker`]: circuit breakers and bulkheads per shard.
 //! - [`counters`]: sharded hot-path counters.
-//! - [`http`]: the tower `Layer` that answers 429 and 503.
+//! - [`http`] (feature `tower`, default): the tower `Layer` that answers 429 and 503.
+//! - [`telemetry`]: the metrics recorded and their help text; with feature `prometheus`
+//!   an exporter the application may install.
 //! - The stores, the rules file and the reports come from `leasehold-store`, re-exported
 //!   here as [`redis_store`], [`store`], [`rules`] and [`report`].
 //!
@@ -12,8 +14,10 @@
 
 pub mod breaker;
 pub mod counters;
+#[cfg(feature = "tower")]
 pub mod http;
 pub mod limiter;
+pub mod telemetry;
 
 pub use leasehold_store::redis as redis_store;
 pub use leasehold_store::{report, rules};

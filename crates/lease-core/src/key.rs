@@ -98,6 +98,38 @@ impl BucketKey {
     pub fn slot(&self) -> u16 {
         slot_of(self.0.as_bytes())
     }
+
+    /// How the key appears in logs: the rule and a short hash of the subject
+    /// (`lh:{api.write|#3fa2c1d0}`), since a subject may be a secret such as an API key.
+    /// The same subject always shows the same hash, so log lines can still be grouped.
+    pub fn for_logs(&self) -> LogKey<'_> {
+        LogKey(self)
+    }
+}
+
+/// A [`BucketKey`] shown without its subject; see [`BucketKey::for_logs`].
+#[derive(Clone, Copy, Debug)]
+pub struct LogKey<'a>(&'a BucketKey);
+
+impl fmt::Display for LogKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tag = self.0.hash_tag();
+        let (rule, rest) = tag.split_once('|').unwrap_or((tag, ""));
+        // A part key's `|salt.part` suffix is not secret and tells parts apart.
+        let (subject, part) = match rest.rsplit_once('|') {
+            Some((s, p)) => (s, Some(p)),
+            None => (rest, None),
+        };
+        let digest = Sha256::digest(subject.as_bytes());
+        write!(f, "lh:{{{rule}|#")?;
+        for b in &digest[..4] {
+            write!(f, "{b:02x}")?;
+        }
+        if let Some(p) = part {
+            write!(f, "|{p}")?;
+        }
+        f.write_str("}")
+    }
 }
 
 impl fmt::Display for BucketKey {
@@ -174,6 +206,25 @@ mod tests {
         assert_eq!(slot_of(b"foo"), 12182);
         assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
         assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+    }
+
+    #[test]
+    fn logs_show_the_rule_and_a_hash_never_the_subject() {
+        let k = BucketKey::new(&rule(), "sk_live_secret").unwrap();
+        let shown = k.for_logs().to_string();
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(
+            shown.starts_with("lh:{api.write|#") && shown.len() == 24,
+            "{shown}"
+        );
+        assert_eq!(shown, k.for_logs().to_string());
+        let other = BucketKey::new(&rule(), "sk_live_other").unwrap();
+        assert_ne!(shown, other.for_logs().to_string());
+        let part = k.part_of(7, 2).for_logs().to_string();
+        assert!(
+            part.starts_with(&shown[..shown.len() - 1]) && part.ends_with("|7.2}"),
+            "{part}"
+        );
     }
 
     #[test]

@@ -93,6 +93,7 @@ pub enum FailurePolicy {
 
 /// Why a rule was refused. Every variant names the rule, the field and the value.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RuleError {
     /// A rule name with characters outside `A-Z a-z 0-9 . _ -`, empty, or over 64 bytes.
     #[error("rule name {name:?} must be 1-64 characters of A-Z a-z 0-9 . _ -")]

@@ -26,6 +26,7 @@ pub const LIBRARY: &str = include_str!("../leasehold.lua");
 
 /// Why a store call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The request was refused before it was sent: it can never succeed as written.
     #[error(transparent)]
@@ -79,6 +80,7 @@ pub enum StoreError {
 /// What kind of store error, as counted in `leasehold_store_errors_by_kind_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(usize)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// No answer in time.
     Timeout,
@@ -647,6 +649,7 @@ impl RedisStore {
     }
 
     /// Loads the library unless another caller already did since `seen` generation.
+    #[tracing::instrument(level = "info", name = "library_load", skip_all)]
     async fn reload(&self, seen: u64) -> Result<(), StoreError> {
         let _one_at_a_time = self.loader.lock.lock().await;
         if self.loader.generation.load(Ordering::Acquire) != seen {
@@ -677,6 +680,12 @@ impl RedisStore {
     /// [`RedisStore::call`], and for an acquire or exact call with `replication`, a
     /// `WAIT` pipelined behind it (one round trip): a grant that too few replicas
     /// acknowledged in time is [`StoreError::NotReplicated`].
+    #[tracing::instrument(
+        level = "debug",
+        name = "store_call",
+        skip_all,
+        fields(key = %key.for_logs(), agent = req.agent.0, seq = req.seq)
+    )]
     pub async fn call_replicated(
         &self,
         key: &BucketKey,

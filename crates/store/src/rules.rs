@@ -31,6 +31,7 @@ pub struct Rules {
 
 /// Why a rules file was refused.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RulesError {
     /// The file could not be read or is not valid TOML of the expected shape.
     #[error("rules file {path}: {source}")]

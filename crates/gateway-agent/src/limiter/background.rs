@@ -29,8 +29,13 @@ pub(super) async fn background(
     policy.tick().await;
     let mut watch = tokio::time::interval(watch.unwrap_or(Duration::from_secs(3600)));
     let watching = watch.period() < Duration::from_secs(3600);
+    // Only the Notify is held: the loop must not keep the limiter alive.
+    let Some(stop) = inner.upgrade().map(|i| Arc::clone(&i.stop)) else {
+        return;
+    };
     loop {
         tokio::select! {
+            () = stop.notified() => return,
             ks = prefetch.recv() => {
                 let Some(ks) = ks else { return };
                 let Some(inner) = inner.upgrade() else { return };
@@ -51,6 +56,11 @@ pub(super) async fn background(
                 metrics::counter!("leasehold_keys_decided_without_state_total")
                     .absolute(inner.keys_over_cap.load(Ordering::Relaxed));
                 inner.error_kinds.publish();
+                let now = Limiter { inner: Arc::clone(&inner) }.now_ns();
+                for (shard, open) in inner.breakers.states(now) {
+                    metrics::gauge!("leasehold_breaker_open", "shard" => shard)
+                        .set(if open { 1.0 } else { 0.0 });
+                }
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
                     tokio::spawn(report(Limiter { inner }));
@@ -141,12 +151,13 @@ pub(super) async fn report(limiter: Limiter) {
     keys.truncate(MAX_KEYS_PER_REPORT);
     let mut lines = Vec::with_capacity(keys.len());
     for (_, ks) in keys {
-        let mut io = ks.io.lock().await;
+        let mut driver = ks.driver.lock().await;
         // Admissions made without the store count against the bucket like any other.
-        io.policy
+        driver
+            .policy
             .admitted_without_store(ks.without_store.swap(0, Ordering::Relaxed));
         let held = ks.lease.held();
-        let t = io.policy.totals(held);
+        let t = driver.policy.totals(held);
         if t.calls == 0 && t.admitted == 0 {
             continue;
         }
@@ -167,10 +178,10 @@ pub(super) async fn report(limiter: Limiter) {
 pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
     let rules = limiter.inner.rules.load_full();
     if let Ok(entry) = rules.get(&ks.rule) {
-        let mut io = ks.io.lock().await;
+        let mut driver = ks.driver.lock().await;
         if ks.hot.load(Ordering::Acquire) && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
         {
-            let _ = limiter.acquire(&ks, &mut io, entry, 0).await;
+            let _ = limiter.acquire(&ks, &mut driver, entry, 0).await;
         }
     }
     ks.prefetching.store(false, Ordering::Release);
@@ -201,11 +212,11 @@ impl Limiter {
                 forget.push(id.clone());
                 continue;
             };
-            let Ok(mut io) = ks.io.clone().try_lock_owned() else {
+            let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
             };
             let held = ks.lease.held();
-            let action = io.policy.sweep(
+            let action = driver.policy.sweep(
                 &entry.rule,
                 &inner.policy,
                 now,
@@ -222,8 +233,8 @@ impl Limiter {
                     }
                     if held > 0 {
                         tokio::spawn(async move {
-                            let mut io = io;
-                            let _ = this.release(&ks, &mut io, &entry, true).await;
+                            let mut driver = driver;
+                            let _ = this.release(&ks, &mut driver, &entry, true).await;
                         });
                     }
                 }
@@ -231,17 +242,17 @@ impl Limiter {
                     // Reclaim: tokens this agent is not spending, or more than its share
                     // of a contended key, go back where other agents can lease them.
                     tokio::spawn(async move {
-                        let mut io = io;
+                        let mut driver = driver;
                         let idle = reclaim == Reclaim::Idle;
-                        if this.release(&ks, &mut io, &entry, idle).await.is_ok() {
+                        if this.release(&ks, &mut driver, &entry, idle).await.is_ok() {
                             entry.counters.incr(Counter::Reclaims);
                         }
                     });
                 }
                 SweepAction::Renew => {
                     tokio::spawn(async move {
-                        let mut io = io;
-                        let _ = this.acquire(&ks, &mut io, &entry, 0).await;
+                        let mut driver = driver;
+                        let _ = this.acquire(&ks, &mut driver, &entry, 0).await;
                     });
                 }
             }

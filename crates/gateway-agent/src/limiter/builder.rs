@@ -5,6 +5,7 @@ use super::*;
 
 /// Why a limiter could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BuildError {
     /// No rules were given.
     #[error("no rules: call .rules(..) or .rules_file(..)")]
@@ -109,7 +110,7 @@ impl Default for LimiterConfig {
 }
 
 #[derive(Debug)]
-pub(super) enum Target {
+pub(super) enum StoreChoice {
     Redis(String),
     Cluster(Vec<String>),
     Embedded,
@@ -119,12 +120,13 @@ pub(super) enum Target {
 /// Builds a [`Limiter`].
 #[derive(Debug, Default)]
 pub struct LimiterBuilder {
-    target: Option<Target>,
+    target: Option<StoreChoice>,
     rules: Option<Rules>,
     rules_file: Option<PathBuf>,
     watch: Option<Duration>,
     config: LimiterConfig,
-    prometheus: Option<std::net::SocketAddr>,
+    #[cfg(feature = "prometheus")]
+    prometheus: Option<std::net::TcpListener>,
     agent: Option<u64>,
 }
 
@@ -134,22 +136,24 @@ impl LimiterBuilder {
     /// (`redis+sentinel://host:port/service`); see [`RedisStore::open`]. TLS files go in
     /// `LimiterConfig::store`.
     pub fn redis(mut self, url: impl Into<String>) -> Self {
-        self.target = Some(Target::Redis(url.into()));
+        self.target = Some(StoreChoice::Redis(url.into()));
         self
     }
     /// Buckets in a Redis Cluster, reached through any of `nodes`.
     pub fn cluster<S: Into<String>>(mut self, nodes: impl IntoIterator<Item = S>) -> Self {
-        self.target = Some(Target::Cluster(nodes.into_iter().map(Into::into).collect()));
+        self.target = Some(StoreChoice::Cluster(
+            nodes.into_iter().map(Into::into).collect(),
+        ));
         self
     }
     /// Buckets in this process (single-process gateways, demos, tests).
     pub fn embedded(mut self) -> Self {
-        self.target = Some(Target::Embedded);
+        self.target = Some(StoreChoice::Embedded);
         self
     }
     /// An already connected store (several limiters sharing one store).
     pub fn store(mut self, store: Store) -> Self {
-        self.target = Some(Target::Store(store));
+        self.target = Some(StoreChoice::Store(store));
         self
     }
     /// Rules built in code.
@@ -172,9 +176,13 @@ impl LimiterBuilder {
         self.config = config;
         self
     }
-    /// Serve Prometheus metrics on `addr` (keep it on loopback unless fronted).
-    pub fn prometheus(mut self, addr: std::net::SocketAddr) -> Self {
-        self.prometheus = Some(addr);
+    /// Installs a Prometheus recorder as the process's global recorder and serves it on
+    /// `listener` (keep it on loopback unless fronted); see
+    /// [`crate::telemetry::serve_prometheus`]. Without this the agent records into
+    /// whatever recorder the application installed, and installs none.
+    #[cfg(feature = "prometheus")]
+    pub fn prometheus(mut self, listener: std::net::TcpListener) -> Self {
+        self.prometheus = Some(listener);
         self
     }
     /// A fixed agent id instead of a random one (ids must be unique per live process).
@@ -192,14 +200,14 @@ impl LimiterBuilder {
             (None, None) => return Err(BuildError::NoRules),
         };
         let store = match self.target.ok_or(BuildError::NoStore)? {
-            Target::Redis(url) => {
+            StoreChoice::Redis(url) => {
                 Store::Redis(RedisStore::open(&url, self.config.store.clone()).await?)
             }
-            Target::Cluster(nodes) => {
+            StoreChoice::Cluster(nodes) => {
                 Store::Redis(RedisStore::connect_cluster(&nodes, self.config.store.clone()).await?)
             }
-            Target::Embedded => Store::Embedded(EmbeddedStore::new()),
-            Target::Store(store) => store,
+            StoreChoice::Embedded => Store::Embedded(EmbeddedStore::new()),
+            StoreChoice::Store(store) => store,
         };
         let breakers = Breakers::new(self.config.breaker);
         let evicting = AtomicBool::new(false);
@@ -217,12 +225,11 @@ impl LimiterBuilder {
             }
             breakers.set_topology(&r.shards().await?);
         }
-        if let Some(addr) = self.prometheus {
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .with_http_listener(addr)
-                .install()
-                .map_err(|e| BuildError::Prometheus(e.to_string()))?;
+        #[cfg(feature = "prometheus")]
+        if let Some(listener) = self.prometheus {
+            crate::telemetry::serve_prometheus(listener).map_err(BuildError::Prometheus)?;
         }
+        crate::telemetry::describe();
         let (tx, rx) = mpsc::channel(4096);
         let clock = quanta::Clock::new();
         let inner = Arc::new(Inner {
@@ -242,6 +249,8 @@ impl LimiterBuilder {
             error_kinds: ErrorCounts::default(),
             evicting,
             keys_over_cap: AtomicU64::new(0),
+            shut: AtomicBool::new(false),
+            stop: Arc::new(tokio::sync::Notify::new()),
             keys_evicted: AtomicU64::new(0),
             prefetch: tx,
             policy: self.config.policy(),

@@ -6,7 +6,7 @@
 //! falls under its low-water mark, the key is handed to the background driver, which
 //! leases more (sized from the key's measured demand) before the lease runs out.
 //!
-//! **Slow path.** A key with no usable lease takes its per-key I/O lock (so a key has at
+//! **Slow path.** A key with no usable lease takes its per-key driver lock (so a key has at
 //! most one store call in flight, and sequence numbers reach the store in order), looks
 //! again (a refill may have landed meanwhile), then either leases (hot keys) or makes one
 //! exact call (cold keys), within the rule's timeout. An empty bucket is remembered until
@@ -49,7 +49,7 @@ mod route;
 
 use background::background;
 pub use builder::{BuildError, LimiterBuilder, LimiterConfig};
-use route::{Dest, ROUTE_REFRESH_US, Route, target, term_ending};
+use route::{Dest, ROUTE_REFRESH_US, Route, dest, term_ending};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
@@ -102,6 +102,7 @@ pub enum Admission {
 
 /// A check that can never succeed as asked. Being rate limited is not one of these.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CheckError {
     /// No rule has this name.
     #[error(transparent)]
@@ -216,10 +217,10 @@ impl papaya::Equivalent<KeyId> for KeyRef<'_> {
     }
 }
 
-/// Store-side state of a key, touched only under its I/O lock: the policy (lease-core)
-/// and where calls go while the bucket is split.
+/// What drives a key's store calls, touched only under its lock (one call at a time per
+/// key): the policy (lease-core) and where calls go while the bucket is split.
 #[derive(Debug, Default)]
-struct Io {
+struct Driver {
     policy: KeyPolicy,
     route: Option<Route>,
 }
@@ -258,7 +259,7 @@ struct KeyState {
     /// Tokens admitted without the store (emergency, fail-open) not yet reported.
     without_store: AtomicU64,
     last_io_ns: AtomicU64,
-    io: Arc<AsyncMutex<Io>>,
+    driver: Arc<AsyncMutex<Driver>>,
     queue: AsyncMutex<()>,
     waiters: AtomicUsize,
     in_emergency: AtomicBool,
@@ -285,7 +286,7 @@ impl KeyState {
             share_milli: AtomicU64::new(0),
             without_store: AtomicU64::new(0),
             last_io_ns: AtomicU64::new(now),
-            io: Arc::new(AsyncMutex::new(Io::default())),
+            driver: Arc::new(AsyncMutex::new(Driver::default())),
             queue: AsyncMutex::new(()),
             waiters: AtomicUsize::new(0),
             in_emergency: AtomicBool::new(false),
@@ -312,6 +313,10 @@ struct Inner {
     /// Decisions made without keeping the key's state (the map was full), and keys the
     /// sweep dropped to make room.
     keys_over_cap: AtomicU64,
+    /// Set by [`Limiter::shutdown`]: no more leasing, and the background loop ends.
+    shut: AtomicBool,
+    /// Wakes the background loop to end.
+    stop: Arc<tokio::sync::Notify>,
     keys_evicted: AtomicU64,
     prefetch: mpsc::Sender<Arc<KeyState>>,
     config: LimiterConfig,
@@ -343,9 +348,11 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
-enum Fast {
-    Done(Decision),
-    Slow(Arc<KeyState>, Arc<RuleEntry>),
+/// What deciding without the store gave: a decision, or the key and rule whose decision
+/// needs the store.
+enum Local {
+    Decided(Decision),
+    NeedsStore(Arc<KeyState>, Arc<RuleEntry>),
 }
 
 fn denied(wait_ns: u64) -> Decision {
@@ -396,9 +403,9 @@ impl Limiter {
         cost: u64,
     ) -> Result<Decision, CheckError> {
         let started = self.sample_start();
-        let d = match self.fast(subject.as_ref(), rule, cost)? {
-            Fast::Done(d) => d,
-            Fast::Slow(ks, entry) => self.slow(ks, entry, cost).await,
+        let d = match self.decide_locally(subject.as_ref(), rule, cost)? {
+            Local::Decided(d) => d,
+            Local::NeedsStore(ks, entry) => self.decide_with_store(ks, entry, cost).await,
         };
         self.sample_end(started);
         Ok(d)
@@ -432,9 +439,9 @@ impl Limiter {
         cost: u64,
     ) -> Result<Option<Decision>, CheckError> {
         let started = self.sample_start();
-        let d = match self.fast(subject.as_ref(), rule, cost)? {
-            Fast::Done(d) => Some(d),
-            Fast::Slow(..) => None,
+        let d = match self.decide_locally(subject.as_ref(), rule, cost)? {
+            Local::Decided(d) => Some(d),
+            Local::NeedsStore(..) => None,
         };
         self.sample_end(started);
         Ok(d)
@@ -463,7 +470,7 @@ impl Limiter {
                     // Tokens spent from local leases go back to them when the store's
                     // view still covers them. Exact and degraded admissions stay spent.
                     for (ks, cost, epoch) in taken {
-                        let _io = ks.io.lock().await;
+                        let _driver = ks.driver.lock().await;
                         ks.lease.refund(cost, epoch);
                     }
                     return other;
@@ -532,7 +539,7 @@ impl Limiter {
     }
 
     #[inline]
-    fn fast(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Fast, CheckError> {
+    fn decide_locally(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
         let keys = &self.inner.keys;
         let guard = keys.guard();
         let key = KeyRef { rule, subject };
@@ -543,9 +550,9 @@ impl Limiter {
             && ks.hot.load(Ordering::Relaxed)
             && let Some(d) = self.spend_leased(ks, cost, self.now_ns())
         {
-            return Ok(Fast::Done(d));
+            return Ok(Local::Decided(d));
         }
-        self.full(subject, rule, cost, &guard)
+        self.look_up(subject, rule, cost, &guard)
     }
 
     /// Takes `cost` from the key's lease; below the low-water mark, asks the background
@@ -566,13 +573,13 @@ impl Limiter {
     }
 
     /// Everything the hot path does not cover: validation, new keys, the negative cache.
-    fn full(
+    fn look_up(
         &self,
         subject: &[u8],
         rule: &str,
         cost: u64,
         guard: &impl papaya::Guard,
-    ) -> Result<Fast, CheckError> {
+    ) -> Result<Local, CheckError> {
         let rules = self.inner.rules.load();
         let entry = rules.get(rule)?;
         let capacity = entry.params.capacity;
@@ -597,9 +604,9 @@ impl Limiter {
             if now < until {
                 entry.counters.incr(Counter::Denied);
                 ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return Ok(Fast::Done(denied(until - now)));
+                return Ok(Local::Decided(denied(until - now)));
             }
-            return Ok(Fast::Slow(ks.clone(), entry.clone()));
+            return Ok(Local::NeedsStore(ks.clone(), entry.clone()));
         }
         let bucket = BucketKey::new(entry.rule.name(), subject)?;
         if keys.len() >= self.inner.config.max_keys {
@@ -608,14 +615,14 @@ impl Limiter {
             // first. Memory stays bounded whatever the callers send.
             self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
             let ks = Arc::new(KeyState::new(rule, entry, bucket, now, true));
-            return Ok(Fast::Slow(ks, entry.clone()));
+            return Ok(Local::NeedsStore(ks, entry.clone()));
         }
         let ks = keys.get_or_insert_with(
             KeyId::new(rule, subject),
             || Arc::new(KeyState::new(rule, entry, bucket, now, false)),
             guard,
         );
-        Ok(Fast::Slow(ks.clone(), entry.clone()))
+        Ok(Local::NeedsStore(ks.clone(), entry.clone()))
     }
 
     fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
@@ -629,8 +636,8 @@ impl Limiter {
         }
     }
 
-    fn is_hot(ks: &KeyState, entry: &RuleEntry) -> bool {
-        if ks.transient {
+    fn is_hot(&self, ks: &KeyState, entry: &RuleEntry) -> bool {
+        if ks.transient || self.inner.shut.load(Ordering::Relaxed) {
             return false;
         }
         match entry.rule.leasing() {
@@ -640,16 +647,21 @@ impl Limiter {
         }
     }
 
-    async fn slow(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, cost: u64) -> Decision {
+    async fn decide_with_store(
+        &self,
+        ks: Arc<KeyState>,
+        entry: Arc<RuleEntry>,
+        cost: u64,
+    ) -> Decision {
         let deadline = Instant::now() + entry.rule.timeout();
         if self.inner.breakers.for_slot(ks.slot).is_open(self.now_ns()) {
             return self.degraded(&ks, &entry, cost);
         }
-        let Ok(mut io) = timeout_at(deadline, ks.io.lock()).await else {
+        let Ok(mut driver) = timeout_at(deadline, ks.driver.lock()).await else {
             entry.counters.incr(Counter::StoreErrors);
             return self.degraded(&ks, &entry, cost);
         };
-        let hot = Self::is_hot(&ks, &entry);
+        let hot = self.is_hot(&ks, &entry);
         // Look again: a refill or a denial may have landed while we waited for the lock.
         let now = self.now_ns();
         if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
@@ -663,11 +675,15 @@ impl Limiter {
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
         let outcome = if hot {
-            timeout_at(deadline, self.lease_and_spend(&ks, &mut io, &entry, cost)).await
+            timeout_at(
+                deadline,
+                self.lease_and_spend(&ks, &mut driver, &entry, cost),
+            )
+            .await
         } else {
-            timeout_at(deadline, self.exact(&ks, &mut io, &entry, cost)).await
+            timeout_at(deadline, self.exact(&ks, &mut driver, &entry, cost)).await
         };
-        drop(io);
+        drop(driver);
         match outcome {
             Ok(Ok(d)) => {
                 if ks.in_emergency.swap(false, Ordering::AcqRel) {
@@ -682,7 +698,7 @@ impl Limiter {
                 self.degraded(&ks, &entry, cost)
             }
             Ok(Err(CallError::Store(e))) => {
-                tracing::debug!(error = %e, key = %ks.bucket, "store failed; the failure policy decides");
+                tracing::debug!(error = %e, key = %ks.bucket.for_logs(), "store failed; the failure policy decides");
                 self.degraded(&ks, &entry, cost)
             }
             Err(_) => {
@@ -706,20 +722,20 @@ impl Limiter {
     async fn lease_and_spend(
         &self,
         ks: &Arc<KeyState>,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         cost: u64,
     ) -> Result<Decision, CallError> {
         // Two rounds at most: other callers may spend the grant before we do.
         for _ in 0..2 {
-            let reply = self.acquire(ks, io, entry, cost).await?;
+            let reply = self.acquire(ks, driver, entry, cost).await?;
             if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
                 return Ok(d);
             }
-            if term_ending(io, &reply) {
+            if term_ending(driver, &reply) {
                 // No lease can outlive the term; each decision is one exact call until
                 // it ends (at most the rule's grace).
-                return self.exact(ks, io, entry, cost).await;
+                return self.exact(ks, driver, entry, cost).await;
             }
             if reply.granted == 0 {
                 break;
@@ -739,15 +755,15 @@ impl Limiter {
     async fn exact(
         &self,
         ks: &KeyState,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         cost: u64,
     ) -> Result<Decision, CallError> {
-        let reply = self.call(ks, io, entry, Op::Exact { cost }).await?;
+        let reply = self.call(ks, driver, entry, Op::Exact { cost }).await?;
         let now = self.now_ns();
         let admitted = reply.granted == cost;
         // Promotion: a cold key used faster than the threshold starts leasing.
-        if io.policy.exact_done(
+        if driver.policy.exact_done(
             &entry.rule,
             &self.inner.policy,
             now,
@@ -756,7 +772,7 @@ impl Limiter {
             reply.scale_ppm != 0,
         ) {
             ks.share_milli
-                .store(io.policy.share_milli(), Ordering::Relaxed);
+                .store(driver.policy.share_milli(), Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);
         }
         if admitted {
@@ -777,15 +793,16 @@ impl Limiter {
     /// Leases for `ks`: declares what is held, asks for about `horizon` of demand (at
     /// least `needed`), and installs the grant with a deadline measured from the moment
     /// the request was sent.
+    #[tracing::instrument(level = "debug", name = "refill", skip_all, fields(key = %ks.bucket.for_logs(), needed))]
     async fn acquire(
         &self,
         ks: &KeyState,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         needed: u64,
     ) -> Result<Reply, CallError> {
         let sent = self.now_ns();
-        let args = io.policy.acquire(
+        let args = driver.policy.acquire(
             &entry.rule,
             &self.inner.policy,
             sent,
@@ -799,10 +816,10 @@ impl Limiter {
             min: args.min,
             demand: args.demand,
         };
-        let reply = self.call(ks, io, entry, op).await?;
+        let reply = self.call(ks, driver, entry, op).await?;
         // A part in the last moments of its split's term leases nothing (ttl 0).
-        let ending = term_ending(io, &reply);
-        let g = io.policy.granted(
+        let ending = term_ending(driver, &reply);
+        let g = driver.policy.granted(
             &self.inner.policy,
             &ks.lease,
             sent,
@@ -813,7 +830,7 @@ impl Limiter {
         );
         ks.low_water.store(g.low_water, Ordering::Relaxed);
         ks.share_milli
-            .store(io.policy.share_milli(), Ordering::Relaxed);
+            .store(driver.policy.share_milli(), Ordering::Relaxed);
         if let Some(until) = g.deny_until_ns {
             ks.deny_until_ns.store(until, Ordering::Release);
         }
@@ -836,14 +853,14 @@ impl Limiter {
     async fn release(
         &self,
         ks: &KeyState,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         withdraw: bool,
     ) -> Result<(), CallError> {
         let now = self.now_ns();
         let expired = now >= ks.lease.deadline_ns();
         let taken = ks.lease.take_all();
-        let withdraw = io.policy.released(taken, withdraw);
+        let withdraw = driver.policy.released(taken, withdraw);
         // An expired lease is forfeited: it can no longer be spent, so saying so early
         // only frees room.
         let returned = if expired { 0 } else { taken };
@@ -851,7 +868,7 @@ impl Limiter {
             return Ok(());
         }
         let reply = self
-            .send(target(ks, io, entry), entry, &Op::Release { returned })
+            .send(dest(ks, driver, entry), entry, &Op::Release { returned })
             .await?;
         entry.counters.incr(Counter::LeaseReturns);
         entry
@@ -867,22 +884,22 @@ impl Limiter {
     async fn call(
         &self,
         ks: &KeyState,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         mut op: Op,
     ) -> Result<Reply, CallError> {
         let now = self.now_ns();
-        if io.route.as_ref().is_some_and(|r| {
+        if driver.route.as_ref().is_some_and(|r| {
             let server_now = r.seen_server_us + now.saturating_sub(r.seen_ns) / 1000;
             r.split.until_us.saturating_sub(server_now) < ROUTE_REFRESH_US
                 && now.saturating_sub(r.seen_ns) > 1_000_000_000
         }) {
-            self.switch(ks, io, entry, None, &mut op).await?;
+            self.switch(ks, driver, entry, None, &mut op).await?;
         }
         let mut hops = 0;
         loop {
-            io.policy.called();
-            let reply = self.send(target(ks, io, entry), entry, &op).await?;
+            driver.policy.called();
+            let reply = self.send(dest(ks, driver, entry), entry, &op).await?;
             if reply.moved == 0 {
                 // Refused by its part while holding nothing from it: the next attempt
                 // goes to the next part, so parts no agent starts on are drained too.
@@ -890,12 +907,12 @@ impl Limiter {
                 let refused = reply.granted == 0 && !ending;
                 let empty = ks.lease.held() == 0
                     && matches!(op, Op::Exact { .. } | Op::Acquire { held: 0, .. });
-                if let Some(r) = &io.route
+                if let Some(r) = &driver.route
                     && refused
                     && empty
                     && let Some(next) = r.next(&ks.bucket, &entry.params)
                 {
-                    io.route = Some(next);
+                    driver.route = Some(next);
                 }
                 return Ok(reply);
             }
@@ -903,7 +920,7 @@ impl Limiter {
                 return Ok(reply);
             }
             hops += 1;
-            let next = if io.route.is_some() {
+            let next = if driver.route.is_some() {
                 None
             } else {
                 let split = reply.split;
@@ -917,12 +934,12 @@ impl Limiter {
                     reply.now_us,
                 );
                 if route.is_none() {
-                    tracing::warn!(key = %ks.bucket, parts = split.parts, "split cannot be represented exactly; waiting for its end");
+                    tracing::warn!(key = %ks.bucket.for_logs(), parts = split.parts, "split cannot be represented exactly; waiting for its end");
                     return Ok(reply);
                 }
                 route
             };
-            self.switch(ks, io, entry, next, &mut op).await?;
+            self.switch(ks, driver, entry, next, &mut op).await?;
         }
     }
 
@@ -931,14 +948,14 @@ impl Limiter {
     async fn switch(
         &self,
         ks: &KeyState,
-        io: &mut Io,
+        driver: &mut Driver,
         entry: &RuleEntry,
         next: Option<Route>,
         op: &mut Op,
     ) -> Result<(), CallError> {
-        self.release(ks, io, entry, false).await?;
-        io.route = next;
-        io.policy.moved();
+        self.release(ks, driver, entry, false).await?;
+        driver.route = next;
+        driver.policy.moved();
         if let Op::Acquire { held, .. } = op {
             *held = 0;
         }
@@ -959,6 +976,16 @@ impl Limiter {
             op,
         };
         let first = Instant::now();
+        let _timed = CallTimer {
+            shard: self.inner.breakers.shard_name(to.slot),
+            op: match op {
+                Op::Acquire { .. } => "acquire",
+                Op::Release { .. } => "release",
+                Op::Exact { .. } => "exact",
+                Op::Split { .. } => "split",
+            },
+            started: first,
+        };
         let replay_window = Duration::from_micros(entry.params.grace_us) / 2;
         let mut attempt = 0;
         loop {
@@ -988,9 +1015,9 @@ impl Limiter {
                         _ => permit.failed(self.now_ns()),
                     }
                     if e.kind() == ErrorKind::NotReplicated {
-                        tracing::debug!(error = %e, key = %to.key, "grant not replicated in time");
+                        tracing::debug!(error = %e, key = %to.key.for_logs(), "grant not replicated in time");
                     } else if !e.is_retryable() {
-                        tracing::error!(error = %e, key = %to.key, "store refused a request");
+                        tracing::error!(error = %e, key = %to.key.for_logs(), "store refused a request");
                     }
                     return Err(CallError::Store(e));
                 }
@@ -1064,6 +1091,7 @@ impl Limiter {
 
     /// Reads the rules file again. A file that fails validation is refused and the rules
     /// in force stay; keys of removed rules answer `UnknownRule` from then on.
+    #[tracing::instrument(level = "info", name = "rules_reload", skip_all)]
     pub fn reload_rules(&self) -> Result<usize, RulesError> {
         let Some(path) = &self.inner.rules_file else {
             return Ok(self.inner.rules.load().by_name.len());
@@ -1106,8 +1134,12 @@ impl Limiter {
         )
     }
 
-    /// Returns every unspent leased token to the store (graceful shutdown).
+    /// Graceful shutdown: stops the background loop (no refills, sweeps or reports
+    /// after it), makes every later decision on this limiter an exact call (nothing is
+    /// leased again), and returns every unspent leased token to the store.
     pub async fn shutdown(&self) {
+        self.inner.shut.store(true, Ordering::Release);
+        self.inner.stop.notify_one();
         let keys: Vec<Arc<KeyState>> = {
             let guard = self.inner.keys.guard();
             self.inner
@@ -1119,8 +1151,8 @@ impl Limiter {
         let rules = self.inner.rules.load_full();
         for ks in keys {
             if let Ok(entry) = rules.get(&ks.rule) {
-                let mut io = ks.io.lock().await;
-                let _ = self.release(&ks, &mut io, entry, true).await;
+                let mut driver = ks.driver.lock().await;
+                let _ = self.release(&ks, &mut driver, entry, true).await;
             }
         }
     }
@@ -1136,4 +1168,23 @@ impl Limiter {
 enum CallError {
     Refused(Refusal),
     Store(StoreError),
+}
+
+/// Records a store call's time (retries included) in `leasehold_store_call_seconds` when
+/// dropped, so a call cancelled by its deadline is counted too.
+struct CallTimer {
+    shard: String,
+    op: &'static str,
+    started: Instant,
+}
+
+impl Drop for CallTimer {
+    fn drop(&mut self) {
+        metrics::histogram!(
+            "leasehold_store_call_seconds",
+            "shard" => std::mem::take(&mut self.shard),
+            "op" => self.op
+        )
+        .record(self.started.elapsed().as_secs_f64());
+    }
 }

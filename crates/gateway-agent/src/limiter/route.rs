@@ -59,8 +59,8 @@ impl Route {
 pub(super) const ROUTE_REFRESH_US: u64 = 10_000_000;
 
 /// True when `reply` comes from a part whose split's term ends too soon for a lease.
-pub(super) fn term_ending(io: &Io, reply: &Reply) -> bool {
-    io.route.is_some() && reply.moved == 0 && reply.ttl_us == 0 && reply.granted == 0
+pub(super) fn term_ending(driver: &Driver, reply: &Reply) -> bool {
+    driver.route.is_some() && reply.moved == 0 && reply.ttl_us == 0 && reply.granted == 0
 }
 
 /// Where a store call goes: a bucket key, the parameters to send it, and its slot (for
@@ -73,8 +73,8 @@ pub(super) struct Dest<'a> {
 }
 
 /// The bucket calls for `ks` go to now: its own key, or its part of a split.
-pub(super) fn target<'a>(ks: &'a KeyState, io: &'a Io, entry: &'a RuleEntry) -> Dest<'a> {
-    match &io.route {
+pub(super) fn dest<'a>(ks: &'a KeyState, driver: &'a Driver, entry: &'a RuleEntry) -> Dest<'a> {
+    match &driver.route {
         Some(r) => Dest {
             key: &r.key,
             params: &r.params,

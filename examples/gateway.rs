@@ -69,12 +69,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     builder = match args.store.address()? {
         None => builder.embedded(),
         Some(a) if a == "embedded" => builder.embedded(),
-        Some(address) => builder
-            .redis(address)
-            .config(leasehold::agent::LimiterConfig {
-                store: args.store.config(),
-                ..leasehold::agent::LimiterConfig::default()
-            }),
+        Some(address) => builder.redis(address).config({
+            let mut c = leasehold::agent::LimiterConfig::default();
+            c.store = args.store.config();
+            c
+        }),
     };
     if let Some(addr) = args.metrics {
         let listener =

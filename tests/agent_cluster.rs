@@ -33,7 +33,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
         let l = Limiter::builder()
             .cluster(c.urls())
             .rules(support::rules(rules))
-            .config(LimiterConfig { store: support::config(), ..LimiterConfig::default() })
+            .config({ let mut c = LimiterConfig::default(); c.store = support::config(); c })
             .build()
             .await
             .unwrap();

@@ -14,12 +14,13 @@ async fn limiter(text: &str) -> Limiter {
     Limiter::builder()
         .embedded()
         .rules(rules(text))
-        .config(LimiterConfig {
-            hot_above_per_sec: 5,
-            idle_after: Duration::from_millis(300),
-            forget_after: Duration::from_millis(600),
-            sweep_every: Duration::from_millis(20),
-            ..LimiterConfig::default()
+        .config({
+            let mut c = LimiterConfig::default();
+            c.hot_above_per_sec = 5;
+            c.idle_after = Duration::from_millis(300);
+            c.forget_after = Duration::from_millis(600);
+            c.sweep_every = Duration::from_millis(20);
+            c
         })
         .build()
         .await

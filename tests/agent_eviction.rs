@@ -14,10 +14,11 @@ async fn build(url: &str, allow: bool) -> Result<Limiter, BuildError> {
     Limiter::builder()
         .redis(url)
         .rules(support::rules(RULES))
-        .config(LimiterConfig {
-            store: support::config(),
-            allow_evicting_store: allow,
-            ..LimiterConfig::default()
+        .config({
+            let mut c = LimiterConfig::default();
+            c.store = support::config();
+            c.allow_evicting_store = allow;
+            c
         })
         .build()
         .await

@@ -39,10 +39,11 @@ fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
         let limiter = Limiter::builder()
             .redis(server.url())
             .rules(support::rules(RULES))
-            .config(LimiterConfig {
-                store: support::config(),
-                max_keys,
-                ..LimiterConfig::default()
+            .config({
+                let mut c = LimiterConfig::default();
+                c.store = support::config();
+                c.max_keys = max_keys;
+                c
             })
             .build()
             .await

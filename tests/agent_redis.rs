@@ -20,9 +20,10 @@ async fn limiter(url: &str, rules: &str) -> Limiter {
     Limiter::builder()
         .redis(url)
         .rules(support::rules(rules))
-        .config(LimiterConfig {
-            store: support::config(),
-            ..LimiterConfig::default()
+        .config({
+            let mut c = LimiterConfig::default();
+            c.store = support::config();
+            c
         })
         .build()
         .await

@@ -14,9 +14,10 @@ const RULES: &str = "[rules.api]\ncapacity = 10\nrate = \"10/s\"\n";
 
 async fn instance(url: &str) -> Coordinator {
     let store = RedisStore::connect(url, support::config()).await.unwrap();
-    let config = CoordinatorConfig {
-        lock_ttl: Duration::from_secs(30),
-        ..CoordinatorConfig::default()
+    let config = {
+        let mut c = CoordinatorConfig::default();
+        c.lock_ttl = Duration::from_secs(30);
+        c
     };
     Coordinator::new(store, support::rules(RULES), config)
 }

@@ -62,13 +62,14 @@ fn spread(r: &BTreeMap<u16, f64>) -> String {
 }
 
 fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
-    let config = CoordinatorConfig {
-        split: SplitPolicy {
+    let config = {
+        let mut c = CoordinatorConfig::default();
+        c.split = SplitPolicy {
             split_above,
             merge_below: split_above / 4.0,
             term: Duration::from_secs(TERM_SECS),
-        },
-        ..CoordinatorConfig::default()
+        };
+        c
     };
     let rules = support::rules(RULES);
     Arc::new(Coordinator::new(store.clone(), rules, config)).spawn()

@@ -26,13 +26,16 @@ fn exact(seq: u64, cost: u64) -> Request {
 }
 
 fn tls_config(ca: Option<&std::path::Path>, client: Option<&TestCerts>) -> StoreConfig {
-    StoreConfig {
-        tls: TlsFiles {
-            ca_file: ca.map(Into::into),
-            client_cert: client.map(|c| c.client_cert.clone()),
-            client_key: client.map(|c| c.client_key.clone()),
-        },
-        ..support::config()
+    {
+        let mut c = support::config();
+        c.tls = {
+            let mut c = TlsFiles::default();
+            c.ca_file = ca.map(Into::into);
+            c.client_cert = client.map(|c| c.client_cert.clone());
+            c.client_key = client.map(|c| c.client_key.clone());
+            c
+        };
+        c
     }
 }
 
@@ -125,9 +128,10 @@ fn a_server_that_requires_client_certificates_gets_one() {
             .rules(support::rules(
                 "[rules.t]\ncapacity = 3\nrate = \"1/h\"\nleasing = \"exact\"\n",
             ))
-            .config(leasehold_agent::LimiterConfig {
-                store: tls_config(Some(&certs.ca_cert), Some(&certs)),
-                ..leasehold_agent::LimiterConfig::default()
+            .config({
+                let mut c = leasehold_agent::LimiterConfig::default();
+                c.store = tls_config(Some(&certs.ca_cert), Some(&certs));
+                c
             })
             .build()
             .await

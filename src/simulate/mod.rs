@@ -693,13 +693,14 @@ impl CoordinatorRun {
         if self.running.is_some() {
             return;
         }
-        let config = leasehold::coordinator::CoordinatorConfig {
-            split: leasehold::coordinator::plan::SplitPolicy {
+        let config = {
+            let mut c = leasehold::coordinator::CoordinatorConfig::default();
+            c.split = leasehold::coordinator::plan::SplitPolicy {
                 split_above: self.split_above,
                 merge_below: self.split_above / 4.0,
                 term: Duration::from_secs(30),
-            },
-            ..Default::default()
+            };
+            c
         };
         let c = Arc::new(leasehold::coordinator::Coordinator::new(
             self.store.clone(),

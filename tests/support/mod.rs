@@ -54,10 +54,11 @@ pub async fn store(url: &str) -> RedisStore {
 
 /// Timeouts for tests: short enough to see faults, long enough for a loaded CI machine.
 pub fn config() -> StoreConfig {
-    StoreConfig {
-        connect_timeout: Duration::from_secs(2),
-        call_timeout: Duration::from_millis(800),
-        ..StoreConfig::default()
+    {
+        let mut c = StoreConfig::default();
+        c.connect_timeout = Duration::from_secs(2);
+        c.call_timeout = Duration::from_millis(800);
+        c
     }
 }
 
@@ -89,9 +90,10 @@ pub async fn limiter_with(
 ) -> leasehold_agent::Limiter {
     builder
         .rules(rules(toml))
-        .config(leasehold_agent::LimiterConfig {
-            store: config(),
-            ..leasehold_agent::LimiterConfig::default()
+        .config({
+            let mut c = leasehold_agent::LimiterConfig::default();
+            c.store = config();
+            c
         })
         .build()
         .await

@@ -41,6 +41,7 @@ const DELETE_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
 
 /// Tuning of the coordinator.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct CoordinatorConfig {
     /// How often it runs.
     pub tick: Duration,

@@ -28,6 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct BreakerConfig {
     /// Consecutive failures that open a breaker.
     pub failures_to_open: u32,

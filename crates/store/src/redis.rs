@@ -199,6 +199,7 @@ fn manager_settings(config: &StoreConfig) -> ConnectionManagerConfig {
 
 /// Connection settings.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct StoreConfig {
     /// Bound on establishing a connection.
     pub connect_timeout: Duration,
@@ -221,6 +222,7 @@ impl Default for StoreConfig {
 
 /// PEM files for TLS connections (`rediss://`, `rediss+sentinel://`).
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct TlsFiles {
     /// The CA that signed the server's certificate, when it is not in the system's trust
     /// store (a private CA, as managed services and self-run clusters use).

@@ -40,6 +40,7 @@ pub enum BuildError {
 /// Tuning of the agent. The defaults suit a gateway doing thousands of decisions per
 /// second per hot key.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct LimiterConfig {
     /// A cold key (auto leasing) becomes leased above this many tokens per second here.
     pub hot_above_per_sec: u64,

@@ -209,7 +209,10 @@ impl Coordinator {
     /// The split in force on `key`, read from its bucket.
     async fn split_of(&self, key: &BucketKey, now_us: u64) -> Result<Option<Split>, StoreError> {
         let mut hmget = redis::cmd("HMGET");
-        hmget.arg(key.as_str()).arg("sp").arg("sg");
+        hmget
+            .arg(key.as_str())
+            .arg(leasehold_core::schema::SPLIT)
+            .arg(leasehold_core::schema::SPLIT_GEN);
         let f: Vec<Option<String>> = self.store.query(&hmget).await?;
         let split = crate::view::parse_split(f[0].as_deref(), num(&f[1]));
         Ok((split.parts != 0 && split.until_us > now_us).then_some(split))

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use leasehold_core::key::BucketKey;
 use leasehold_core::rule::Rule;
+use leasehold_core::schema;
 use serde::Serialize;
 
 /// One agent's record in a bucket.
@@ -164,15 +165,15 @@ pub fn key_view(
         tokens: if fields.is_empty() {
             rule.capacity().get()
         } else {
-            num(fields, "tok")
+            num(fields, schema::TOKENS)
         },
-        outstanding: num(fields, "out"),
-        updated_us: num(fields, "ts"),
+        outstanding: num(fields, schema::OUTSTANDING),
+        updated_us: num(fields, schema::UPDATED),
         expires_in_ms: (pttl_ms >= 0).then_some(pttl_ms),
         agents,
         split: Some(parse_split(
-            fields.get("sp").map(String::as_str),
-            num(fields, "sg"),
+            fields.get(schema::SPLIT).map(String::as_str),
+            num(fields, schema::SPLIT_GEN),
         ))
         .filter(|s| s.parts != 0 && s.until_us > now_us)
         .map(|s| SplitView::new(key, s.parts, s.salt, s.until_us, now_us)),

@@ -25,6 +25,7 @@ pub mod model;
 pub mod policy;
 pub mod rate;
 pub mod rule;
+pub mod schema;
 pub mod sizing;
 mod sync;
 

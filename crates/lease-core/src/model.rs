@@ -939,22 +939,23 @@ impl GlobalBucket {
         let Some(s) = &self.state else {
             return f;
         };
+        use crate::schema as h;
         for (k, v) in [
-            ("tok", s.level.tokens),
-            ("car", s.level.carry),
-            ("p", s.period_us),
-            ("ts", s.updated_us),
-            ("out", s.outstanding),
-            ("nexp", s.next_drop_us),
-            ("mx", s.last_drop_us),
-            ("ds", s.demand_sum),
-            ("dx", s.next_stale_us),
+            (h::TOKENS, s.level.tokens),
+            (h::CARRY, s.level.carry),
+            (h::PERIOD, s.period_us),
+            (h::UPDATED, s.updated_us),
+            (h::OUTSTANDING, s.outstanding),
+            (h::NEXT_DROP, s.next_drop_us),
+            (h::LAST_DROP, s.last_drop_us),
+            (h::DEMAND_SUM, s.demand_sum),
+            (h::NEXT_STALE, s.next_stale_us),
         ] {
             f.insert(k.to_owned(), v.to_string());
         }
         let sp = &s.split;
         if s.last_split_us != 0 {
-            f.insert("sg".to_owned(), s.last_split_us.to_string());
+            f.insert(h::SPLIT_GEN.to_owned(), s.last_split_us.to_string());
         }
         if sp.parts != 0 {
             let v = [
@@ -966,21 +967,24 @@ impl GlobalBucket {
                 sp.drop_us,
             ];
             let v: Vec<String> = v.iter().map(u64::to_string).collect();
-            f.insert("sp".to_owned(), v.join(","));
+            f.insert(h::SPLIT.to_owned(), v.join(","));
         }
         if s.part_gen_us != 0 {
             f.insert(
-                "pt".to_owned(),
+                h::PART.to_owned(),
                 format!("{},{}", s.part_gen_us, s.part_until_us),
             );
         }
         for (id, r) in &s.agents {
-            f.insert(format!("{id}:h"), r.held.to_string());
-            f.insert(format!("{id}:x"), r.drop_us.to_string());
-            f.insert(format!("{id}:s"), r.seq.to_string());
-            f.insert(format!("{id}:r"), r.reply.encode());
-            f.insert(format!("{id}:d"), r.demand.to_string());
-            f.insert(format!("{id}:c"), r.credit_milli.to_string());
+            f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());
+            f.insert(format!("{id}{}", h::AGENT_DROP), r.drop_us.to_string());
+            f.insert(format!("{id}{}", h::AGENT_SEQ), r.seq.to_string());
+            f.insert(format!("{id}{}", h::AGENT_REPLY), r.reply.encode());
+            f.insert(format!("{id}{}", h::AGENT_DEMAND), r.demand.to_string());
+            f.insert(
+                format!("{id}{}", h::AGENT_CREDIT),
+                r.credit_milli.to_string(),
+            );
         }
         f
     }

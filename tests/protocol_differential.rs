@@ -19,7 +19,7 @@ use leasehold_core::rule::{BucketParams, RuleName};
 use leasehold_redis_harness::RedisServer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use support::{field, hash, params, runtime, server, store};
+use support::{field, params, runtime, server, store};
 
 fn seed() -> u64 {
     let seed = std::env::var("LEASEHOLD_SEED")

@@ -171,7 +171,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                     replays += 1;
                 }
                 if !on_part {
-                    split = Some(reply.split).filter(|s| s.parts != 0).or(split);
+                    split = reply.split.or(split);
                 }
                 if matches!(req.op, Op::Split { .. }) {
                     splits += 1;

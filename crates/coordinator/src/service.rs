@@ -332,11 +332,11 @@ impl Coordinator {
                         op,
                     };
                     let reply = self.store.call(&bucket, &params, &req).await?;
-                    if split.is_none() && reply.split.parts != 0 {
+                    if let (None, Some(started)) = (split, reply.split) {
                         started_splits += 1;
-                        tracing::info!(key = %bucket.for_logs(), parts = reply.split.parts, calls_per_sec = calls, "split");
+                        tracing::info!(key = %bucket.for_logs(), parts = started.parts, calls_per_sec = calls, "split");
                     }
-                    view = Some(reply.split).filter(|s| s.parts != 0);
+                    view = reply.split;
                 }
                 if let (Some(s), Some(status)) = (view, statuses.get_mut(&key)) {
                     status.split =

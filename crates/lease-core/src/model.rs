@@ -193,17 +193,18 @@ pub struct Reply {
     /// 1 000 000 for an agent alone with demand). Exact: the same scale, at least 1, when
     /// other agents report demand on the key (they lease it), else 0.
     pub scale_ppm: u64,
-    /// 1 when this bucket is not the one to use now (a parent during a split, or a part
+    /// True when this bucket is not the one to use now (a parent during a split, or a part
     /// whose term is over): nothing was granted, ask the parent.
-    pub moved: u64,
+    pub moved: bool,
     /// The split in force on this (parent) bucket, if any.
-    pub split: Split,
+    pub split: Option<Split>,
 }
 
 impl Reply {
-    /// The reply as the Lua functions return it: 14 integers.
+    /// The reply as the Lua functions return it: 14 integers (the split's seven are
+    /// zeros when there is none).
     pub fn to_array(&self) -> [u64; 14] {
-        let s = &self.split;
+        let s = self.split.unwrap_or_default();
         [
             self.granted,
             self.ttl_us,
@@ -211,7 +212,7 @@ impl Reply {
             self.retry_us,
             self.now_us,
             self.scale_ppm,
-            self.moved,
+            u64::from(self.moved),
             s.parts,
             s.salt,
             s.gen_us,
@@ -231,8 +232,8 @@ impl Reply {
             retry_us: a[3],
             now_us: a[4],
             scale_ppm: a[5],
-            moved: a[6],
-            split: Split {
+            moved: a[6] != 0,
+            split: (a[7] != 0).then_some(Split {
                 parts: a[7],
                 salt: a[8],
                 gen_us: a[9],
@@ -240,7 +241,7 @@ impl Reply {
                 tokens: a[11],
                 outstanding: a[12],
                 drop_us: a[13],
-            },
+            }),
         }
     }
 
@@ -248,7 +249,7 @@ impl Reply {
     /// split is in force.
     pub fn encode(&self) -> String {
         let a = self.to_array();
-        let n = if self.split.parts == 0 { 7 } else { 14 };
+        let n = if self.split.is_none() { 7 } else { 14 };
         let text: Vec<String> = a[..n].iter().map(u64::to_string).collect();
         text.join(",")
     }
@@ -736,7 +737,7 @@ impl GlobalBucket {
         };
         let mut reply = Reply {
             now_us: now,
-            moved: u64::from(moved),
+            moved,
             ..Reply::default()
         };
         let record;
@@ -883,7 +884,7 @@ impl GlobalBucket {
                 record = kept(prior.as_ref(), prior_credit, now + p.grace_us, req.seq);
             }
         }
-        reply.split = s.split;
+        reply.split = (s.split.parts != 0).then_some(s.split);
         reply.remaining = s.level.tokens;
         let record = AgentRecord { reply, ..record };
         let x = record.drop_us;
@@ -1155,11 +1156,11 @@ mod tests {
             },
         };
         let r = parent.apply(&p, T0 + 10, &req(1, T0 + 5_000_000)).unwrap();
-        let split = r.split;
+        let split = r.split.unwrap();
         assert_eq!((split.parts, split.tokens, split.outstanding), (3, 70, 30));
         // The parent now grants nothing and says where to go.
         let r = parent.apply(&p, T0 + 20, &acquire(2, 1, 0, 5)).unwrap();
-        assert_eq!((r.granted, r.moved), (0, 1));
+        assert_eq!((r.granted, r.moved), (0, true));
         let part_params: Vec<BucketParams> =
             (0..3).map(|i| split.part_params(&p, i).unwrap()).collect();
         assert_eq!(part_params.iter().map(|q| q.capacity).sum::<u64>(), 100);
@@ -1192,7 +1193,7 @@ mod tests {
                     .apply(q, t, &acquire(10 + i as u64, step + 1, 0, 2))
                     .unwrap();
                 if t + p.grace_us < T0 + 5_000_000 {
-                    assert_eq!(r.moved, 0);
+                    assert!(!r.moved);
                 }
             }
             assert!(total(&parent, &parts, t) <= 100, "over B at step {step}");
@@ -1201,11 +1202,11 @@ mod tests {
         let r = parts[0]
             .apply(&part_params[0], T0 + 6_100_000, &acquire(10, 100, 0, 1))
             .unwrap();
-        assert_eq!((r.granted, r.moved), (0, 1));
+        assert_eq!((r.granted, r.moved), (0, true));
         let r = parent
             .apply(&p, T0 + 6_000_000, &acquire(2, 2, 0, 5))
             .unwrap();
-        assert_eq!((r.moved, r.split.parts), (0, 0));
+        assert_eq!((r.moved, r.split), (false, None));
         assert!(r.granted > 0);
     }
 

@@ -179,7 +179,11 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
     let rules = limiter.inner.rules.load_full();
     if let Ok(entry) = rules.get(&ks.rule) {
         let mut driver = ks.driver.lock().await;
-        if ks.hot.load(Ordering::Acquire) && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
+        // Checked under the key's lock, which shutdown takes after setting `shut`: a
+        // refill queued before a shutdown leases nothing after it.
+        if limiter.is_hot(&ks, entry)
+            && ks.hot.load(Ordering::Acquire)
+            && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
         {
             let _ = limiter.acquire(&ks, &mut driver, entry, 0).await;
         }
@@ -252,7 +256,9 @@ impl Limiter {
                 SweepAction::Renew => {
                     tokio::spawn(async move {
                         let mut driver = driver;
-                        let _ = this.acquire(&ks, &mut driver, &entry, 0).await;
+                        if !this.inner.shut.load(Ordering::Acquire) {
+                            let _ = this.acquire(&ks, &mut driver, &entry, 0).await;
+                        }
                     });
                 }
             }

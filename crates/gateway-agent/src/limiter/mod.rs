@@ -900,7 +900,7 @@ impl Limiter {
         loop {
             driver.policy.called();
             let reply = self.send(dest(ks, driver, entry), entry, &op).await?;
-            if reply.moved == 0 {
+            if !reply.moved {
                 // Refused by its part while holding nothing from it: the next attempt
                 // goes to the next part, so parts no agent starts on are drained too.
                 let ending = matches!(op, Op::Acquire { .. }) && reply.ttl_us == 0;
@@ -923,7 +923,10 @@ impl Limiter {
             let next = if driver.route.is_some() {
                 None
             } else {
-                let split = reply.split;
+                // A parent answers `moved` only while a split is in force.
+                let Some(split) = reply.split else {
+                    return Ok(reply);
+                };
                 let first = self.inner.agent.0;
                 let route = Route::new(
                     split,

@@ -60,7 +60,7 @@ pub(super) const ROUTE_REFRESH_US: u64 = 10_000_000;
 
 /// True when `reply` comes from a part whose split's term ends too soon for a lease.
 pub(super) fn term_ending(driver: &Driver, reply: &Reply) -> bool {
-    driver.route.is_some() && reply.moved == 0 && reply.ttl_us == 0 && reply.granted == 0
+    driver.route.is_some() && !reply.moved && reply.ttl_us == 0 && reply.granted == 0
 }
 
 /// Where a store call goes: a bucket key, the parameters to send it, and its slot (for

@@ -78,8 +78,10 @@ fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
 async fn split_fields(store: &RedisStore, key: &BucketKey) -> (u64, u64, u64) {
     let (f, _, now) = store.bucket(key).await.unwrap();
     let generation = f.get("sg").and_then(|v| v.parse().ok()).unwrap_or(0u64);
-    let s = leasehold_coordinator::view::parse_split(f.get("sp").map(String::as_str), generation);
-    (s.parts, s.gen_us, s.until_us.saturating_sub(now) / 1000)
+    match leasehold_store::wire::decode_split(f.get("sp").map(String::as_str), generation) {
+        Some(s) => (s.parts, s.gen_us, s.until_us.saturating_sub(now) / 1000),
+        None => (0, 0, 0),
+    }
 }
 
 #[test]

@@ -72,7 +72,11 @@ fn check_same(server: &RedisServer, key: &BucketKey, model: &GlobalBucket, ctx: 
         // Expired since the call, when the model says it would: nothing to compare.
         return;
     }
-    assert_eq!(redis, model.fields(), "hash differs {ctx}");
+    assert_eq!(
+        redis,
+        leasehold_store::wire::hash_fields(model.state()),
+        "hash differs {ctx}"
+    );
     for name in redis.keys() {
         assert!(
             leasehold_core::schema::describe(name).is_some(),

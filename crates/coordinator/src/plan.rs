@@ -70,9 +70,15 @@ pub fn choose_salt(
     parts: u64,
     shard_of: impl Fn(u16) -> usize,
 ) -> Option<u64> {
+    // Only the number of parts matters to whether the parameters are representable.
     let probe = Split {
         parts,
-        ..Split::default()
+        salt: 0,
+        gen_us: 1,
+        until_us: 1,
+        tokens: 0,
+        outstanding: 0,
+        drop_us: 0,
     };
     if (0..parts).any(|i| probe.part_params(params, i).is_none()) {
         return None;
@@ -97,7 +103,12 @@ mod tests {
         let p = SplitPolicy::default();
         let s = Split {
             parts: 3,
-            ..Split::default()
+            salt: 0,
+            gen_us: 1,
+            until_us: 2,
+            tokens: 0,
+            outstanding: 0,
+            drop_us: 0,
         };
         assert_eq!(step(&p, 6000.0, None, 3), Step::Split(3));
         assert_eq!(step(&p, 6000.0, None, 1), Step::Keep);

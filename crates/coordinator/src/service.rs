@@ -214,8 +214,8 @@ impl Coordinator {
             .arg(leasehold_core::schema::SPLIT)
             .arg(leasehold_core::schema::SPLIT_GEN);
         let f: Vec<Option<String>> = self.store.query(&hmget).await?;
-        let split = crate::view::parse_split(f[0].as_deref(), num(&f[1]));
-        Ok((split.parts != 0 && split.until_us > now_us).then_some(split))
+        let split = leasehold_store::wire::decode_split(f[0].as_deref(), num(&f[1]));
+        Ok(split.filter(|s| s.until_us > now_us))
     }
 
     /// One round: reports in, accounting and metrics out, splits when leader.

@@ -81,28 +81,6 @@ impl SplitView {
     }
 }
 
-/// The split stored in a bucket's `sp` field (parts, salt, until, tokens, outstanding,
-/// drop) with its start `sg`; all zero when absent or unreadable.
-pub fn parse_split(sp: Option<&str>, gen_us: u64) -> leasehold_core::model::Split {
-    let v: Vec<u64> = sp
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    match v[..] {
-        [parts, salt, until_us, tokens, outstanding, drop_us] => leasehold_core::model::Split {
-            parts,
-            salt,
-            gen_us,
-            until_us,
-            tokens,
-            outstanding,
-            drop_us,
-        },
-        _ => leasehold_core::model::Split::default(),
-    }
-}
-
 fn num(fields: &HashMap<String, String>, name: &str) -> u64 {
     fields.get(name).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
@@ -171,11 +149,11 @@ pub fn key_view(
         updated_us: num(fields, schema::UPDATED),
         expires_in_ms: (pttl_ms >= 0).then_some(pttl_ms),
         agents,
-        split: Some(parse_split(
+        split: leasehold_store::wire::decode_split(
             fields.get(schema::SPLIT).map(String::as_str),
             num(fields, schema::SPLIT_GEN),
-        ))
-        .filter(|s| s.parts != 0 && s.until_us > now_us)
+        )
+        .filter(|s| s.until_us > now_us)
         .map(|s| SplitView::new(key, s.parts, s.salt, s.until_us, now_us)),
         accounting: None,
     }

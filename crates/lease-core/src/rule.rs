@@ -241,19 +241,18 @@ pub struct BucketParams {
     pub lease_ttl_us: u64,
     /// Record grace after lease expiry, µs.
     pub grace_us: u64,
-    /// 0 in strict mode; the cap on outstanding tokens in relaxed mode.
-    pub max_outstanding: u64,
+    /// How refill accounts for leased tokens.
+    pub mode: Mode,
     /// Set when the bucket is one part of a split bucket (see [`crate::model::Split`]).
-    pub part: PartSeed,
+    pub part: Option<PartSeed>,
 }
 
 /// What a part of a split bucket starts from, carried by every call to it so the part
 /// needs nothing from its parent: its share of the parent's tokens, and a reservation of
-/// its share of the parent's outstanding tokens until the parent's last lease ends. All
-/// zero for a bucket that is not a part.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// its share of the parent's outstanding tokens until the parent's last lease ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PartSeed {
-    /// The split this part belongs to (its start, server µs); 0 = not a part.
+    /// The split this part belongs to (its start, server µs; never 0).
     pub gen_us: u64,
     /// The end of the split's term as the caller knows it; the part serves until then.
     pub until_us: u64,
@@ -557,11 +556,8 @@ impl Rule {
             rate: self.rate,
             lease_ttl_us: self.lease_ttl.as_micros() as u64,
             grace_us: self.grace.as_micros() as u64,
-            max_outstanding: match self.mode {
-                Mode::Strict => 0,
-                Mode::Relaxed { max_outstanding } => max_outstanding.get(),
-            },
-            part: PartSeed::default(),
+            mode: self.mode,
+            part: None,
         }
     }
 }
@@ -584,7 +580,7 @@ mod tests {
         assert_eq!(r.mode(), Mode::Strict);
         assert_eq!(r.failure_policy(), FailurePolicy::FailClosed);
         assert_eq!(r.lease_max().get(), 12);
-        assert_eq!(r.bucket_params().max_outstanding, 0);
+        assert_eq!(r.bucket_params().mode, Mode::Strict);
     }
 
     #[test]
@@ -633,7 +629,12 @@ mod tests {
         s.mode = Some("relaxed".into());
         s.max_outstanding = Some(30);
         let r = Rule::from_spec("a", &s).unwrap();
-        assert_eq!(r.bucket_params().max_outstanding, 30);
+        assert_eq!(
+            r.bucket_params().mode,
+            Mode::Relaxed {
+                max_outstanding: NonZeroU64::new(30).unwrap()
+            }
+        );
         let mut s = spec(100, "10/s");
         s.max_outstanding = Some(30);
         assert!(Rule::from_spec("a", &s).is_err());

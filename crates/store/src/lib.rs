@@ -9,6 +9,7 @@
 //! - [`Store`]: either, behind one `call`.
 //! - [`rules`]: the rule set, read from a TOML file and validated.
 //! - [`report`]: what agents report to the coordinator every second.
+//! - [`wire`]: the arguments, replies and hash fields of the function library.
 //! - [`args`] (feature `cli`): the command-line flags that name a store.
 #![forbid(unsafe_code)]
 
@@ -18,6 +19,7 @@ pub mod embedded;
 pub mod redis;
 pub mod report;
 pub mod rules;
+pub mod wire;
 
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{Reply, Request};

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{Op, ProtocolError, Reply, Request, validate};
+
+use crate::wire;
 use leasehold_core::rule::{BucketParams, Replication};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -868,47 +870,16 @@ impl RedisStore {
     }
 }
 
-/// Builds the `FCALL` for `req` (argument order documented in `lua/leasehold.lua`).
+/// Builds the `FCALL` for `req` (layout in [`crate::wire`]).
 pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
-    let function = match req.op {
-        Op::Acquire { .. } => "lh_acquire",
-        Op::Release { .. } => "lh_release",
-        Op::Exact { .. } => "lh_exact",
-        Op::Split { .. } => "lh_split",
-    };
-    let seed = &p.part;
+    let (common, rest) = wire::args(p, req);
     let mut cmd = redis::cmd("FCALL");
-    cmd.arg(function)
+    cmd.arg(wire::function(&req.op))
         .arg(1)
         .arg(key.as_str())
-        .arg(p.capacity)
-        .arg(p.rate.tokens())
-        .arg(p.rate.period_us())
-        .arg(p.lease_ttl_us)
-        .arg(p.grace_us)
-        .arg(p.max_outstanding)
-        .arg(req.agent.to_string())
-        .arg(req.seq)
-        .arg(seed.gen_us)
-        .arg(seed.until_us)
-        .arg(seed.tokens)
-        .arg(seed.outstanding)
-        .arg(seed.drop_us);
-    match req.op {
-        Op::Acquire {
-            held,
-            want,
-            min,
-            demand,
-        } => cmd.arg(held).arg(want).arg(min).arg(demand),
-        Op::Release { returned } => cmd.arg(returned),
-        Op::Exact { cost } => cmd.arg(cost),
-        Op::Split {
-            parts,
-            salt,
-            until_us,
-        } => cmd.arg(parts).arg(salt).arg(until_us),
-    };
+        .arg(&common[..])
+        .arg(wire::agent(req))
+        .arg(rest);
     cmd
 }
 
@@ -955,8 +926,8 @@ fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
 fn parse_value(v: Value) -> Result<Reply, StoreError> {
     let nums: Vec<u64> = redis::from_redis_value(v.clone())
         .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
-    match <[u64; 14]>::try_from(nums) {
-        Ok(a) => Ok(Reply::from_array(a)),
+    match <[u64; wire::REPLY_LEN]>::try_from(nums) {
+        Ok(a) => Ok(wire::reply_from_array(a)),
         Err(nums) => Err(StoreError::Misconfigured(format!(
             "unexpected reply {nums:?}; is an older leasehold library loaded?"
         ))),

@@ -404,7 +404,7 @@ impl Fleet {
 
     fn check_i1(&mut self) {
         if let Some(st) = self.bucket.state()
-            && self.p.max_outstanding == 0
+            && self.p.mode == leasehold_core::Mode::Strict
         {
             let committed = st.level.tokens + st.outstanding;
             assert!(

@@ -1,0 +1,414 @@
+//! The operations, one function each as the Lua has them (`lh_acquire`, `lh_release`,
+//! `lh_exact`, `lh_split`), and what every one of them shares: the validation, the
+//! opening of the bucket (`open`) and the writing back (`finish`).
+
+use super::share::{Allowance, full_credit, plenty_level, scale_ppm};
+use super::split::{MAX_PARTS, Split};
+use super::state::{AgentRecord, BucketState};
+use super::{DEMAND_TTL_US, MAX_HELD, Op, ProtocolError, Reply, Request};
+use crate::bucket::Level;
+use crate::rate::MAX_EXACT;
+use crate::rule::{BucketParams, Mode};
+
+fn check(what: &'static str, value: u64, max: u64) -> Result<(), ProtocolError> {
+    if value > max {
+        Err(ProtocolError::InvalidArgument { what, value })
+    } else {
+        Ok(())
+    }
+}
+
+/// Tokens a request needs now: at least one, and never more than the bucket can hold.
+fn check_amount(what: &'static str, value: u64, capacity: u64) -> Result<(), ProtocolError> {
+    if value == 0 {
+        return Err(ProtocolError::InvalidArgument { what, value });
+    }
+    if value > capacity {
+        return Err(ProtocolError::CapacityExceeded {
+            requested: value,
+            capacity,
+        });
+    }
+    Ok(())
+}
+
+/// Validates what the Lua validates, in the same order.
+pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
+    check("seq", req.seq, MAX_EXACT)?;
+    if let Some(seed) = &p.part {
+        if seed.gen_us == 0 {
+            // On the wire a zero generation means "not a part".
+            return Err(ProtocolError::InvalidArgument {
+                what: "part_gen",
+                value: 0,
+            });
+        }
+        check("part_gen", seed.gen_us, MAX_EXACT)?;
+        check("part_until", seed.until_us, MAX_EXACT)?;
+        check("part_tokens", seed.tokens, MAX_EXACT)?;
+        check("part_outstanding", seed.outstanding, MAX_HELD)?;
+        check("part_drop", seed.drop_us, MAX_EXACT)?;
+    }
+    match req.op {
+        Op::Acquire {
+            held,
+            want,
+            min,
+            demand,
+        } => {
+            check("held", held, MAX_HELD)?;
+            check("demand", demand, MAX_HELD)?;
+            check_amount("min", min, p.capacity)?;
+            if want < min || want > p.capacity {
+                return Err(ProtocolError::InvalidArgument {
+                    what: "want",
+                    value: want,
+                });
+            }
+        }
+        Op::Release { returned } => check("returned", returned, MAX_HELD)?,
+        Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
+        Op::Split {
+            parts,
+            salt,
+            until_us,
+        } => {
+            if !(2..=MAX_PARTS).contains(&parts) || parts > p.capacity || p.part.is_some() {
+                return Err(ProtocolError::InvalidArgument {
+                    what: "parts",
+                    value: parts,
+                });
+            }
+            check("salt", salt, MAX_EXACT)?;
+            check("until", until_us, MAX_EXACT)?;
+        }
+    }
+    Ok(())
+}
+
+/// One call on a bucket past the replay check, the state advanced to `now` (what the
+/// Lua's `open` returns).
+pub(super) struct Call {
+    /// The bucket's state.
+    pub(super) s: BucketState,
+    /// The call creates the key: it never existed, expired, or was lost.
+    pub(super) created: bool,
+    /// Server time, never behind the bucket's last (I5).
+    pub(super) now: u64,
+    /// The caller's record as the call found it.
+    pub(super) prior: Option<AgentRecord>,
+}
+
+/// What opening a bucket for a call gives.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "returned once per call and matched at once; boxing would allocate per call"
+)]
+pub(super) enum Opened {
+    /// Go on with the operation.
+    Call(Call),
+    /// A retry gets its first reply, a late duplicate an error; the state is unchanged
+    /// (I2).
+    Replay(Result<Reply, ProtocolError>),
+}
+
+impl Call {
+    /// Loads the bucket (absent or expired: full), checks the caller's sequence number
+    /// (I2), starts a part from its seed and refills to `now` (Lua: `begin`, `seed_part`,
+    /// `advance`). A replay leaves `state` as it was.
+    pub(super) fn open(
+        state: &mut Option<BucketState>,
+        p: &BucketParams,
+        server_now_us: u64,
+        req: &Request,
+    ) -> Opened {
+        if state
+            .as_ref()
+            .is_some_and(|s| server_now_us / 1000 > s.expire_at_ms)
+        {
+            *state = None;
+        }
+        if let Some(s) = state.as_ref()
+            && let Some(r) = s.live(req.agent, server_now_us.max(s.updated_us))
+            && req.seq <= r.seq
+        {
+            return Opened::Replay(if req.seq == r.seq {
+                Ok(r.reply)
+            } else {
+                Err(ProtocolError::StaleSequence {
+                    seq: req.seq,
+                    last: r.seq,
+                })
+            });
+        }
+        let created = state.is_none();
+        let s = state
+            .take()
+            .unwrap_or_else(|| BucketState::fresh(p, server_now_us));
+        let now = server_now_us.max(s.updated_us);
+        let (mut s, reseeded) = s.seed_part(p, now);
+        s.advance(p, now);
+        let prior = s.agents.get(&req.agent).cloned();
+        Opened::Call(Self {
+            s,
+            created: created && !reseeded,
+            now,
+            prior,
+        })
+    }
+
+    fn prior_held(&self) -> u64 {
+        self.prior.as_ref().map_or(0, |r| r.held)
+    }
+
+    fn prior_demand(&self) -> u64 {
+        self.prior.as_ref().map_or(0, |r| r.demand)
+    }
+
+    /// The credit an operation that grants nothing leaves the agent: what it had, or full.
+    fn kept_credit(&self, p: &BucketParams) -> u64 {
+        self.prior
+            .as_ref()
+            .map_or_else(|| full_credit(p), |r| r.credit_milli)
+    }
+
+    /// The record after an operation that leaves the agent's holding, demand and credit
+    /// as they were (exact, split): it lives at least until the grace after `now`.
+    fn kept(&self, p: &BucketParams) -> AgentRecord {
+        let grace_end = self.now + p.grace_us;
+        AgentRecord {
+            held: self.prior_held(),
+            drop_us: self.prior.as_ref().map_or(0, |r| r.drop_us).max(grace_end),
+            seq: 0,
+            reply: Reply::default(),
+            demand: self.prior_demand(),
+            credit_milli: self.kept_credit(p),
+        }
+    }
+
+    fn reply(&self) -> Reply {
+        Reply {
+            now_us: self.now,
+            moved: self.s.moved(self.now),
+            ..Reply::default()
+        }
+    }
+
+    /// Stores the agent's record with its reply, and sets the key to expire only once
+    /// every record is dropped, the split's term is over, and the bucket would be full
+    /// again (I6).
+    pub(super) fn finish(
+        self,
+        p: &BucketParams,
+        req: &Request,
+        record: AgentRecord,
+        mut reply: Reply,
+    ) -> (BucketState, Reply) {
+        let Self { mut s, now, .. } = self;
+        reply.split = s.split;
+        reply.remaining = s.level.tokens;
+        let record = AgentRecord {
+            seq: req.seq,
+            reply,
+            ..record
+        };
+        let x = record.drop_us;
+        s.next_drop_us = if s.next_drop_us == 0 {
+            x
+        } else {
+            s.next_drop_us.min(x)
+        };
+        s.last_drop_us = s.last_drop_us.max(x);
+        if record.demand > 0 {
+            let stale = now + DEMAND_TTL_US;
+            s.next_stale_us = if s.next_stale_us == 0 {
+                stale
+            } else {
+                s.next_stale_us.min(stale)
+            };
+        }
+        s.agents.insert(req.agent, record);
+        let busy_until = s.last_drop_us.max(s.split.map_or(0, |sp| sp.until_us));
+        let life = busy_until.saturating_sub(now) + s.level.time_until(p.capacity, p.rate);
+        s.expire_at_ms = (now + life) / 1000 + 1;
+        (s, reply)
+    }
+}
+
+/// `lh_acquire`: the agent declares what it holds and asks for `want` tokens, `min` at
+/// least, within its proportional share while the key is contended.
+pub(super) fn acquire(
+    c: &mut Call,
+    p: &BucketParams,
+    held: u64,
+    want: u64,
+    min: u64,
+    demand: u64,
+) -> (AgentRecord, Reply) {
+    let now = c.now;
+    let moved = c.s.moved(now);
+    let ttl_us = c.s.lease_ttl(p, now);
+    let (prior_held, prior_demand) = (c.prior_held(), c.prior_demand());
+    let s = &mut c.s;
+    // An agent holding tokens from, or measuring demand on, a bucket that no longer
+    // exists: the bucket was lost (evicted, flushed, a replica promoted without it). It
+    // restarts empty, not full: what it handed out may all be spent. (A bucket expires
+    // only once every lease in it has, I6, and full; an agent declares nothing past its
+    // lease's deadline, and reports demand only on a key it has used, which an idle
+    // agent withdraws.)
+    if c.created && (held > 0 || demand > 0) {
+        s.level = Level::default();
+    }
+    // State-based report: the agent's own count replaces ours. Declaring more than we
+    // knew (after a failover lost a grant) lowers the tokens instead.
+    s.outstanding = s.outstanding - prior_held + held;
+    s.demand_sum = s.demand_sum - prior_demand + demand;
+    s.clamp(p);
+    let tok = s.level.tokens;
+    let scale = scale_ppm(p, s.demand_sum, demand);
+    let mut share = Allowance::new(p, s.demand_sum, demand, scale, min);
+    if let Some(a) = &mut share {
+        a.earn(c.prior.as_ref(), now);
+    }
+    let avail = match p.mode {
+        _ if moved || ttl_us == 0 => 0,
+        Mode::Strict => tok,
+        Mode::Relaxed { max_outstanding } => {
+            tok.min(max_outstanding.get().saturating_sub(s.outstanding))
+        }
+    };
+    // Work conserving: past the plenty level anyone may take tokens.
+    let plenty = tok >= plenty_level(p);
+    let avail = match &share {
+        Some(a) if !plenty => avail.min(a.tokens()),
+        _ => avail,
+    };
+    let g = if want.min(avail) >= min {
+        want.min(avail)
+    } else {
+        0
+    };
+    s.level = s.level.take(g);
+    s.outstanding += g;
+    if let Some(a) = &mut share {
+        a.spend(g);
+    }
+    let mut reply = c.reply();
+    let s = &c.s;
+    reply.retry_us = if g > 0 {
+        0
+    } else if moved {
+        1
+    } else if ttl_us == 0 {
+        let until = s.part.map_or(0, |t| t.until_us);
+        until.saturating_sub(now).max(1)
+    } else {
+        let relaxed = matches!(p.mode, Mode::Relaxed { .. });
+        let blocked = if relaxed && tok >= min {
+            s.next_drop_us.saturating_sub(now)
+        } else {
+            0
+        };
+        // An agent's turn comes when its share has earned `min` (see `wait_us`), or when
+        // tokens pile up to plenty, whichever is first.
+        let plenty_in = s.level.time_until(plenty_level(p), p.rate);
+        let turn = share.as_ref().map_or(0, |a| a.wait_us(min).min(plenty_in));
+        s.level
+            .time_until(min, p.rate)
+            .max(blocked)
+            .max(turn)
+            .max(1)
+    };
+    reply.granted = g;
+    reply.ttl_us = ttl_us;
+    reply.scale_ppm = scale;
+    let record = AgentRecord {
+        held: held + g,
+        drop_us: now + ttl_us + p.grace_us,
+        seq: 0,
+        reply: Reply::default(),
+        demand,
+        credit_milli: share.map_or_else(|| full_credit(p), |a| a.credit as u64),
+    };
+    (record, reply)
+}
+
+/// `lh_release`: the agent gives back unspent tokens and holds nothing afterwards.
+pub(super) fn release(c: &mut Call, p: &BucketParams, returned: u64) -> (AgentRecord, Reply) {
+    // Credit no more than we know the agent held: returns cannot mint tokens.
+    let prior_held = c.prior_held();
+    let credit = returned.min(prior_held);
+    let s = &mut c.s;
+    s.outstanding -= prior_held;
+    s.demand_sum -= c.prior.as_ref().map_or(0, |r| r.demand);
+    s.level.tokens += credit;
+    s.clamp(p);
+    let mut reply = c.reply();
+    reply.granted = credit;
+    let record = AgentRecord {
+        held: 0,
+        drop_us: c.now + p.grace_us,
+        seq: 0,
+        reply: Reply::default(),
+        demand: 0,
+        credit_milli: c.kept_credit(p),
+    };
+    (record, reply)
+}
+
+/// `lh_exact`: one decision of `cost` tokens, taken from the bucket or refused.
+pub(super) fn exact(c: &mut Call, p: &BucketParams, cost: u64) -> (AgentRecord, Reply) {
+    let mut reply = c.reply();
+    let own = c.prior_demand();
+    let s = &mut c.s;
+    if reply.moved {
+        reply.retry_us = 1;
+    } else if s.level.tokens >= cost {
+        s.level = s.level.take(cost);
+        reply.granted = cost;
+    } else {
+        reply.retry_us = s.level.time_until(cost, p.rate);
+    }
+    // Other agents lease this key: say so (their proportional scale, at least 1), so an
+    // agent that sees it cold starts leasing at once.
+    if s.demand_sum > own {
+        reply.scale_ppm = scale_ppm(p, s.demand_sum, 0).max(1);
+    }
+    (c.kept(p), reply)
+}
+
+/// `lh_split`: starts a split of the bucket into `parts` until `until_us`, or extends the
+/// one in force (the coordinator's operation).
+pub(super) fn split(
+    c: &mut Call,
+    p: &BucketParams,
+    parts: u64,
+    salt: u64,
+    until_us: u64,
+) -> (AgentRecord, Reply) {
+    let reply = c.reply();
+    let now = c.now;
+    let s = &mut c.s;
+    match &mut s.split {
+        None if until_us > now => {
+            // Start: the parent's tokens go to the parts, its refill stops.
+            let gen_us = now.max(s.last_split_us + 1);
+            s.split = Some(Split {
+                parts,
+                salt,
+                gen_us,
+                until_us,
+                tokens: s.level.tokens,
+                outstanding: s.outstanding,
+                drop_us: s.last_drop_us,
+            });
+            s.last_split_us = gen_us;
+            s.level = Level::default();
+        }
+        Some(sp) if sp.parts == parts && sp.salt == salt => {
+            sp.until_us = sp.until_us.max(until_us);
+        }
+        _ => {}
+    }
+    (c.kept(p), reply)
+}

@@ -1,0 +1,231 @@
+//! What the Redis hash of a bucket holds, and the refill that brings it to the present
+//! (the Lua's `fresh`, `seed_part` and `advance`).
+
+use std::collections::BTreeMap;
+
+use super::split::{PartTerm, RESERVATION, Split};
+use super::{AgentId, DEMAND_TTL_US, Reply};
+use crate::bucket::Level;
+use crate::rule::{BucketParams, Mode};
+
+/// What the store remembers of one agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentRecord {
+    /// Tokens the agent may hold (an upper bound of its real count).
+    pub held: u64,
+    /// Server time after which the record no longer counts and is dropped.
+    pub drop_us: u64,
+    /// Last sequence number processed.
+    pub seq: u64,
+    /// Its reply, replayed to a retry.
+    pub reply: Reply,
+    /// Last reported demand, thousandths of a token per second.
+    pub demand: u64,
+    /// What it may still lease while the key is contended, thousandths of a token.
+    pub credit_milli: u64,
+}
+
+/// The state of a bucket key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketState {
+    /// Tokens in the bucket.
+    pub level: Level,
+    /// The period the carry is counted in.
+    pub period_us: u64,
+    /// Last server time used.
+    pub updated_us: u64,
+    /// Sum of the agents' `held`.
+    pub outstanding: u64,
+    /// A time at or before the earliest record drop (0: no records; stored as is).
+    pub next_drop_us: u64,
+    /// A time at or after the latest record drop (0: no records yet; stored as is).
+    pub last_drop_us: u64,
+    /// Agent records.
+    pub agents: BTreeMap<AgentId, AgentRecord>,
+    /// Sum of the records' demand.
+    pub demand_sum: u64,
+    /// The earliest moment a record's demand goes stale (0: no demand; stored as is).
+    pub next_stale_us: u64,
+    /// The split in force, when this bucket is a split parent.
+    pub split: Option<Split>,
+    /// The start of the latest split, kept after it ends so the next one differs (0: never
+    /// split).
+    pub last_split_us: u64,
+    /// The split this bucket is a part of, if it is one.
+    pub part: Option<PartTerm>,
+    /// Redis key expiry, ms (PEXPIREAT).
+    pub expire_at_ms: u64,
+}
+
+/// What a bucket would hold at some time, without anything being sent to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct View {
+    /// Tokens.
+    pub level: Level,
+    /// Outstanding tokens.
+    pub outstanding: u64,
+    /// Agent records still counting.
+    pub agents: usize,
+}
+
+/// The level refill may reach: `B - outstanding` in strict mode (I1), `B` in relaxed.
+fn cap(p: &BucketParams, outstanding: u64) -> u64 {
+    match p.mode {
+        Mode::Strict => p.capacity.saturating_sub(outstanding),
+        Mode::Relaxed { .. } => p.capacity,
+    }
+}
+
+impl BucketState {
+    /// A key that does not exist: a full bucket.
+    pub(super) fn fresh(p: &BucketParams, now_us: u64) -> Self {
+        Self {
+            level: Level::full(p.capacity),
+            period_us: p.rate.period_us(),
+            updated_us: now_us,
+            outstanding: 0,
+            next_drop_us: 0,
+            last_drop_us: 0,
+            agents: BTreeMap::new(),
+            demand_sum: 0,
+            next_stale_us: 0,
+            split: None,
+            last_split_us: 0,
+            part: None,
+            expire_at_ms: 0,
+        }
+    }
+
+    /// A part's first call of a newer split starts it from its seed: its share of the
+    /// parent's tokens, and a reservation of its share of the parent's outstanding tokens
+    /// until they drop. Whatever an older split left is void (that split's term is over);
+    /// later calls may carry a longer term.
+    pub(super) fn seed_part(self, p: &BucketParams, now_us: u64) -> (Self, bool) {
+        let Some(seed) = &p.part else {
+            return (self, false);
+        };
+        let known = self.part.map_or(0, |t| t.gen_us);
+        if known > seed.gen_us {
+            return (self, false);
+        }
+        if known == seed.gen_us {
+            let mut s = self;
+            if let Some(t) = &mut s.part {
+                t.until_us = t.until_us.max(seed.until_us);
+            }
+            return (s, false);
+        }
+        let mut s = Self::fresh(p, now_us);
+        s.part = Some(PartTerm {
+            gen_us: seed.gen_us,
+            until_us: seed.until_us,
+        });
+        if seed.outstanding > 0 && seed.drop_us > now_us {
+            s.outstanding = seed.outstanding;
+            s.next_drop_us = seed.drop_us;
+            s.last_drop_us = seed.drop_us;
+            s.agents.insert(
+                RESERVATION,
+                AgentRecord {
+                    held: seed.outstanding,
+                    drop_us: seed.drop_us,
+                    seq: 0,
+                    reply: Reply::default(),
+                    demand: 0,
+                    credit_milli: 0,
+                },
+            );
+        }
+        s.level = Level {
+            tokens: seed.tokens,
+            carry: 0,
+        };
+        s.clamp(p);
+        (s, true)
+    }
+
+    fn refill_to(&mut self, p: &BucketParams, t: u64) {
+        let dt = t.saturating_sub(self.updated_us);
+        self.level = self.level.refill(cap(p, self.outstanding), p.rate, dt);
+        self.updated_us = self.updated_us.max(t);
+    }
+
+    /// Brings the level under its cap after `outstanding` grew.
+    pub(super) fn clamp(&mut self, p: &BucketParams) {
+        self.level = self.level.refill(cap(p, self.outstanding), p.rate, 0);
+    }
+
+    /// Refill to `now`, dropping expired records at their drop times on the way, so the
+    /// refill between two drops uses the cap in force then.
+    pub(super) fn advance(&mut self, p: &BucketParams, now: u64) {
+        if self.period_us != p.rate.period_us() {
+            self.level.carry = 0;
+            self.period_us = p.rate.period_us();
+        }
+        // A split parent refills nothing during the term: its rate belongs to the parts.
+        if let Some(split) = self.split {
+            if now < split.until_us {
+                self.updated_us = now;
+            } else {
+                self.updated_us = self.updated_us.max(split.until_us);
+                self.split = None;
+            }
+        }
+        if self.next_stale_us != 0 && now >= self.next_stale_us {
+            // Demand of agents silent for DEMAND_TTL stops counting in the shares.
+            for r in self.agents.values_mut() {
+                if r.demand > 0 && r.reply.now_us + DEMAND_TTL_US <= now {
+                    self.demand_sum -= r.demand;
+                    r.demand = 0;
+                }
+            }
+            self.next_stale_us = self
+                .agents
+                .values()
+                .filter(|r| r.demand > 0)
+                .map(|r| r.reply.now_us + DEMAND_TTL_US)
+                .min()
+                .unwrap_or(0);
+        }
+        if self.next_drop_us != 0 && now >= self.next_drop_us {
+            let mut expired: Vec<(u64, AgentId)> = self
+                .agents
+                .iter()
+                .filter(|(_, r)| r.drop_us <= now)
+                .map(|(id, r)| (r.drop_us, *id))
+                .collect();
+            expired.sort();
+            for (at, id) in expired {
+                self.refill_to(p, at);
+                if let Some(r) = self.agents.remove(&id) {
+                    self.outstanding -= r.held;
+                    self.demand_sum -= r.demand;
+                }
+            }
+            self.next_drop_us = self.agents.values().map(|r| r.drop_us).min().unwrap_or(0);
+            self.last_drop_us = self.agents.values().map(|r| r.drop_us).max().unwrap_or(0);
+        }
+        self.refill_to(p, now);
+    }
+
+    /// The agent's record, unless it is past its drop time.
+    pub(super) fn live(&self, agent: AgentId, now: u64) -> Option<&AgentRecord> {
+        self.agents.get(&agent).filter(|r| r.drop_us > now)
+    }
+
+    /// Whether this bucket serves nothing now (Lua: `where`): a split parent, or a part
+    /// whose term is over. Callers are told to ask the parent.
+    pub(super) fn moved(&self, now: u64) -> bool {
+        self.split.is_some() || self.part.is_some_and(|t| now >= t.until_us)
+    }
+
+    /// The lease a grant gets now: the rule's, ending with the part's term on a part.
+    pub(super) fn lease_ttl(&self, p: &BucketParams, now: u64) -> u64 {
+        match self.part {
+            Some(t) => p
+                .lease_ttl_us
+                .min(t.until_us.saturating_sub(now + p.grace_us)),
+            None => p.lease_ttl_us,
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The wire encoding of the `leasehold` function library: the arguments of a call, the
+//! reply array, and the text a bucket's hash stores. The one place these layouts are
+//! spelled out on the Rust side; `leasehold.lua` is the other end.
+//!
+//! - Call: `FCALL lh_<op> 1 KEY` then 13 common arguments (capacity, rate tokens, rate
+//!   period µs, lease TTL µs, grace µs, max outstanding or 0 in strict mode, agent id,
+//!   seq, and the part seed: generation, until, tokens, outstanding, drop; all zero for a
+//!   bucket that is not a part), then the operation's own.
+//! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
+//!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
+//!   drop; zeros when none).
+//! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
+//!   holds it.
+
+use std::collections::BTreeMap;
+
+use leasehold_core::model::{BucketState, Op, Reply, Request, Split};
+use leasehold_core::rule::{BucketParams, Mode, PartSeed};
+use leasehold_core::schema as h;
+
+/// Integers in a reply.
+pub const REPLY_LEN: usize = 14;
+
+/// The function that serves `op`.
+pub fn function(op: &Op) -> &'static str {
+    match op {
+        Op::Acquire { .. } => "lh_acquire",
+        Op::Release { .. } => "lh_release",
+        Op::Exact { .. } => "lh_exact",
+        Op::Split { .. } => "lh_split",
+    }
+}
+
+/// The agent id as the hash and the arguments spell it.
+pub fn agent(req: &Request) -> String {
+    req.agent.to_string()
+}
+
+/// The integer arguments of a call after the agent id: seq, the part seed, then the
+/// operation's own; `common` (capacity .. max outstanding) come before the agent id.
+pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
+    let max_outstanding = match p.mode {
+        Mode::Strict => 0,
+        Mode::Relaxed { max_outstanding } => max_outstanding.get(),
+    };
+    let common = [
+        p.capacity,
+        p.rate.tokens(),
+        p.rate.period_us(),
+        p.lease_ttl_us,
+        p.grace_us,
+        max_outstanding,
+    ];
+    let seed = p.part.unwrap_or(PartSeed {
+        gen_us: 0,
+        until_us: 0,
+        tokens: 0,
+        outstanding: 0,
+        drop_us: 0,
+    });
+    let mut rest = vec![
+        req.seq,
+        seed.gen_us,
+        seed.until_us,
+        seed.tokens,
+        seed.outstanding,
+        seed.drop_us,
+    ];
+    match req.op {
+        Op::Acquire {
+            held,
+            want,
+            min,
+            demand,
+        } => rest.extend([held, want, min, demand]),
+        Op::Release { returned } => rest.push(returned),
+        Op::Exact { cost } => rest.push(cost),
+        Op::Split {
+            parts,
+            salt,
+            until_us,
+        } => rest.extend([parts, salt, until_us]),
+    }
+    (common, rest)
+}
+
+/// A reply as the functions return it.
+pub fn reply_to_array(r: &Reply) -> [u64; REPLY_LEN] {
+    let s = split_numbers(r.split.as_ref());
+    [
+        r.granted,
+        r.ttl_us,
+        r.remaining,
+        r.retry_us,
+        r.now_us,
+        r.scale_ppm,
+        u64::from(r.moved),
+        s[0],
+        s[1],
+        s[2],
+        s[3],
+        s[4],
+        s[5],
+        s[6],
+    ]
+}
+
+/// The inverse of [`reply_to_array`].
+pub fn reply_from_array(a: [u64; REPLY_LEN]) -> Reply {
+    Reply {
+        granted: a[0],
+        ttl_us: a[1],
+        remaining: a[2],
+        retry_us: a[3],
+        now_us: a[4],
+        scale_ppm: a[5],
+        moved: a[6] != 0,
+        split: (a[7] != 0).then_some(Split {
+            parts: a[7],
+            salt: a[8],
+            gen_us: a[9],
+            until_us: a[10],
+            tokens: a[11],
+            outstanding: a[12],
+            drop_us: a[13],
+        }),
+    }
+}
+
+fn split_numbers(s: Option<&Split>) -> [u64; 7] {
+    s.map_or([0; 7], |s| {
+        [
+            s.parts,
+            s.salt,
+            s.gen_us,
+            s.until_us,
+            s.tokens,
+            s.outstanding,
+            s.drop_us,
+        ]
+    })
+}
+
+fn join(v: &[u64]) -> String {
+    let text: Vec<String> = v.iter().map(u64::to_string).collect();
+    text.join(",")
+}
+
+/// The stored form of a reply (`ID:r`, replayed to a retry): the array, comma separated;
+/// the split's 7 numbers only when a split is in force.
+pub fn encode_reply(r: &Reply) -> String {
+    let a = reply_to_array(r);
+    let n = if r.split.is_none() { 7 } else { REPLY_LEN };
+    join(&a[..n])
+}
+
+/// The split stored in a bucket's `sp` field (parts, salt, until, tokens, outstanding,
+/// drop) with its start from `sg`; `None` when absent or unreadable.
+pub fn decode_split(sp: Option<&str>, gen_us: u64) -> Option<Split> {
+    let v: Vec<u64> = sp?
+        .split(',')
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    match v[..] {
+        [parts, salt, until_us, tokens, outstanding, drop_us] if parts != 0 => Some(Split {
+            parts,
+            salt,
+            gen_us,
+            until_us,
+            tokens,
+            outstanding,
+            drop_us,
+        }),
+        _ => None,
+    }
+}
+
+/// The hash fields Redis holds for `state`, sorted by name (empty for an absent key).
+pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
+    let mut f = BTreeMap::new();
+    let Some(s) = state else {
+        return f;
+    };
+    for (k, v) in [
+        (h::TOKENS, s.level.tokens),
+        (h::CARRY, s.level.carry),
+        (h::PERIOD, s.period_us),
+        (h::UPDATED, s.updated_us),
+        (h::OUTSTANDING, s.outstanding),
+        (h::NEXT_DROP, s.next_drop_us),
+        (h::LAST_DROP, s.last_drop_us),
+        (h::DEMAND_SUM, s.demand_sum),
+        (h::NEXT_STALE, s.next_stale_us),
+    ] {
+        f.insert(k.to_owned(), v.to_string());
+    }
+    if s.last_split_us != 0 {
+        f.insert(h::SPLIT_GEN.to_owned(), s.last_split_us.to_string());
+    }
+    if let Some(sp) = &s.split {
+        let v = [
+            sp.parts,
+            sp.salt,
+            sp.until_us,
+            sp.tokens,
+            sp.outstanding,
+            sp.drop_us,
+        ];
+        f.insert(h::SPLIT.to_owned(), join(&v));
+    }
+    if let Some(t) = &s.part {
+        f.insert(h::PART.to_owned(), join(&[t.gen_us, t.until_us]));
+    }
+    for (id, r) in &s.agents {
+        f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());
+        f.insert(format!("{id}{}", h::AGENT_DROP), r.drop_us.to_string());
+        f.insert(format!("{id}{}", h::AGENT_SEQ), r.seq.to_string());
+        f.insert(format!("{id}{}", h::AGENT_REPLY), encode_reply(&r.reply));
+        f.insert(format!("{id}{}", h::AGENT_DEMAND), r.demand.to_string());
+        f.insert(
+            format!("{id}{}", h::AGENT_CREDIT),
+            r.credit_milli.to_string(),
+        );
+    }
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_round_trip_with_and_without_a_split() {
+        let mut r = Reply {
+            granted: 3,
+            ttl_us: 1_000_000,
+            remaining: 7,
+            retry_us: 0,
+            now_us: 42,
+            scale_ppm: 500_000,
+            moved: true,
+            split: None,
+        };
+        assert_eq!(reply_from_array(reply_to_array(&r)), r);
+        assert_eq!(encode_reply(&r), "3,1000000,7,0,42,500000,1");
+        r.split = Some(Split {
+            parts: 3,
+            salt: 9,
+            gen_us: 10,
+            until_us: 20,
+            tokens: 70,
+            outstanding: 30,
+            drop_us: 15,
+        });
+        assert_eq!(reply_from_array(reply_to_array(&r)), r);
+        assert_eq!(encode_reply(&r).split(',').count(), REPLY_LEN);
+    }
+
+    #[test]
+    fn a_stored_split_reads_back_or_not_at_all() {
+        let s = decode_split(Some("3,9,20,70,30,15"), 10).unwrap();
+        assert_eq!((s.parts, s.salt, s.gen_us, s.until_us), (3, 9, 10, 20));
+        assert_eq!(decode_split(None, 10), None);
+        assert_eq!(decode_split(Some("3,9,x,70,30,15"), 10), None);
+        assert_eq!(decode_split(Some("0,0,0,0,0,0"), 0), None);
+        assert_eq!(decode_split(Some("3,9"), 10), None);
+    }
+}

@@ -4,7 +4,7 @@
 --
 -- Each function touches exactly one key, KEYS[1], a hash holding one bucket (invariant
 -- I7), and uses only the Redis server clock (I5). It is the twin of
--- crates/lease-core/src/model.rs; the differential tests hold them to the same replies
+-- crates/lease-core/src/model/; the differential tests hold them to the same replies
 -- and the same hash fields. Numbers are integers below 2^53 (rules are validated so);
 -- division goes through divmod() because Lua divides in floating point, and numbers are
 -- written with %d because Redis would otherwise format them with 14 digits.
@@ -24,7 +24,7 @@ local MAX_HELD = 1099511627776
 local MAX_UNITS = 4503599627370496
 local MAX_PARTS = 64
 local RESERVATION = '0000000000000000'
--- A record's demand stops counting this long after the agent's last call (model.rs).
+-- A record's demand stops counting this long after the agent's last call (model/mod.rs).
 local DEMAND_TTL = 1000000
 
 local function fail(msg)
@@ -405,16 +405,16 @@ local function kept_credit(rec, p)
 end
 
 -- Tokens piling up past this level (B/8) mean the agents with credit are not taking
--- them: proportional share stops binding (model.rs, plenty_level).
+-- them: proportional share stops binding (model/share.rs, plenty_level).
 local function plenty_level(p)
   return ceil_div(p.cap, 8)
 end
 
--- Proportional share, enforced (model.rs, Allowance): while the key is contended an
+-- Proportional share, enforced (model/share.rs, Allowance): while the key is contended an
 -- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
 local function allowance(p, ds, demand, scale, min, rec, now)
   if scale >= 1000000 then return nil end
-  -- 1% of the sum for an agent reporting no demand yet (model.rs, Allowance::new).
+  -- 1% of the sum for an agent reporting no demand yet (model/share.rs, Allowance::new).
   local share = demand
   if demand == 0 then share = math.ceil(ds / 100) end
   local per_us = p.n * 1000 / p.per * share / ds
@@ -454,8 +454,8 @@ local function acquire(keys, args)
   -- knew (a grant lost in a failover) lowers the tokens instead of minting any.
   -- An agent holding tokens from, or measuring demand on, a bucket that no longer
   -- exists: the bucket was lost (evicted, flushed, or a replica promoted without it). It
-  -- restarts empty, not full: what it handed out may all have been spent (model.rs,
-  -- Op::Acquire).
+  -- restarts empty, not full: what it handed out may all have been spent (model/ops.rs,
+  -- acquire).
   if s.created and (held > 0 or demand > 0) then s.tok, s.car = 0, 0 end
   s.out = s.out - prior_held + held
   s.ds = s.ds - prior_demand + demand
@@ -491,7 +491,7 @@ local function acquire(keys, args)
       if p.maxout ~= 0 and tok >= min then blocked = math.max(s.nexp - now, 0) end
       local turn = 0
       if a then
-        -- An agent's turn comes when its share has earned min (model.rs, wait_us: with
+        -- An agent's turn comes when its share has earned min (model/share.rs, wait_us: with
         -- credit enough and the bucket short, the time its share takes to refill min),
         -- or when tokens pile up to plenty, whichever is first.
         local need = min * 1000 - a.credit
@@ -553,7 +553,7 @@ local function exact(keys, args)
   else
     reply[4] = time_until(s, cost, p)
   end
-  -- Other agents lease this key: say so (model.rs, Op::Exact).
+  -- Other agents lease this key: say so (model/ops.rs, exact).
   local own = 0
   if rec then own = rec.demand end
   if s.ds > own then reply[6] = math.max(scale_ppm(p, s.ds, 0), 1) end

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use leasehold_agent::{Decision, Limiter, RedisStore};
-use leasehold_coordinator::plan::SplitPolicy;
 use leasehold_coordinator::{Coordinator, CoordinatorConfig, Running};
 use leasehold_core::{BucketKey, RuleName};
 use leasehold_redis_harness::Cluster;
@@ -64,11 +63,9 @@ fn spread(r: &BTreeMap<u16, f64>) -> String {
 fn start_coordinator(store: &RedisStore, split_above: f64) -> Running {
     let config = {
         let mut c = CoordinatorConfig::default();
-        c.split = SplitPolicy {
-            split_above,
-            merge_below: split_above / 4.0,
-            term: Duration::from_secs(TERM_SECS),
-        };
+        c.split.split_above = split_above;
+        c.split.merge_below = split_above / 4.0;
+        c.split.term = Duration::from_secs(TERM_SECS);
         c
     };
     let rules = support::rules(RULES);

@@ -695,11 +695,9 @@ impl CoordinatorRun {
         }
         let config = {
             let mut c = leasehold::coordinator::CoordinatorConfig::default();
-            c.split = leasehold::coordinator::plan::SplitPolicy {
-                split_above: self.split_above,
-                merge_below: self.split_above / 4.0,
-                term: Duration::from_secs(30),
-            };
+            c.split.split_above = self.split_above;
+            c.split.merge_below = self.split_above / 4.0;
+            c.split.term = Duration::from_secs(30);
             c
         };
         let c = Arc::new(leasehold::coordinator::Coordinator::new(

@@ -258,11 +258,7 @@ pub(crate) const FAULTS: &[&str] = &[
 ];
 
 fn rule(capacity: u64, rate: &str) -> RuleSpec {
-    RuleSpec {
-        capacity,
-        rate: rate.into(),
-        ..RuleSpec::default()
-    }
+    RuleSpec::new(capacity, rate)
 }
 
 fn phase(at: f64, offered: f64, active: Option<Vec<usize>>) -> Phase {

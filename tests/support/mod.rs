@@ -16,16 +16,12 @@ pub fn params(
     grace: &str,
     relaxed: Option<u64>,
 ) -> BucketParams {
-    let spec = RuleSpec {
-        capacity,
-        rate: rate.into(),
-        lease_ttl: Some(ttl.into()),
-        grace: Some(grace.into()),
-        lease_max: Some(capacity),
-        mode: relaxed.map(|_| "relaxed".into()),
-        max_outstanding: relaxed,
-        ..RuleSpec::default()
-    };
+    let mut spec = RuleSpec::new(capacity, rate);
+    spec.lease_ttl = Some(ttl.into());
+    spec.grace = Some(grace.into());
+    spec.lease_max = Some(capacity);
+    spec.mode = relaxed.map(|_| "relaxed".into());
+    spec.max_outstanding = relaxed;
     Rule::from_spec("test", &spec)
         .expect("test rules are valid")
         .bucket_params()

@@ -9,6 +9,7 @@ use leasehold_core::rule::BucketParams;
 
 /// The splitting policy.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct SplitPolicy {
     /// A key whose store calls (acquires and exact calls, all agents) exceed this many
     /// per second is split: the per-shard budget of one key.

@@ -63,6 +63,7 @@ impl Default for CoordinatorConfig {
 
 /// What the coordinator knows of a key.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct KeyStatus {
     /// Accounting.
     #[serde(flatten)]
@@ -75,6 +76,7 @@ pub struct KeyStatus {
 
 /// The coordinator's latest picture, shared with the admin endpoint.
 #[derive(Clone, Debug, Default, Serialize)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Whether this instance holds the leader lock.
     pub leader: bool,

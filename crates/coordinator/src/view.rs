@@ -10,6 +10,7 @@ use serde::Serialize;
 
 /// One agent's record in a bucket.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct AgentView {
     /// The agent instance.
     pub id: String,
@@ -29,6 +30,7 @@ pub struct AgentView {
 
 /// What a bucket holds.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct KeyView {
     /// The Redis key.
     pub key: String,
@@ -59,6 +61,7 @@ pub struct KeyView {
 
 /// A split as the admin endpoint shows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct SplitView {
     /// Number of parts.
     pub parts: u64,

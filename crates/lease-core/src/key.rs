@@ -27,6 +27,7 @@ pub struct BucketKey(String);
 
 /// A subject that cannot name a bucket.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SubjectError {
     /// The subject is empty: usually a missing header or identity upstream.
     #[error("subject is empty; identify the caller (API key, tenant) before checking a limit")]

@@ -35,6 +35,7 @@ const MEASURE_MIN_NS: u64 = 5_000_000;
 
 /// The agent's tuning that the policy reads (a subset of the agent's configuration).
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct PolicyConfig {
     /// A lease covers about this much of the key's local demand.
     pub horizon: Duration,

@@ -29,6 +29,7 @@ pub struct Rate {
 
 /// Why a rate was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RateError {
     /// The text is not of the form `N/PERIOD` (for example `100/s`, `5/1m`, `1/250ms`).
     #[error("rate {text:?} is not of the form N/PERIOD, e.g. \"100/s\", \"5/1m\", \"1/250ms\"")]

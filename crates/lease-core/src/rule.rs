@@ -51,6 +51,10 @@ impl fmt::Display for RuleName {
 }
 
 /// How refill accounts for leased tokens.
+///
+/// Deliberately exhaustive, like [`Leasing`] and [`FailurePolicy`]: a new variant changes
+/// what every agent and store must do, and each `match` on it must be revisited (a
+/// compile error, not a wildcard arm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     /// Refill stops at `B - outstanding`: admitted tokens in any window W are at most
@@ -168,8 +172,11 @@ pub enum RuleError {
 }
 
 /// A rule as written in a config file. All durations are text (`"250ms"`, `"5s"`).
+///
+/// Fields may be added: build one with [`RuleSpec::new`] and set the optional fields.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RuleSpec {
     /// Burst capacity B, in tokens.
     pub capacity: u64,
@@ -201,6 +208,17 @@ pub struct RuleSpec {
     pub replicas: Option<u64>,
     /// With `replicas`: how long to wait for them (default `"5ms"`, below `timeout`).
     pub replica_timeout: Option<String>,
+}
+
+impl RuleSpec {
+    /// A spec with capacity B and rate r (`"100/s"`), every optional field unset.
+    pub fn new(capacity: u64, rate: impl Into<String>) -> Self {
+        Self {
+            capacity,
+            rate: rate.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// Replication a rule asks of each grant (`replicas` in its spec).

@@ -28,12 +28,8 @@ const B: u64 = 20_000;
 const R: f64 = 20_000.0;
 
 fn rule() -> Rule {
-    let spec = RuleSpec {
-        capacity: B,
-        rate: "20000/s".into(),
-        leasing: Some("lease".into()),
-        ..RuleSpec::default()
-    };
+    let mut spec = RuleSpec::new(B, "20000/s");
+    spec.leasing = Some("lease".into());
     Rule::from_spec("fleet", &spec).unwrap()
 }
 

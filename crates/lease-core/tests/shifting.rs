@@ -45,12 +45,11 @@ fn run(
         })
         .collect();
     let shifts: Vec<u64> = phases.iter().skip(1).map(|p| p.at_ms).collect();
+    let mut cfg = PolicyConfig::default();
+    cfg.return_after = std::time::Duration::from_nanos(RETURN_AFTER_NS);
     let o = Fleet::run(Setup {
         rule,
-        cfg: PolicyConfig {
-            return_after: std::time::Duration::from_nanos(RETURN_AFTER_NS),
-            ..PolicyConfig::default()
-        },
+        cfg,
         agents,
         phases,
         events: vec![],
@@ -75,14 +74,10 @@ fn run(
 }
 
 fn rule(capacity: u64, rate: &str) -> Rule {
-    let spec = RuleSpec {
-        capacity,
-        rate: rate.into(),
-        lease_ttl: Some("5s".into()),
-        grace: Some("1s".into()),
-        leasing: Some("lease".into()),
-        ..RuleSpec::default()
-    };
+    let mut spec = RuleSpec::new(capacity, rate);
+    spec.lease_ttl = Some("5s".into());
+    spec.grace = Some("1s".into());
+    spec.leasing = Some("lease".into());
     Rule::from_spec("shifting", &spec).unwrap()
 }
 

@@ -326,16 +326,12 @@ fn params(relaxed: bool) -> impl Strategy<Value = BucketParams> {
         1u64..=20,
     )
         .prop_map(move |(cap, n, per, ttl_ms, grace_ms, max_out)| {
-            let spec = RuleSpec {
-                capacity: cap,
-                rate: format!("{n}/{per}"),
-                lease_ttl: Some(format!("{ttl_ms}ms")),
-                grace: Some(format!("{grace_ms}ms")),
-                mode: relaxed.then(|| "relaxed".to_owned()),
-                max_outstanding: relaxed.then_some(max_out),
-                lease_max: Some(cap),
-                ..RuleSpec::default()
-            };
+            let mut spec = RuleSpec::new(cap, format!("{n}/{per}"));
+            spec.lease_ttl = Some(format!("{ttl_ms}ms"));
+            spec.grace = Some(format!("{grace_ms}ms"));
+            spec.mode = relaxed.then(|| "relaxed".to_owned());
+            spec.max_outstanding = relaxed.then_some(max_out);
+            spec.lease_max = Some(cap);
             let rule = Rule::from_spec("sim", &spec).expect("valid by construction");
             if relaxed {
                 assert!(matches!(rule.mode(), Mode::Relaxed { max_outstanding } if max_outstanding == NonZeroU64::new(max_out).unwrap()));

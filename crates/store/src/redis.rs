@@ -9,7 +9,7 @@
 //! `(agent, seq)`, so that retry, and the cluster client's own retries after `MOVED`,
 //! `ASK` or a dropped connection, never debit twice.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -241,8 +241,9 @@ impl TlsFiles {
     }
 
     /// Reads the files; an error names the file and what is wrong with it.
+    #[cfg(feature = "tls")]
     fn load(&self) -> Result<redis::TlsCertificates, StoreError> {
-        let read = |what: &str, path: &Path| {
+        let read = |what: &str, path: &std::path::Path| {
             let bytes = std::fs::read(path).map_err(|e| {
                 StoreError::Misconfigured(format!("{what} {}: {e}", path.display()))
             })?;
@@ -283,12 +284,21 @@ impl TlsFiles {
 }
 
 /// Makes rustls use the ring provider (the only one built), once per process.
+#[cfg(feature = "tls")]
 fn tls_provider() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // Err only when a provider is installed already, which serves as well.
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
+}
+
+/// The error for an address that asks for TLS when the `tls` feature is off.
+#[cfg(not(feature = "tls"))]
+fn no_tls(address: &str) -> StoreError {
+    StoreError::Misconfigured(format!(
+        "{address:?} asks for TLS, but leasehold-store was built without its `tls` feature"
+    ))
 }
 
 /// A client for one node, with the TLS files when the URL asks for TLS.
@@ -301,9 +311,14 @@ fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
         ))
     };
     if url.starts_with("rediss://") {
-        tls_provider();
-        if !tls.is_empty() {
-            return redis::Client::build_with_tls(url, tls.load()?).map_err(bad);
+        #[cfg(not(feature = "tls"))]
+        return Err(no_tls(&redact(url)));
+        #[cfg(feature = "tls")]
+        {
+            tls_provider();
+            if !tls.is_empty() {
+                return redis::Client::build_with_tls(url, tls.load()?).map_err(bad);
+            }
         }
     } else if !tls.is_empty() {
         return Err(StoreError::Misconfigured(format!(
@@ -552,15 +567,20 @@ impl RedisStore {
             }
         }
         if tls {
-            tls_provider();
-            builder = builder
-                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
-                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
-            if !config.tls.is_empty() {
-                let certs = config.tls.load()?;
+            #[cfg(not(feature = "tls"))]
+            return Err(no_tls(&redact(&format!("rediss+sentinel://{rest}"))));
+            #[cfg(feature = "tls")]
+            {
+                tls_provider();
                 builder = builder
-                    .set_client_to_redis_certificates(certs.clone())
-                    .set_client_to_sentinel_certificates(certs);
+                    .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                    .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+                if !config.tls.is_empty() {
+                    let certs = config.tls.load()?;
+                    builder = builder
+                        .set_client_to_redis_certificates(certs.clone())
+                        .set_client_to_sentinel_certificates(certs);
+                }
             }
         } else if !config.tls.is_empty() {
             return Err(bad(
@@ -592,16 +612,26 @@ impl RedisStore {
         nodes: &[String],
         config: StoreConfig,
     ) -> Result<Self, StoreError> {
-        let mut builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
+        let builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.call_timeout)
             .retries(3);
-        if nodes.iter().any(|n| n.starts_with("rediss://")) {
+        let tls_node = nodes.iter().find(|n| n.starts_with("rediss://"));
+        #[cfg(not(feature = "tls"))]
+        if let Some(n) = tls_node {
+            return Err(no_tls(&redact(n)));
+        }
+        #[cfg(feature = "tls")]
+        let builder = if tls_node.is_some() && !config.tls.is_empty() {
             tls_provider();
-            if !config.tls.is_empty() {
-                builder = builder.certs(config.tls.load()?);
+            builder.certs(config.tls.load()?)
+        } else {
+            if tls_node.is_some() {
+                tls_provider();
             }
-        } else if !config.tls.is_empty() {
+            builder
+        };
+        if tls_node.is_none() && !config.tls.is_empty() {
             return Err(StoreError::Misconfigured(
                 "TLS files were given for plain-text cluster nodes (use clusters:// or rediss:// nodes)"
                     .into(),
@@ -1005,5 +1035,21 @@ mod redact_tests {
             };
             assert!(!text.contains("hunter2"), "{text}");
         }
+    }
+}
+
+#[cfg(all(test, not(feature = "tls")))]
+mod no_tls_tests {
+    use super::*;
+
+    #[test]
+    fn tls_addresses_name_the_missing_feature() {
+        let e = client("rediss://:secret@127.0.0.1:1", &TlsFiles::default())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("without its `tls` feature"), "{e}");
+        assert!(e.contains("rediss://:***@127.0.0.1:1"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
     }
 }

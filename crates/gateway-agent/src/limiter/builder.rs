@@ -80,13 +80,13 @@ pub struct LimiterConfig {
 impl LimiterConfig {
     /// The part of the configuration the per-key policy reads.
     fn policy(&self) -> PolicyConfig {
-        PolicyConfig {
-            horizon: self.horizon,
-            margin: self.margin,
-            return_after: self.return_after,
-            idle_after: self.idle_after,
-            hot_above_per_sec: self.hot_above_per_sec,
-        }
+        let mut c = PolicyConfig::default();
+        c.horizon = self.horizon;
+        c.margin = self.margin;
+        c.return_after = self.return_after;
+        c.idle_after = self.idle_after;
+        c.hot_above_per_sec = self.hot_above_per_sec;
+        c
     }
 }
 

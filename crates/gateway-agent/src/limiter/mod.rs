@@ -64,6 +64,9 @@ thread_local! {
 }
 
 /// The outcome of a check. Being limited is an outcome, not an error.
+///
+/// Deliberately exhaustive: a caller's `match` must say what each outcome means for the
+/// request (a wildcard arm would have to guess allow or deny).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
     /// Go ahead.
@@ -89,6 +92,7 @@ pub enum Decision {
 
 /// How an admitted request was admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Admission {
     /// From the agent's local lease, without a network call.
     Lease,

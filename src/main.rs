@@ -224,6 +224,32 @@ fn fail(message: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
+fn print_rule(label: &str, r: &leasehold::core::Rule) {
+    let mode = match r.mode() {
+        Mode::Strict => "strict".to_owned(),
+        Mode::Relaxed { max_outstanding } => format!("relaxed/{max_outstanding}"),
+    };
+    let failure = match r.failure_policy() {
+        FailurePolicy::FailOpen => "fail_open".to_owned(),
+        FailurePolicy::FailClosed => "fail_closed (503)".to_owned(),
+        FailurePolicy::LocalEmergency { rate: Some(rate) } => {
+            format!("local_emergency at {rate}")
+        }
+        FailurePolicy::LocalEmergency { rate: None } => "local_emergency (last share)".to_owned(),
+    };
+    println!(
+        "{:<36} {:>10} {:>14.3} {:>9} {:>9} {:>10} {:>6}  {}",
+        label,
+        r.capacity(),
+        r.rate().per_sec_f64(),
+        r.lease_max(),
+        format!("{:?}", r.lease_ttl()),
+        mode,
+        if r.shadow() { "yes" } else { "no" },
+        failure
+    );
+}
+
 fn check_config(file: &PathBuf) -> ExitCode {
     let rules = match Rules::from_file(file) {
         Ok(rules) => rules,
@@ -233,35 +259,26 @@ fn check_config(file: &PathBuf) -> ExitCode {
         }
     };
     println!(
-        "{:<24} {:>10} {:>14} {:>9} {:>9} {:>10}  on failure",
-        "rule", "capacity", "rate (tok/s)", "lease max", "lease ttl", "mode"
+        "{:<36} {:>10} {:>14} {:>9} {:>9} {:>10} {:>6}  on failure",
+        "rule / override", "capacity", "rate (tok/s)", "lease max", "lease ttl", "mode", "shadow"
     );
+    let mut overrides = 0;
     for r in rules.iter() {
-        let mode = match r.mode() {
-            Mode::Strict => "strict".to_owned(),
-            Mode::Relaxed { max_outstanding } => format!("relaxed/{max_outstanding}"),
-        };
-        let failure = match r.failure_policy() {
-            FailurePolicy::FailOpen => "fail_open".to_owned(),
-            FailurePolicy::FailClosed => "fail_closed (503)".to_owned(),
-            FailurePolicy::LocalEmergency { rate: Some(rate) } => {
-                format!("local_emergency at {rate}")
+        print_rule(&r.name().to_string(), r);
+        for (subject, o) in rules
+            .overrides(r.name().as_str())
+            .into_iter()
+            .flat_map(|o| o.iter())
+        {
+            // Long names (a sha256: digest, a long subject) are cut to fit the column.
+            let mut shown: String = subject.chars().take(20).collect();
+            if shown.len() < subject.len() {
+                shown.push('…');
             }
-            FailurePolicy::LocalEmergency { rate: None } => {
-                "local_emergency (last share)".to_owned()
-            }
-        };
-        println!(
-            "{:<24} {:>10} {:>14.3} {:>9} {:>9} {:>10}  {}",
-            r.name(),
-            r.capacity(),
-            r.rate().per_sec_f64(),
-            r.lease_max(),
-            format!("{:?}", r.lease_ttl()),
-            mode,
-            failure
-        );
+            print_rule(&format!("  override {shown:?}"), o);
+            overrides += 1;
+        }
     }
-    println!("{} rule(s) ok", rules.len());
+    println!("{} rule(s), {overrides} override(s) ok", rules.len());
     ExitCode::SUCCESS
 }

@@ -21,7 +21,9 @@ fn check_config_accepts_the_example_file() {
     let (ok, stdout, stderr) = leasehold(&["check-config", example]);
     assert!(ok, "{stderr}");
     assert!(
-        stdout.contains("api.write") && stdout.contains("3 rule(s) ok"),
+        stdout.contains("api.write")
+            && stdout.contains("override \"tenant-42\"")
+            && stdout.contains("3 rule(s), 2 override(s) ok"),
         "{stdout}"
     );
 }

@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -25,7 +26,7 @@ type Shared = Arc<parking_lot::RwLock<Snapshot>>;
 #[derive(Clone)]
 pub struct Admin {
     store: RedisStore,
-    rules: Arc<Rules>,
+    rules: Arc<ArcSwap<Rules>>,
     prometheus: Option<PrometheusHandle>,
     snapshot: Option<Shared>,
 }
@@ -33,7 +34,7 @@ pub struct Admin {
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Admin")
-            .field("rules", &self.rules.len())
+            .field("rules", &self.rules.load().len())
             .finish()
     }
 }
@@ -45,10 +46,16 @@ impl Admin {
     pub fn new(store: RedisStore, rules: Rules) -> Self {
         Self {
             store,
-            rules: Arc::new(rules),
+            rules: Arc::new(ArcSwap::from_pointee(rules)),
             prometheus: None,
             snapshot: None,
         }
+    }
+
+    /// Reads the rules from `rules` (a coordinator's, which reloads them) instead.
+    pub fn with_rules(mut self, rules: Arc<ArcSwap<Rules>>) -> Self {
+        self.rules = rules;
+        self
     }
 
     /// Serves this Prometheus recorder's text on `/metrics`.
@@ -197,7 +204,7 @@ async fn key(
     Path((rule, subject)): Path<(String, String)>,
 ) -> Response {
     metrics::counter!("leasehold_coordinator_key_views_total").increment(1);
-    let found = match admin.rules.get(&rule) {
+    let found = match admin.rules.load().resolve(&rule, subject.as_bytes()) {
         Ok(r) => r.clone(),
         Err(e) => return error(StatusCode::NOT_FOUND, e.to_string()),
     };

@@ -102,22 +102,68 @@ pub async fn run(
     };
     let coordinator = Arc::new(Coordinator::new(store.clone(), rules.clone(), config));
     let admin = Admin::new(store, rules)
+        .with_rules(coordinator.rules())
         .with_snapshot(coordinator.snapshot())
         .with_metrics(crate::admin::install_prometheus()?);
     println!(
         "coordinator admin endpoint on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?
     );
+    let reloading = tokio::spawn(reload_rules(coordinator.clone(), args.config.clone()));
     let running = coordinator.spawn();
     let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(crate::serve(listener, admin, async {
         let _ = stopped.await;
     }));
     shutdown.await;
+    reloading.abort();
     running.stop().await;
     let _ = stop_admin.send(());
     serving
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())
+}
+
+/// Reads the rules file again when it changes (checked every second) or on SIGHUP. A
+/// file that fails validation is refused, logged, and the rules in force stay.
+async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf) {
+    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = modified(&path);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    loop {
+        #[cfg(unix)]
+        let hangup = async {
+            match hup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hangup = std::future::pending::<()>();
+        let why = tokio::select! {
+            _ = tick.tick() => {
+                let now = modified(&path);
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                "file changed"
+            }
+            () = hangup => "SIGHUP",
+        };
+        let _span = tracing::info_span!("rules_reload", why).entered();
+        match Rules::from_file(&path) {
+            Ok(rules) => {
+                let n = rules.len();
+                coordinator.set_rules(rules);
+                tracing::info!(rules = n, path = %path.display(), "rules reloaded");
+            }
+            Err(e) => tracing::error!(error = %e, "rules file refused; the rules in force stay"),
+        }
+    }
 }

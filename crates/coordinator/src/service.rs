@@ -16,8 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
+use arc_swap::ArcSwap;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{AgentId, Op, Request, Split};
+use leasehold_core::rule::Rule;
 use leasehold_store::report::{AGENTS_KEY, REPORT_TTL_MS, Report, report_key};
 use leasehold_store::{RedisStore, Rules, StoreError};
 use parking_lot::RwLock;
@@ -94,7 +96,7 @@ pub struct Snapshot {
 #[derive(Debug)]
 pub struct Coordinator {
     store: RedisStore,
-    rules: Rules,
+    rules: Arc<ArcSwap<Rules>>,
     config: CoordinatorConfig,
     id: AgentId,
     seq: AtomicU64,
@@ -117,13 +119,23 @@ impl Coordinator {
     pub fn new(store: RedisStore, rules: Rules, config: CoordinatorConfig) -> Self {
         Self {
             store,
-            rules,
+            rules: Arc::new(ArcSwap::from_pointee(rules)),
             config,
             id: AgentId(rand::random::<u64>().max(1)),
             seq: AtomicU64::new(0),
             ledger: parking_lot::Mutex::new(Ledger::new()),
             snapshot: Arc::default(),
         }
+    }
+
+    /// Replaces the rules (a reloaded file): the next tick accounts with them.
+    pub fn set_rules(&self, rules: Rules) {
+        self.rules.store(Arc::new(rules));
+    }
+
+    /// The rules in force, shared: the admin endpoint reads the same ones.
+    pub fn rules(&self) -> Arc<ArcSwap<Rules>> {
+        self.rules.clone()
     }
 
     /// The picture the admin endpoint serves.
@@ -256,11 +268,13 @@ impl Coordinator {
             let mut ledger = self.ledger.lock();
             ledger.forget(now_ms);
             let keys: Vec<String> = ledger.keys().map(str::to_owned).collect();
+            let rules = self.rules.load();
             for key in keys {
-                let Some((_, rule)) = BucketKey::parse(&key) else {
+                let Some((bucket, rule)) = BucketKey::parse(&key) else {
                     continue;
                 };
-                let Ok(r) = self.rules.get(rule.as_str()) else {
+                // The subject's override when it has one: its B and r bound the key.
+                let Ok(r) = rules.resolve_key(rule.as_str(), &bucket) else {
                     continue;
                 };
                 let bound = Bound {
@@ -305,10 +319,14 @@ impl Coordinator {
                 let Some((bucket, rule)) = BucketKey::parse(&key) else {
                     continue;
                 };
-                let Ok(r) = self.rules.get(rule.as_str()) else {
+                let Ok(params) = self
+                    .rules
+                    .load()
+                    .resolve_key(rule.as_str(), &bucket)
+                    .map(Rule::bucket_params)
+                else {
                     continue;
                 };
-                let params = r.bucket_params();
                 let split = self.split_of(&bucket, now_us).await?;
                 let calls = statuses[&key].stats.calls_per_sec;
                 let until_us = now_us + policy.term.as_micros() as u64;

@@ -30,5 +30,5 @@ pub use limiter::{
     Admission, BuildError, CheckError, Decision, Limiter, LimiterBuilder, LimiterConfig,
 };
 pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
-pub use rules::{Rules, RulesError, UnknownRule};
+pub use rules::{Overrides, Rules, RulesError, UnknownRule};
 pub use store::{EmbeddedStore, Store};

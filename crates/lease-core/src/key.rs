@@ -100,6 +100,31 @@ impl BucketKey {
         slot_of(self.0.as_bytes())
     }
 
+    /// The SHA-256 of the subject's bytes, read back from the key (unescaped when it is
+    /// inline, the hash itself when the subject was long); `None` for a part's key or
+    /// anything [`BucketKey::new`] does not produce.
+    pub fn subject_sha256(&self) -> Option<[u8; 32]> {
+        let (_, subject) = self.hash_tag().split_once('|')?;
+        if subject.contains('|') {
+            return None;
+        }
+        if let Some(hex) = subject.strip_prefix('#') {
+            return parse_sha256_hex(hex);
+        }
+        let mut raw = Vec::with_capacity(subject.len());
+        let mut bytes = subject.bytes();
+        while let Some(b) = bytes.next() {
+            if b == b'%' {
+                let hi = (bytes.next()? as char).to_digit(16)?;
+                let lo = (bytes.next()? as char).to_digit(16)?;
+                raw.push((hi * 16 + lo) as u8);
+            } else {
+                raw.push(b);
+            }
+        }
+        Some(sha256(&raw))
+    }
+
     /// How the key appears in logs: the rule and a short hash of the subject
     /// (`lh:{api.write|#3fa2c1d0}`), since a subject may be a secret such as an API key.
     /// The same subject always shows the same hash, so log lines can still be grouped.
@@ -161,6 +186,52 @@ fn escape_into(out: &mut String, subject: &[u8]) {
     }
 }
 
+/// The SHA-256 of `bytes`.
+pub fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+/// 64 hex digits (either case) as 32 bytes.
+pub fn parse_sha256_hex(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Which subjects an override applies to, as its name in the rules file says:
+/// `sha256:<64 hex digits>` for the subject with that SHA-256, anything else for that
+/// exact subject.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SubjectMatch {
+    /// This subject.
+    Exact(Box<[u8]>),
+    /// The subject whose SHA-256 this is.
+    Sha256([u8; 32]),
+}
+
+impl SubjectMatch {
+    /// Reads an override's name; `Err` says what is wrong with a `sha256:` name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        if name.is_empty() {
+            return Err("an override's subject must not be empty".into());
+        }
+        match name.strip_prefix("sha256:") {
+            Some(hex) => parse_sha256_hex(hex).map(Self::Sha256).ok_or_else(|| {
+                format!(
+                    "\"sha256:\" must be followed by 64 hex digits (got {} characters)",
+                    hex.len()
+                )
+            }),
+            None => Ok(Self::Exact(name.as_bytes().into())),
+        }
+    }
+}
+
 /// The slot Redis Cluster gives `key`, following the hash tag rules.
 pub fn slot_of(key: &[u8]) -> u16 {
     let tagged = key
@@ -195,6 +266,39 @@ fn crc16(bytes: &[u8]) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_subject_digest_reads_back_from_every_key_shape() {
+        let rule = RuleName::new("api").unwrap();
+        for subject in [
+            b"tenant-42".to_vec(),
+            b"{a|b} %".to_vec(),
+            vec![0u8, 255, 7],
+            vec![b'x'; 1000],
+        ] {
+            let key = BucketKey::new(&rule, &subject).unwrap();
+            assert_eq!(key.subject_sha256(), Some(sha256(&subject)), "{key}");
+        }
+        let key = BucketKey::new(&rule, "t").unwrap();
+        assert_eq!(key.part_of(1, 0).subject_sha256(), None);
+    }
+
+    #[test]
+    fn override_names_are_exact_subjects_or_digests() {
+        let d = sha256(b"secret-key");
+        let hex: String = d.iter().map(|b| format!("{b:02X}")).collect();
+        assert_eq!(
+            SubjectMatch::parse(&format!("sha256:{hex}")),
+            Ok(SubjectMatch::Sha256(d))
+        );
+        assert_eq!(
+            SubjectMatch::parse("tenant-42"),
+            Ok(SubjectMatch::Exact(b"tenant-42".to_vec().into()))
+        );
+        let e = SubjectMatch::parse("sha256:9f86d0").unwrap_err();
+        assert!(e.contains("64 hex digits") && e.contains("got 6"), "{e}");
+        assert!(SubjectMatch::parse("").is_err());
+    }
 
     fn rule() -> RuleName {
         RuleName::new("api.write").unwrap()

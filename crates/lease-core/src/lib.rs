@@ -30,7 +30,7 @@ pub mod sizing;
 mod sync;
 
 pub use bucket::{Level, retry_after_secs};
-pub use key::{BucketKey, SubjectError};
+pub use key::{BucketKey, SubjectError, SubjectMatch};
 pub use lease::{LocalLease, Spend};
 pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request, Split};
 pub use policy::{
@@ -38,6 +38,7 @@ pub use policy::{
 };
 pub use rate::{MAX_EXACT, Rate, RateError};
 pub use rule::{
-    BucketParams, FailurePolicy, Leasing, Mode, PartSeed, Rule, RuleError, RuleName, RuleSpec,
+    BucketParams, FailurePolicy, Leasing, Mode, OverrideSpec, PartSeed, Rule, RuleError, RuleName,
+    RuleSpec,
 };
 pub use sizing::{LeaseRequest, Reclaim, lease_request, reclaim, scaled};

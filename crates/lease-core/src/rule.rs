@@ -5,6 +5,7 @@
 //! file, and [`Rule::from_spec`] turns it into a rule or an error that names the field and
 //! the value at fault.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroU64;
 use std::time::Duration;
@@ -208,6 +209,87 @@ pub struct RuleSpec {
     pub replicas: Option<u64>,
     /// With `replicas`: how long to wait for them (default `"5ms"`, below `timeout`).
     pub replica_timeout: Option<String>,
+    /// Decide, count and report, but never enforce: every denial is admitted and counted
+    /// as `shadow_denied` (default false).
+    pub shadow: Option<bool>,
+    /// Per-subject settings: `overrides."tenant-42"` for one subject, or
+    /// `overrides."sha256:<64 hex digits>"` for the subject with that SHA-256, so secrets
+    /// need not sit in config. Unset fields inherit from the rule.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub overrides: BTreeMap<String, OverrideSpec>,
+}
+
+/// The settings of one subject under a rule: any rule field but the name; unset fields
+/// inherit from the rule.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct OverrideSpec {
+    /// Burst capacity B.
+    pub capacity: Option<u64>,
+    /// Refill rate.
+    pub rate: Option<String>,
+    /// See [`RuleSpec::lease_min`].
+    pub lease_min: Option<u64>,
+    /// See [`RuleSpec::lease_max`].
+    pub lease_max: Option<u64>,
+    /// See [`RuleSpec::lease_ttl`].
+    pub lease_ttl: Option<String>,
+    /// See [`RuleSpec::grace`].
+    pub grace: Option<String>,
+    /// See [`RuleSpec::mode`].
+    pub mode: Option<String>,
+    /// See [`RuleSpec::max_outstanding`].
+    pub max_outstanding: Option<u64>,
+    /// See [`RuleSpec::on_failure`].
+    pub on_failure: Option<String>,
+    /// See [`RuleSpec::emergency_rate`].
+    pub emergency_rate: Option<String>,
+    /// See [`RuleSpec::timeout`].
+    pub timeout: Option<String>,
+    /// See [`RuleSpec::leasing`].
+    pub leasing: Option<String>,
+    /// See [`RuleSpec::replicas`].
+    pub replicas: Option<u64>,
+    /// See [`RuleSpec::replica_timeout`].
+    pub replica_timeout: Option<String>,
+    /// See [`RuleSpec::shadow`].
+    pub shadow: Option<bool>,
+}
+
+impl OverrideSpec {
+    /// The rule's spec with this override's fields in place of the rule's (no overrides
+    /// of its own).
+    pub fn apply(&self, base: &RuleSpec) -> RuleSpec {
+        fn pick<T: Clone>(o: &Option<T>, b: &Option<T>) -> Option<T> {
+            o.clone().or_else(|| b.clone())
+        }
+        let capacity = self.capacity.unwrap_or(base.capacity);
+        // Lease bounds inherited from a rule with a larger capacity shrink to fit this
+        // one's; bounds the override sets itself are validated as they are.
+        let lease_max = self.lease_max.or(base.lease_max.map(|m| m.min(capacity)));
+        let lease_min = self
+            .lease_min
+            .or(base.lease_min.map(|m| m.min(lease_max.unwrap_or(capacity))));
+        RuleSpec {
+            capacity,
+            rate: self.rate.clone().unwrap_or_else(|| base.rate.clone()),
+            lease_min,
+            lease_max,
+            lease_ttl: pick(&self.lease_ttl, &base.lease_ttl),
+            grace: pick(&self.grace, &base.grace),
+            mode: pick(&self.mode, &base.mode),
+            max_outstanding: pick(&self.max_outstanding, &base.max_outstanding),
+            on_failure: pick(&self.on_failure, &base.on_failure),
+            emergency_rate: pick(&self.emergency_rate, &base.emergency_rate),
+            timeout: pick(&self.timeout, &base.timeout),
+            leasing: pick(&self.leasing, &base.leasing),
+            replicas: pick(&self.replicas, &base.replicas),
+            replica_timeout: pick(&self.replica_timeout, &base.replica_timeout),
+            shadow: pick(&self.shadow, &base.shadow),
+            overrides: BTreeMap::new(),
+        }
+    }
 }
 
 impl RuleSpec {
@@ -245,6 +327,7 @@ pub struct Rule {
     timeout: Duration,
     leasing: Leasing,
     replication: Option<Replication>,
+    shadow: bool,
 }
 
 /// The parameters of a rule that the global bucket needs, as integers; what the Lua
@@ -300,10 +383,30 @@ impl Rule {
         )
     }
 
-    /// Validates a rule read from configuration.
+    /// Validates a rule read from configuration (its overrides are validated with
+    /// [`Rule::for_override`]).
     pub fn from_spec(name: &str, spec: &RuleSpec) -> Result<Self, RuleError> {
         let name = RuleName::new(name)?;
-        let rule = || name.as_str().to_owned();
+        let label = name.as_str().to_owned();
+        Self::build(name, &label, spec)
+    }
+
+    /// Validates the override for `subject` (as written in the file) of the rule `name`
+    /// with spec `base`: errors name the rule, the override and the field.
+    pub fn for_override(
+        name: &str,
+        base: &RuleSpec,
+        subject: &str,
+        o: &OverrideSpec,
+    ) -> Result<Self, RuleError> {
+        let name = RuleName::new(name)?;
+        let shown: String = subject.chars().take(80).collect();
+        let label = format!("{name} override {shown:?}");
+        Self::build(name, &label, &o.apply(base))
+    }
+
+    fn build(name: RuleName, label: &str, spec: &RuleSpec) -> Result<Self, RuleError> {
+        let rule = || label.to_owned();
         let capacity = NonZeroU64::new(spec.capacity).ok_or_else(|| RuleError::Zero {
             rule: rule(),
             field: "capacity",
@@ -504,6 +607,7 @@ impl Rule {
         };
         Ok(Self {
             replication,
+            shadow: spec.shadow.unwrap_or(false),
             name,
             capacity,
             rate,
@@ -565,6 +669,11 @@ impl Rule {
     /// The replication each grant waits for, if the rule asks for any.
     pub fn replication(&self) -> Option<Replication> {
         self.replication
+    }
+
+    /// Decisions are counted but never enforced.
+    pub fn shadow(&self) -> bool {
+        self.shadow
     }
 
     /// The integers the global bucket works with.

@@ -29,7 +29,7 @@ use leasehold_core::rule::BucketParams;
 pub use args::StoreArgs;
 pub use embedded::EmbeddedStore;
 pub use redis::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
-pub use rules::{Rules, RulesError, UnknownRule};
+pub use rules::{Overrides, Rules, RulesError, UnknownRule};
 
 /// A slot range `start..=end` and the primary that serves it (`host:port`, or
 /// `single` for one Redis).

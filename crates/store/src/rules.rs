@@ -11,22 +11,103 @@
 //! Every rule is validated when the file is read; one bad rule refuses the whole file,
 //! with an error naming the rule, the field and the value.
 //!
+//! A rule may tune single subjects (hot tenants) with overrides: any field but the
+//! name, unset fields inherited from the rule, each validated like a rule:
+//!
+//! ```toml
+//! [rules."api.write".overrides."tenant-42"]      # this exact subject
+//! capacity = 5000
+//! rate = "2000/s"
+//! [rules."api.write".overrides."sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
+//! rate = "1/s"                                    # the subject with this SHA-256
+//! ```
+//!
 //! Environment variables override fields of rules in the file:
 //! `LEASEHOLD_RULES__<RULE>__<FIELD>=<value>`, where `<RULE>` is the rule's name in any
 //! case with `.` and `-` written as `_` (`LEASEHOLD_RULES__API_WRITE__CAPACITY=200`). A
 //! variable that names no rule of the file, names two, or names an unknown field is an
-//! error: an override that silently did nothing would be worse.
+//! error: an override that silently did nothing would be worse. A subject's override is
+//! reached as `LEASEHOLD_RULES__<RULE>__OVERRIDES__<SUBJECT>__<FIELD>`, `<SUBJECT>`
+//! written like `<RULE>` with every character outside `A-Z 0-9` as `_`; it must name an
+//! override of the file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use leasehold_core::rule::{Rule, RuleError, RuleSpec};
+use leasehold_core::SubjectMatch;
+use leasehold_core::key::{BucketKey, sha256};
+use leasehold_core::rule::{OverrideSpec, Rule, RuleError, RuleSpec};
 use serde::Deserialize;
 
-/// A validated set of rules by name.
+/// A validated set of rules by name, with their per-subject overrides.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rules {
     rules: BTreeMap<String, Rule>,
+    overrides: BTreeMap<String, Overrides>,
+}
+
+/// The overrides of one rule, validated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// By name as written in the file.
+    named: BTreeMap<String, Rule>,
+    exact: HashMap<Box<[u8]>, String>,
+    /// Every override by the SHA-256 of the subject it applies to.
+    by_digest: HashMap<[u8; 32], String>,
+    hashed: bool,
+}
+
+impl Overrides {
+    /// The override that applies to `subject`, with its name. Hashes the subject only
+    /// when the rule has `sha256:` overrides.
+    pub fn resolve(&self, subject: &[u8]) -> Option<(&str, &Rule)> {
+        let name = match self.exact.get(subject) {
+            Some(name) => name,
+            None if self.hashed => self.by_digest.get(&sha256(subject))?,
+            None => return None,
+        };
+        self.named.get_key_value(name).map(|(n, r)| (n.as_str(), r))
+    }
+
+    /// The override that applies to the subject whose SHA-256 is `digest`.
+    pub fn resolve_digest(&self, digest: &[u8; 32]) -> Option<(&str, &Rule)> {
+        let name = self.by_digest.get(digest)?;
+        self.named.get_key_value(name).map(|(n, r)| (n.as_str(), r))
+    }
+
+    /// Every override, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Rule)> {
+        self.named.iter().map(|(n, r)| (n.as_str(), r))
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.named.len()
+    }
+
+    /// True when the rule has none.
+    pub fn is_empty(&self) -> bool {
+        self.named.is_empty()
+    }
+
+    fn insert(&mut self, name: &str, m: SubjectMatch, rule: Rule) -> Result<(), String> {
+        let digest = match &m {
+            SubjectMatch::Exact(subject) => sha256(subject),
+            SubjectMatch::Sha256(d) => *d,
+        };
+        if let Some(other) = self.by_digest.get(&digest) {
+            return Err(format!("names the same subject as override {other:?}"));
+        }
+        match m {
+            SubjectMatch::Exact(subject) => {
+                self.exact.insert(subject, name.to_owned());
+            }
+            SubjectMatch::Sha256(_) => self.hashed = true,
+        }
+        self.by_digest.insert(digest, name.to_owned());
+        self.named.insert(name.to_owned(), rule);
+        Ok(())
+    }
 }
 
 /// Why a rules file was refused.
@@ -76,6 +157,18 @@ pub enum RulesError {
         /// The variable.
         var: String,
         /// Why it does not apply.
+        why: String,
+    },
+    /// An override's name cannot say which subject it applies to.
+    #[error("rules file {path}: rule {rule} override {name:?}: {why}")]
+    OverrideName {
+        /// The file.
+        path: String,
+        /// The rule.
+        rule: String,
+        /// The override's name (first 80 characters).
+        name: String,
+        /// What is wrong with it.
         why: String,
     },
     /// The file defines no rule: almost certainly the wrong file.
@@ -159,14 +252,30 @@ impl Rules {
             });
         }
         let mut rules = BTreeMap::new();
+        let mut overrides = BTreeMap::new();
+        let bad = |source| RulesError::Rule {
+            path: shown.to_owned(),
+            source: Box::new(source),
+        };
         for (name, spec) in &file.rules {
-            let rule = Rule::from_spec(name, spec).map_err(|source| RulesError::Rule {
-                path: shown.to_owned(),
-                source: Box::new(source),
-            })?;
-            rules.insert(name.clone(), rule);
+            rules.insert(name.clone(), Rule::from_spec(name, spec).map_err(bad)?);
+            let mut set = Overrides::default();
+            for (subject, o) in &spec.overrides {
+                let name_err = |why: String| RulesError::OverrideName {
+                    path: shown.to_owned(),
+                    rule: name.clone(),
+                    name: subject.chars().take(80).collect(),
+                    why,
+                };
+                let m = SubjectMatch::parse(subject).map_err(name_err)?;
+                let rule = Rule::for_override(name, spec, subject, o).map_err(bad)?;
+                set.insert(subject, m, rule).map_err(name_err)?;
+            }
+            if !set.is_empty() {
+                overrides.insert(name.clone(), set);
+            }
         }
-        Ok(Self { rules })
+        Ok(Self { rules, overrides })
     }
 
     /// Rules built in code.
@@ -176,7 +285,36 @@ impl Rules {
                 .into_iter()
                 .map(|r| (r.name().as_str().to_owned(), r))
                 .collect(),
+            overrides: BTreeMap::new(),
         }
+    }
+
+    /// The rule that applies to `subject` under `name`: its override if it has one,
+    /// else the rule.
+    pub fn resolve(&self, name: &str, subject: &[u8]) -> Result<&Rule, UnknownRule> {
+        let rule = self.get(name)?;
+        Ok(self
+            .overrides
+            .get(name)
+            .and_then(|o| o.resolve(subject))
+            .map_or(rule, |(_, r)| r))
+    }
+
+    /// The rule that applies to the bucket `key` of rule `name` (the subject is known by
+    /// its SHA-256, which every key carries or implies).
+    pub fn resolve_key(&self, name: &str, key: &BucketKey) -> Result<&Rule, UnknownRule> {
+        let rule = self.get(name)?;
+        let found = self
+            .overrides
+            .get(name)
+            .zip(key.subject_sha256())
+            .and_then(|(o, d)| o.resolve_digest(&d));
+        Ok(found.map_or(rule, |(_, r)| r))
+    }
+
+    /// The overrides of the rule `name` (none for an unknown rule).
+    pub fn overrides(&self, name: &str) -> Option<&Overrides> {
+        self.overrides.get(name)
     }
 
     /// The rule named `name`.
@@ -226,6 +364,10 @@ fn apply_overrides(
         let (rule, field) = rest
             .rsplit_once("__")
             .ok_or_else(|| err("expected LEASEHOLD_RULES__<RULE>__<FIELD>".into()))?;
+        let (rule, subject) = match rule.split_once("__OVERRIDES__") {
+            Some((rule, subject)) => (rule, Some(subject)),
+            None => (rule, None),
+        };
         let matches: Vec<String> = rules
             .keys()
             .filter(|name| env_name(name) == rule.to_ascii_uppercase())
@@ -243,16 +385,74 @@ fn apply_overrides(
             many => return Err(err(format!("matches several rules: {}", many.join(", ")))),
         };
         let field = field.to_ascii_lowercase();
-        let spec = &rules[&name];
-        let merged: RuleSpec = config::Config::builder()
-            .add_source(config::Config::try_from(spec).map_err(|e| err(e.to_string()))?)
-            .set_override(field.as_str(), value.as_str())
-            .and_then(|b| b.build())
-            .and_then(config::Config::try_deserialize)
-            .map_err(|e| err(format!("field {field}: {e}")))?;
-        rules.insert(name, merged);
+        let Some(spec) = rules.get_mut(&name) else {
+            continue;
+        };
+        if let Some(subject) = subject {
+            let found: Vec<&String> = spec
+                .overrides
+                .keys()
+                .filter(|s| env_subject(s) == subject.to_ascii_uppercase())
+                .collect();
+            let key = match found.as_slice() {
+                [one] => (*one).clone(),
+                [] => {
+                    let known: Vec<String> =
+                        spec.overrides.keys().map(|s| env_subject(s)).collect();
+                    return Err(err(format!(
+                        "rule {name} has no override {subject} (overrides: {})",
+                        known.join(", ")
+                    )));
+                }
+                many => {
+                    let many: Vec<&str> = many.iter().map(|s| s.as_str()).collect();
+                    return Err(err(format!(
+                        "matches several overrides: {}",
+                        many.join(", ")
+                    )));
+                }
+            };
+            let merged: OverrideSpec = merge_field(&spec.overrides[&key], &field, &value)
+                .map_err(|e| err(format!("field {field}: {e}")))?;
+            spec.overrides.insert(key, merged);
+        } else {
+            // The overrides stay out of the round trip: their names may hold dots.
+            let overrides = std::mem::take(&mut spec.overrides);
+            let merged: Result<RuleSpec, _> = merge_field(spec, &field, &value);
+            spec.overrides = overrides;
+            let mut merged = merged.map_err(|e| err(format!("field {field}: {e}")))?;
+            merged.overrides = std::mem::take(&mut spec.overrides);
+            *spec = merged;
+        }
     }
     Ok(())
+}
+
+/// `spec` with `field` set to `value`; the `config` crate does the typed merge, so `"200"`
+/// becomes a number where the field wants one.
+fn merge_field<T>(spec: &T, field: &str, value: &str) -> Result<T, config::ConfigError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
+    config::Config::builder()
+        .add_source(config::Config::try_from(spec)?)
+        .set_override(field, value)?
+        .build()?
+        .try_deserialize()
+}
+
+/// An override's subject as an environment variable spells it.
+fn env_subject(subject: &str) -> String {
+    subject
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_uppercase()
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// The fields of a rule that count tokens.
@@ -280,16 +480,25 @@ fn whole_numbers(text: &str, shown: &str) -> Result<(), RulesError> {
         let Some(spec) = spec.as_table() else {
             continue;
         };
-        for field in TOKEN_FIELDS {
-            match spec.get(field) {
-                None | Some(toml::Value::Integer(_)) => {}
-                Some(other) => {
-                    return Err(RulesError::NotWhole {
-                        path: shown.to_owned(),
-                        rule: rule.chars().take(80).collect(),
-                        field,
-                        value: other.to_string().chars().take(80).collect(),
-                    });
+        let overrides = spec.get("overrides").and_then(toml::Value::as_table);
+        let tables = std::iter::once((rule.chars().take(80).collect::<String>(), spec)).chain(
+            overrides.into_iter().flatten().filter_map(|(name, o)| {
+                let shown: String = name.chars().take(80).collect();
+                Some((format!("{rule} override {shown:?}"), o.as_table()?))
+            }),
+        );
+        for (label, table) in tables {
+            for field in TOKEN_FIELDS {
+                match table.get(field) {
+                    None | Some(toml::Value::Integer(_)) => {}
+                    Some(other) => {
+                        return Err(RulesError::NotWhole {
+                            path: shown.to_owned(),
+                            rule: label,
+                            field,
+                            value: other.to_string().chars().take(80).collect(),
+                        });
+                    }
                 }
             }
         }
@@ -398,5 +607,168 @@ mod tests {
         assert!(e.to_string().contains("no [rules.NAME]"), "{e}");
         let e = Rules::from_file("/nonexistent/limits.toml").unwrap_err();
         assert!(e.to_string().contains("/nonexistent/limits.toml"), "{e}");
+    }
+
+    const WITH_OVERRIDES: &str = r#"
+        [rules."api.write"]
+        capacity = 100
+        rate = "10/s"
+        lease_max = 10
+
+        [rules."api.write".overrides."tenant-42"]
+        capacity = 5000
+        rate = "2000/s"
+        leasing = "lease"
+        lease_max = 500
+
+        [rules."api.write".overrides."sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"]
+        rate = "1/s"
+        shadow = true
+
+        [rules."api.write".overrides."user.one@example.com"]
+        capacity = 7
+    "#;
+
+    #[test]
+    fn overrides_inherit_unset_fields_and_resolve_by_subject_or_digest() {
+        let rules = Rules::from_toml(WITH_OVERRIDES).unwrap();
+        let base = rules.resolve("api.write", b"tenant-1").unwrap();
+        assert_eq!(
+            (base.capacity().get(), base.rate().per_sec_f64() as u64),
+            (100, 10)
+        );
+        let hot = rules.resolve("api.write", b"tenant-42").unwrap();
+        assert_eq!(hot.capacity().get(), 5000);
+        assert_eq!(hot.rate().per_sec_f64() as u64, 2000);
+        assert_eq!(hot.leasing(), leasehold_core::Leasing::Lease);
+        assert_eq!(hot.lease_max().get(), 500);
+        assert_eq!(hot.name().as_str(), "api.write", "same bucket namespace");
+        // "test" hashes to 9f86d0...: its override sets only the rate and shadow.
+        let hashed = rules.resolve("api.write", b"test").unwrap();
+        assert_eq!(
+            (hashed.capacity().get(), hashed.rate().per_sec_f64() as u64),
+            (100, 1)
+        );
+        assert_eq!(hashed.lease_max().get(), 10, "inherited");
+        assert!(hashed.shadow() && !base.shadow());
+        let dotted = rules.resolve("api.write", b"user.one@example.com").unwrap();
+        assert_eq!(dotted.capacity().get(), 7);
+        // The coordinator finds the same rules from the bucket keys.
+        for subject in [
+            &b"tenant-42"[..],
+            b"test",
+            b"tenant-1",
+            b"user.one@example.com",
+        ] {
+            let key = BucketKey::new(base.name(), subject).unwrap();
+            assert_eq!(
+                rules.resolve_key("api.write", &key).unwrap(),
+                rules.resolve("api.write", subject).unwrap()
+            );
+        }
+        let o = rules.overrides("api.write").unwrap();
+        assert_eq!(o.len(), 3);
+        assert!(rules.resolve("api.read", b"x").is_err());
+    }
+
+    #[test]
+    fn override_errors_name_the_rule_the_override_and_the_field() {
+        let bad = |extra: &str| {
+            Rules::from_toml(&format!(
+                "[rules.a]\ncapacity = 10\nrate = \"1/s\"\n[rules.a.overrides.\"t-1\"]\n{extra}\n"
+            ))
+            .unwrap_err()
+            .to_string()
+        };
+        let e = bad("capacity = 0");
+        assert!(e.contains("rule a override \"t-1\": capacity"), "{e}");
+        let e = bad("rate = \"fast\"");
+        assert!(e.contains("rule a override \"t-1\": rate"), "{e}");
+        let e = bad("capacty = 5");
+        assert!(e.contains("capacty"), "{e}");
+        let e = bad("capacity = 2.5");
+        assert!(
+            e.contains("override \"t-1\"") && e.contains("capacity = 2.5"),
+            "{e}"
+        );
+        let e = bad("name = \"b\"");
+        assert!(e.contains("name"), "{e}");
+        let e = bad("[rules.a.overrides.\"t-1\".overrides.x]\ncapacity = 1");
+        assert!(e.contains("overrides"), "{e}");
+        let e = Rules::from_toml(
+            "[rules.a]\ncapacity = 10\nrate = \"1/s\"\n[rules.a.overrides.\"sha256:12ab\"]\ncapacity = 1\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("override \"sha256:12ab\"") && e.contains("64 hex"),
+            "{e}"
+        );
+        // An exact subject and its digest are the same subject: ambiguous, refused.
+        let e = Rules::from_toml(
+            "[rules.a]\ncapacity = 10\nrate = \"1/s\"\n[rules.a.overrides.test]\ncapacity = 1\n\
+             [rules.a.overrides.\"sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\"]\ncapacity = 2\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("same subject"), "{e}");
+    }
+
+    #[test]
+    fn environment_reaches_overrides() {
+        let vars = vec![
+            (
+                "LEASEHOLD_RULES__API_WRITE__OVERRIDES__TENANT_42__CAPACITY".to_owned(),
+                "6000".to_owned(),
+            ),
+            (
+                "LEASEHOLD_RULES__API_WRITE__OVERRIDES__USER_ONE_EXAMPLE_COM__RATE".to_owned(),
+                "3/s".to_owned(),
+            ),
+            (
+                "LEASEHOLD_RULES__API_WRITE__RATE".to_owned(),
+                "20/s".to_owned(),
+            ),
+        ];
+        let rules = Rules::from_toml_with_env(WITH_OVERRIDES, vars).unwrap();
+        assert_eq!(
+            rules
+                .resolve("api.write", b"tenant-42")
+                .unwrap()
+                .capacity()
+                .get(),
+            6000
+        );
+        let dotted = rules.resolve("api.write", b"user.one@example.com").unwrap();
+        assert_eq!(
+            (dotted.capacity().get(), dotted.rate().per_sec_f64() as u64),
+            (7, 3)
+        );
+        assert_eq!(
+            rules
+                .resolve("api.write", b"other")
+                .unwrap()
+                .rate()
+                .per_sec_f64() as u64,
+            20
+        );
+        assert_eq!(
+            rules.overrides("api.write").unwrap().len(),
+            3,
+            "kept through the merge"
+        );
+        let e = Rules::from_toml_with_env(
+            WITH_OVERRIDES,
+            vec![(
+                "LEASEHOLD_RULES__API_WRITE__OVERRIDES__TENANT_43__CAPACITY".to_owned(),
+                "1".to_owned(),
+            )],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("no override TENANT_43") && e.contains("TENANT_42"),
+            "{e}"
+        );
     }
 }

@@ -48,7 +48,7 @@ pub(super) async fn background(
             _ = publish.tick() => {
                 let Some(inner) = inner.upgrade() else { return };
                 for e in inner.rules.load().by_name.values() {
-                    e.counters.publish(&e.name);
+                    e.base.counters.publish(&e.base.name);
                 }
                 metrics::gauge!("leasehold_keys_in_memory").set(inner.keys.len() as f64);
                 metrics::gauge!("leasehold_store_may_evict_buckets")
@@ -177,7 +177,9 @@ pub(super) async fn report(limiter: Limiter) {
 
 pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
     let rules = limiter.inner.rules.load_full();
-    if let Ok(entry) = rules.get(&ks.rule) {
+    if rules.get(&ks.rule).is_ok() {
+        let entry = ks.entry.load_full();
+        let entry = &entry;
         let mut driver = ks.driver.lock().await;
         // Checked under the key's lock, which shutdown takes after setting `shut`: a
         // refill queued before a shutdown leases nothing after it.
@@ -212,10 +214,11 @@ impl Limiter {
                 }
                 continue;
             }
-            let Ok(entry) = rules.get(&ks.rule) else {
+            if rules.get(&ks.rule).is_err() {
                 forget.push(id.clone());
                 continue;
-            };
+            }
+            let entry = ks.entry.load_full();
             let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
             };
@@ -228,7 +231,7 @@ impl Limiter {
                 ks.denied_tokens.load(Ordering::Relaxed),
                 ks.last_io_ns.load(Ordering::Relaxed),
             );
-            let (this, ks, entry) = (self.clone(), ks.clone(), entry.clone());
+            let (this, ks) = (self.clone(), ks.clone());
             match action {
                 SweepAction::Keep => {}
                 SweepAction::Idle => {

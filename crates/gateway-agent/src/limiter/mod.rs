@@ -40,7 +40,7 @@ use tokio::time::{Instant, timeout_at};
 use crate::breaker::{BreakerConfig, Breakers, Refusal};
 use crate::counters::{Counter, ErrorCounts, RuleCounters, RuleStats};
 use crate::redis_store::{ErrorKind, RedisStore, StoreConfig, StoreError};
-use crate::rules::{Rules, RulesError, UnknownRule};
+use crate::rules::{Overrides, Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
 mod background;
@@ -136,8 +136,39 @@ struct RuleEntry {
     counters: Arc<RuleCounters>,
 }
 
+impl RuleEntry {
+    fn new(rule: &Rule, counters: &Arc<RuleCounters>) -> Arc<Self> {
+        Arc::new(Self {
+            params: rule.bucket_params(),
+            rule: rule.clone(),
+            name: rule.name().as_str().into(),
+            counters: counters.clone(),
+        })
+    }
+}
+
+/// A rule's overrides, and the entry of each by its name.
+type OverrideEntries = (Overrides, FastMap<Box<str>, Arc<RuleEntry>>);
+
+/// A rule and its per-subject overrides (which share its counters).
+struct RuleSet {
+    base: Arc<RuleEntry>,
+    overrides: Option<OverrideEntries>,
+}
+
+impl RuleSet {
+    /// The entry that applies to `subject`; hashes the subject only when the rule has
+    /// `sha256:` overrides. Called on the cold path only: a key keeps its entry.
+    fn resolve(&self, subject: &[u8]) -> &Arc<RuleEntry> {
+        self.overrides
+            .as_ref()
+            .and_then(|(o, entries)| entries.get(o.resolve(subject)?.0))
+            .unwrap_or(&self.base)
+    }
+}
+
 struct RuleTable {
-    by_name: FastMap<Box<str>, Arc<RuleEntry>>,
+    by_name: FastMap<Box<str>, RuleSet>,
 }
 
 impl RuleTable {
@@ -147,21 +178,21 @@ impl RuleTable {
             let name = rule.name().as_str();
             let counters = old
                 .and_then(|t| t.by_name.get(name))
-                .map_or_else(Default::default, |e| e.counters.clone());
-            by_name.insert(
-                name.into(),
-                Arc::new(RuleEntry {
-                    params: rule.bucket_params(),
-                    rule: rule.clone(),
-                    name: name.into(),
-                    counters,
-                }),
-            );
+                .map_or_else(Default::default, |e| e.base.counters.clone());
+            let overrides = rules.overrides(name).map(|o| {
+                let entries = o
+                    .iter()
+                    .map(|(n, r)| (n.into(), RuleEntry::new(r, &counters)))
+                    .collect();
+                (o.clone(), entries)
+            });
+            let base = RuleEntry::new(rule, &counters);
+            by_name.insert(name.into(), RuleSet { base, overrides });
         }
         Self { by_name }
     }
 
-    fn get(&self, name: &str) -> Result<&Arc<RuleEntry>, UnknownRule> {
+    fn get(&self, name: &str) -> Result<&RuleSet, UnknownRule> {
         self.by_name.get(name).ok_or_else(|| UnknownRule {
             name: name.chars().take(80).collect(),
             known: {
@@ -270,10 +301,18 @@ struct KeyState {
     emergency: parking_lot::Mutex<Option<Emergency>>,
     /// Made for one decision while the key map was full; never in the map, never leased.
     transient: bool,
+    /// The rule, or the subject's override, in force for this key; replaced on reload.
+    entry: ArcSwap<RuleEntry>,
 }
 
 impl KeyState {
-    fn new(rule: &str, entry: &RuleEntry, bucket: BucketKey, now: u64, transient: bool) -> Self {
+    fn new(
+        rule: &str,
+        entry: &Arc<RuleEntry>,
+        bucket: BucketKey,
+        now: u64,
+        transient: bool,
+    ) -> Self {
         Self {
             rule: rule.into(),
             capacity: AtomicU64::new(entry.params.capacity),
@@ -296,6 +335,7 @@ impl KeyState {
             in_emergency: AtomicBool::new(false),
             emergency: parking_lot::Mutex::new(None),
             transient,
+            entry: ArcSwap::new(entry.clone()),
         }
     }
 }
@@ -585,7 +625,12 @@ impl Limiter {
         guard: &impl papaya::Guard,
     ) -> Result<Local, CheckError> {
         let rules = self.inner.rules.load();
-        let entry = rules.get(rule)?;
+        let set = rules.get(rule)?;
+        let existing = self.inner.keys.get(&KeyRef { rule, subject }, guard);
+        let entry = match existing {
+            Some(ks) => ks.entry.load_full(),
+            None => set.resolve(subject).clone(),
+        };
         let capacity = entry.params.capacity;
         if cost == 0 {
             return Err(CheckError::ZeroCost);
@@ -602,7 +647,7 @@ impl Limiter {
         }
         let now = self.now_ns();
         let keys = &self.inner.keys;
-        if let Some(ks) = keys.get(&KeyRef { rule, subject }, guard) {
+        if let Some(ks) = existing {
             // The hot path already tried the lease; only the negative cache is left.
             let until = ks.deny_until_ns.load(Ordering::Relaxed);
             if now < until {
@@ -610,7 +655,7 @@ impl Limiter {
                 ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return Ok(Local::Decided(denied(until - now)));
             }
-            return Ok(Local::NeedsStore(ks.clone(), entry.clone()));
+            return Ok(Local::NeedsStore(ks.clone(), entry));
         }
         let bucket = BucketKey::new(entry.rule.name(), subject)?;
         if keys.len() >= self.inner.config.max_keys {
@@ -618,15 +663,16 @@ impl Limiter {
             // call without keeping its state, and the sweep makes room, idle cold keys
             // first. Memory stays bounded whatever the callers send.
             self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
-            let ks = Arc::new(KeyState::new(rule, entry, bucket, now, true));
-            return Ok(Local::NeedsStore(ks, entry.clone()));
+            let ks = Arc::new(KeyState::new(rule, &entry, bucket, now, true));
+            return Ok(Local::NeedsStore(ks, entry));
         }
         let ks = keys.get_or_insert_with(
             KeyId::new(rule, subject),
-            || Arc::new(KeyState::new(rule, entry, bucket, now, false)),
+            || Arc::new(KeyState::new(rule, &entry, bucket, now, false)),
             guard,
         );
-        Ok(Local::NeedsStore(ks.clone(), entry.clone()))
+        // Another caller may have inserted it first, with the same entry.
+        Ok(Local::NeedsStore(ks.clone(), ks.entry.load_full()))
     }
 
     fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
@@ -1116,15 +1162,26 @@ impl Limiter {
         let table = Arc::new(RuleTable::new(rules, Some(&self.inner.rules.load())));
         self.inner.rules.store(table.clone());
         let guard = self.inner.keys.guard();
-        for (_, ks) in self.inner.keys.iter(&guard) {
-            let capacity = table.get(&ks.rule).map_or(0, |e| e.params.capacity);
+        for (id, ks) in self.inner.keys.iter(&guard) {
+            let capacity = match table.get(&ks.rule) {
+                Ok(set) => {
+                    let entry = set.resolve(&id.bytes[id.rule_len..]);
+                    if entry.params != ks.entry.load().params {
+                        // A cached denial was timed at the old rate.
+                        ks.deny_until_ns.store(0, Ordering::Relaxed);
+                    }
+                    ks.entry.store(entry.clone());
+                    entry.params.capacity
+                }
+                Err(_) => 0,
+            };
             ks.capacity.store(capacity, Ordering::Relaxed);
         }
     }
 
     /// Counters of one rule.
     pub fn stats(&self, rule: &str) -> Result<RuleStats, UnknownRule> {
-        Ok(self.inner.rules.load().get(rule)?.counters.stats())
+        Ok(self.inner.rules.load().get(rule)?.base.counters.stats())
     }
 
     /// Keys held in memory.
@@ -1155,18 +1212,33 @@ impl Limiter {
                 .map(|(_, v)| v.clone())
                 .collect()
         };
-        let rules = self.inner.rules.load_full();
         for ks in keys {
-            if let Ok(entry) = rules.get(&ks.rule) {
-                let mut driver = ks.driver.lock().await;
-                let _ = self.release(&ks, &mut driver, entry, true).await;
-            }
+            let entry = ks.entry.load_full();
+            let mut driver = ks.driver.lock().await;
+            let _ = self.release(&ks, &mut driver, &entry, true).await;
         }
     }
 
-    /// The rule parameters the store receives for `rule`.
+    /// The rule parameters the store receives for `rule` (for subjects without an
+    /// override).
     pub fn bucket_params(&self, rule: &str) -> Result<BucketParams, UnknownRule> {
-        Ok(self.inner.rules.load().get(rule)?.params)
+        Ok(self.inner.rules.load().get(rule)?.base.params)
+    }
+
+    /// The rule parameters the store receives for `subject` under `rule`: its override's
+    /// when it has one.
+    pub fn bucket_params_for(
+        &self,
+        rule: &str,
+        subject: impl AsRef<[u8]>,
+    ) -> Result<BucketParams, UnknownRule> {
+        Ok(self
+            .inner
+            .rules
+            .load()
+            .get(rule)?
+            .resolve(subject.as_ref())
+            .params)
     }
 }
 

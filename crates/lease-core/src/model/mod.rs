@@ -217,6 +217,18 @@ impl GlobalBucket {
         Ok(reply)
     }
 
+    /// The same bucket with its key expiring no earlier than `expire_at_ms`. Redis judges
+    /// a key's expiry by the time its command started, while a function reads `TIME`
+    /// later, so a key due to expire within that gap may still be there: an oracle
+    /// accepts either reading at that boundary.
+    pub fn alive_until(&self, expire_at_ms: u64) -> Self {
+        let mut b = self.clone();
+        if let Some(s) = &mut b.state {
+            s.expire_at_ms = s.expire_at_ms.max(expire_at_ms);
+        }
+        b
+    }
+
     /// What the bucket would hold at server time `server_now_us` if nothing were sent to
     /// it before: the same evaluation as [`GlobalBucket::apply`] without an operation.
     pub fn view_at(&self, p: &BucketParams, server_now_us: u64) -> View {

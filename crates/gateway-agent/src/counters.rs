@@ -74,9 +74,13 @@ pub enum Counter {
     LeaseReturns,
     /// Releases of tokens the agent was not spending, or held beyond its share.
     Reclaims,
+    /// Would have been denied (429), admitted because the rule is in shadow mode.
+    ShadowDenied,
+    /// Would have been refused as unavailable (503), admitted in shadow mode.
+    ShadowUnavailable,
 }
 
-const KINDS: usize = 14;
+const KINDS: usize = 16;
 
 /// The counters of one rule.
 #[derive(Debug)]
@@ -140,6 +144,8 @@ impl RuleCounters {
             lease_grants: self.get(LeaseGrants),
             lease_returns: self.get(LeaseReturns),
             reclaims: self.get(Reclaims),
+            shadow_denied: self.get(ShadowDenied),
+            shadow_unavailable: self.get(ShadowUnavailable),
         }
     }
 
@@ -154,6 +160,8 @@ impl RuleCounters {
             ("admitted_emergency", s.admitted_emergency),
             ("denied", s.denied),
             ("unavailable", s.unavailable),
+            ("shadow_denied", s.shadow_denied),
+            ("shadow_unavailable", s.shadow_unavailable),
         ] {
             metrics::counter!("leasehold_decisions_total", "rule" => rule.clone(), "outcome" => outcome)
                 .absolute(v);
@@ -237,15 +245,22 @@ pub struct RuleStats {
     pub lease_returns: u64,
     /// [`Counter::Reclaims`].
     pub reclaims: u64,
+    /// [`Counter::ShadowDenied`].
+    pub shadow_denied: u64,
+    /// [`Counter::ShadowUnavailable`].
+    pub shadow_unavailable: u64,
 }
 
 impl RuleStats {
-    /// Every admission, whatever its path.
+    /// Every admission, whatever its path (shadow mode's would-be refusals included:
+    /// they were let through).
     pub fn admitted(&self) -> u64 {
         self.admitted_lease
             + self.admitted_exact
             + self.admitted_fail_open
             + self.admitted_emergency
+            + self.shadow_denied
+            + self.shadow_unavailable
     }
 
     /// Every decision.

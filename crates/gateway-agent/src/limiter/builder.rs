@@ -75,6 +75,11 @@ pub struct LimiterConfig {
     pub breaker: BreakerConfig,
     /// Redis connection settings.
     pub store: StoreConfig,
+    /// Every rule in shadow mode: refusals are counted (`shadow_denied`,
+    /// `shadow_unavailable`) and let through. Default: the `LEASEHOLD_SHADOW`
+    /// environment variable (`1`, `true` or `yes`); rules and overrides can also set
+    /// `shadow = true` each.
+    pub shadow: bool,
 }
 
 impl LimiterConfig {
@@ -106,6 +111,8 @@ impl Default for LimiterConfig {
             sweep_every: Duration::from_millis(100),
             breaker: BreakerConfig::default(),
             store: StoreConfig::default(),
+            shadow: std::env::var("LEASEHOLD_SHADOW")
+                .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
         }
     }
 }
@@ -238,7 +245,7 @@ impl LimiterBuilder {
             agent: AgentId(self.agent.unwrap_or_else(rand::random).max(1)),
             seq: AtomicU64::new(0),
             store,
-            rules: ArcSwap::from_pointee(RuleTable::new(&rules, None)),
+            rules: ArcSwap::from_pointee(RuleTable::new(&rules, None, self.config.shadow)),
             rules_file: self.rules_file,
             rules_mtime: parking_lot::Mutex::new(None),
             keys: papaya::HashMap::builder()

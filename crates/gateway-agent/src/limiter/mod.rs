@@ -102,6 +102,9 @@ pub enum Admission {
     FailOpen,
     /// By the local emergency limit, while the store is unreachable.
     Emergency,
+    /// The rule is in shadow mode and would have refused this request (429 or 503): it
+    /// is let through and counted as `shadow_denied` or `shadow_unavailable`.
+    Shadow,
 }
 
 /// A check that can never succeed as asked. Being rate limited is not one of these.
@@ -134,16 +137,49 @@ struct RuleEntry {
     params: BucketParams,
     name: Arc<str>,
     counters: Arc<RuleCounters>,
+    /// Shadow mode: refusals are counted as such and let through.
+    shadow: bool,
+    /// What a denial (429) counts as: `Denied`, or `ShadowDenied` in shadow mode.
+    denied: Counter,
+    /// What a refusal for an unreachable store (503) counts as.
+    unavailable: Counter,
 }
 
 impl RuleEntry {
-    fn new(rule: &Rule, counters: &Arc<RuleCounters>) -> Arc<Self> {
+    fn new(rule: &Rule, counters: &Arc<RuleCounters>, shadow_all: bool) -> Arc<Self> {
+        let shadow = shadow_all || rule.shadow();
         Arc::new(Self {
             params: rule.bucket_params(),
             rule: rule.clone(),
             name: rule.name().as_str().into(),
             counters: counters.clone(),
+            shadow,
+            denied: if shadow {
+                Counter::ShadowDenied
+            } else {
+                Counter::Denied
+            },
+            unavailable: if shadow {
+                Counter::ShadowUnavailable
+            } else {
+                Counter::Unavailable
+            },
         })
+    }
+
+    /// The decision the caller gets: in shadow mode a refusal is let through (it was
+    /// counted as a shadow refusal where it was made).
+    #[inline]
+    fn enforce(&self, d: Decision) -> Decision {
+        match d {
+            Decision::Denied { .. } | Decision::Unavailable { .. } if self.shadow => {
+                Decision::Allowed {
+                    remaining: 0,
+                    via: Admission::Shadow,
+                }
+            }
+            d => d,
+        }
     }
 }
 
@@ -172,7 +208,7 @@ struct RuleTable {
 }
 
 impl RuleTable {
-    fn new(rules: &Rules, old: Option<&RuleTable>) -> Self {
+    fn new(rules: &Rules, old: Option<&RuleTable>, shadow_all: bool) -> Self {
         let mut by_name = FastMap::default();
         for rule in rules.iter() {
             let name = rule.name().as_str();
@@ -182,11 +218,11 @@ impl RuleTable {
             let overrides = rules.overrides(name).map(|o| {
                 let entries = o
                     .iter()
-                    .map(|(n, r)| (n.into(), RuleEntry::new(r, &counters)))
+                    .map(|(n, r)| (n.into(), RuleEntry::new(r, &counters, shadow_all)))
                     .collect();
                 (o.clone(), entries)
             });
-            let base = RuleEntry::new(rule, &counters);
+            let base = RuleEntry::new(rule, &counters, shadow_all);
             by_name.insert(name.into(), RuleSet { base, overrides });
         }
         Self { by_name }
@@ -494,22 +530,25 @@ impl Limiter {
     /// Checks several rules for one request (for example tenant, endpoint and global):
     /// admitted only if every rule admits. When one denies, the tokens already taken from
     /// the others are given back to their leases. The first denial or refusal is
-    /// returned.
+    /// returned; an admission reports the tightest check (least `remaining`, and how
+    /// that one was admitted).
     pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
         let mut taken: Vec<(Arc<KeyState>, u64, u64)> = Vec::with_capacity(checks.len());
+        let mut tightest: Option<(u64, Admission)> = None;
         for &(subject, rule, cost) in checks {
             let before = self.key(rule, subject);
             let epoch = before.as_ref().map(|ks| ks.lease.epoch());
             match self.check(subject, rule, cost).await {
-                Ok(Decision::Allowed {
-                    via: Admission::Lease,
-                    ..
-                }) => {
-                    if let (Some(ks), Some(epoch)) = (before, epoch) {
+                Ok(Decision::Allowed { remaining, via }) => {
+                    if tightest.is_none_or(|(r, _)| remaining < r) {
+                        tightest = Some((remaining, via));
+                    }
+                    if via == Admission::Lease
+                        && let (Some(ks), Some(epoch)) = (before, epoch)
+                    {
                         taken.push((ks, cost, epoch));
                     }
                 }
-                Ok(Decision::Allowed { .. }) => {}
                 other => {
                     // Tokens spent from local leases go back to them when the store's
                     // view still covers them. Exact and degraded admissions stay spent.
@@ -521,10 +560,8 @@ impl Limiter {
                 }
             }
         }
-        Ok(Decision::Allowed {
-            remaining: 0,
-            via: Admission::Lease,
-        })
+        let (remaining, via) = tightest.unwrap_or((0, Admission::Lease));
+        Ok(Decision::Allowed { remaining, via })
     }
 
     /// Like [`Limiter::check`], but when the bucket is empty waits (FIFO with the other
@@ -651,9 +688,9 @@ impl Limiter {
             // The hot path already tried the lease; only the negative cache is left.
             let until = ks.deny_until_ns.load(Ordering::Relaxed);
             if now < until {
-                entry.counters.incr(Counter::Denied);
+                entry.counters.incr(entry.denied);
                 ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return Ok(Local::Decided(denied(until - now)));
+                return Ok(Local::Decided(entry.enforce(denied(until - now))));
             }
             return Ok(Local::NeedsStore(ks.clone(), entry));
         }
@@ -703,6 +740,11 @@ impl Limiter {
         entry: Arc<RuleEntry>,
         cost: u64,
     ) -> Decision {
+        let d = self.consult_store(ks, entry.clone(), cost).await;
+        entry.enforce(d)
+    }
+
+    async fn consult_store(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, cost: u64) -> Decision {
         let deadline = Instant::now() + entry.rule.timeout();
         if self.inner.breakers.for_slot(ks.slot).is_open(self.now_ns()) {
             return self.degraded(&ks, &entry, cost);
@@ -719,7 +761,7 @@ impl Limiter {
         }
         let until = ks.deny_until_ns.load(Ordering::Acquire);
         if now < until {
-            entry.counters.incr(Counter::Denied);
+            entry.counters.incr(entry.denied);
             ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
             return denied(until - now);
         }
@@ -791,7 +833,7 @@ impl Limiter {
                 break;
             }
         }
-        entry.counters.incr(Counter::Denied);
+        entry.counters.incr(entry.denied);
         ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
         let until = ks.deny_until_ns.load(Ordering::Acquire);
@@ -834,7 +876,7 @@ impl Limiter {
         } else {
             let wait = reply.retry_us.max(1) * 1000;
             ks.deny_until_ns.store(now + wait, Ordering::Release);
-            entry.counters.incr(Counter::Denied);
+            entry.counters.incr(entry.denied);
             ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
             Ok(denied(wait))
         }
@@ -1092,7 +1134,7 @@ impl Limiter {
                 }
             }
             FailurePolicy::FailClosed => {
-                c.incr(Counter::Unavailable);
+                c.incr(entry.unavailable);
                 Decision::Unavailable {
                     retry_after: self.inner.breakers.for_slot(ks.slot).retry_in(now),
                 }
@@ -1135,7 +1177,7 @@ impl Limiter {
                         via: Admission::Emergency,
                     }
                 } else {
-                    c.incr(Counter::Denied);
+                    c.incr(entry.denied);
                     denied(e.level.time_until(cost.min(e.cap), e.rate) * 1000)
                 }
             }
@@ -1159,7 +1201,11 @@ impl Limiter {
 
     /// Replaces the rules with ones built in code.
     pub fn set_rules(&self, rules: &Rules) {
-        let table = Arc::new(RuleTable::new(rules, Some(&self.inner.rules.load())));
+        let table = Arc::new(RuleTable::new(
+            rules,
+            Some(&self.inner.rules.load()),
+            self.inner.config.shadow,
+        ));
         self.inner.rules.store(table.clone());
         let guard = self.inner.keys.guard();
         for (id, ks) in self.inner.keys.iter(&guard) {

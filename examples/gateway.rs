@@ -21,7 +21,7 @@ use axum::extract::ConnectInfo;
 use axum::routing::any;
 use clap::Parser;
 use leasehold::agent::Limiter;
-use leasehold::agent::http::{Check, RateLimitLayer};
+use leasehold::agent::http::{Check, Checks, RateLimitLayer};
 
 #[derive(Parser)]
 struct Args {
@@ -40,6 +40,10 @@ struct Args {
     /// The rule applied per client address to requests without an API key.
     #[arg(long)]
     ip_rule: Option<String>,
+    /// A rule every write (POST, PUT, PATCH, DELETE) also passes, per API key and path:
+    /// a second check, all or nothing with the first.
+    #[arg(long)]
+    write_rule: Option<String>,
     /// Serve Prometheus metrics here.
     #[arg(long)]
     metrics: Option<SocketAddr>,
@@ -82,35 +86,41 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     }
     let limiter = builder.build().await?;
     // Every rule the gateway will check must exist now, not answer 500 at each request.
-    for rule in std::iter::once(&args.rule).chain(args.ip_rule.as_ref()) {
+    for rule in std::iter::once(&args.rule)
+        .chain(args.ip_rule.as_ref())
+        .chain(args.write_rule.as_ref())
+    {
         limiter
             .bucket_params(rule)
             .map_err(|e| format!("--rule {rule}: {e}"))?;
     }
-    let (rule, ip_rule) = (args.rule.clone(), args.ip_rule.clone());
-    let layer = RateLimitLayer::new(limiter.clone(), move |headers, ext| {
+    // Rule names are read once here; each request clones an Arc, never a String.
+    let rule: std::sync::Arc<str> = args.rule.as_str().into();
+    let ip_rule: Option<std::sync::Arc<str>> = args.ip_rule.as_deref().map(Into::into);
+    let write_rule: Option<std::sync::Arc<str>> = args.write_rule.as_deref().map(Into::into);
+    let layer = RateLimitLayer::new(limiter.clone(), move |req: &axum::http::request::Parts| {
         // Every x-api-key header counts: with several, the subject is all of them, so a
         // second header cannot pick whose budget a request spends.
-        let mut keys = headers.get_all("x-api-key").iter();
+        let mut keys = req.headers.get_all("x-api-key").iter();
         if let Some(first) = keys.next() {
             let mut subject = first.as_bytes().to_vec();
             for k in keys {
                 subject.push(b',');
                 subject.extend_from_slice(k.as_bytes());
             }
-            return Some(Check {
-                rule: rule.clone(),
-                subject,
-                cost: 1,
-            });
+            let mut checks = Checks::none().and(Check::new(&rule, &subject, 1));
+            if let Some(w) = &write_rule
+                && !req.method.is_safe()
+            {
+                subject.push(b' ');
+                subject.extend_from_slice(req.uri.path().as_bytes());
+                checks.push(Check::new(w, &subject, 1));
+            }
+            return Some(checks);
         }
         let ip_rule = ip_rule.as_ref()?;
-        let ConnectInfo(peer) = ext.get::<ConnectInfo<SocketAddr>>()?;
-        Some(Check {
-            rule: ip_rule.clone(),
-            subject: peer.ip().to_string().into_bytes(),
-            cost: 1,
-        })
+        let ConnectInfo(peer) = req.extensions.get::<ConnectInfo<SocketAddr>>()?;
+        Some(Check::new(ip_rule, peer.ip().to_string(), 1).into())
     });
     let app = Router::new()
         .route("/", any(|| async { "ok\n" }))

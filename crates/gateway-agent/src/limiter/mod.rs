@@ -132,10 +132,13 @@ pub enum CheckError {
     Subject(#[from] SubjectError),
 }
 
-struct RuleEntry {
+pub(crate) struct RuleEntry {
     rule: Rule,
-    params: BucketParams,
-    name: Arc<str>,
+    pub(crate) params: BucketParams,
+    pub(crate) name: Arc<str>,
+    /// This rule's `RateLimit-Policy` item, `"NAME";q=B;w=SECONDS` (W: the seconds an
+    /// empty bucket takes to fill), made once so a response needs no formatting.
+    pub(crate) policy: bytes::Bytes,
     counters: Arc<RuleCounters>,
     /// Shadow mode: refusals are counted as such and let through.
     shadow: bool,
@@ -148,7 +151,13 @@ struct RuleEntry {
 impl RuleEntry {
     fn new(rule: &Rule, counters: &Arc<RuleCounters>, shadow_all: bool) -> Arc<Self> {
         let shadow = shadow_all || rule.shadow();
+        let p = rule.bucket_params();
+        let w = (u128::from(p.capacity) * u128::from(p.rate.period_us()))
+            .div_ceil(u128::from(p.rate.tokens()) * 1_000_000)
+            .max(1);
+        let policy = format!("\"{}\";q={};w={w}", rule.name(), p.capacity);
         Arc::new(Self {
+            policy: policy.into(),
             params: rule.bucket_params(),
             rule: rule.clone(),
             name: rule.name().as_str().into(),
@@ -533,15 +542,31 @@ impl Limiter {
     /// returned; an admission reports the tightest check (least `remaining`, and how
     /// that one was admitted).
     pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
+        let mut each = smallvec::SmallVec::new();
+        Ok(self.check_all_at(checks, &mut each).await?.0)
+    }
+
+    /// [`Limiter::check_all`], with the index of the check that decided (the refusing
+    /// one, or the tightest admission) and each check's own decision in `each`.
+    pub(crate) async fn check_all_at(
+        &self,
+        checks: &[(&[u8], &str, u64)],
+        each: &mut smallvec::SmallVec<[Decision; 2]>,
+    ) -> Result<(Decision, usize), CheckError> {
+        each.clear();
         let mut taken: Vec<(Arc<KeyState>, u64, u64)> = Vec::with_capacity(checks.len());
-        let mut tightest: Option<(u64, Admission)> = None;
-        for &(subject, rule, cost) in checks {
+        let mut tightest: Option<(u64, Admission, usize)> = None;
+        for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
             let before = self.key(rule, subject);
             let epoch = before.as_ref().map(|ks| ks.lease.epoch());
-            match self.check(subject, rule, cost).await {
+            let decided = self.check(subject, rule, cost).await;
+            if let Ok(d) = decided {
+                each.push(d);
+            }
+            match decided {
                 Ok(Decision::Allowed { remaining, via }) => {
-                    if tightest.is_none_or(|(r, _)| remaining < r) {
-                        tightest = Some((remaining, via));
+                    if tightest.is_none_or(|(r, _, _)| remaining < r) {
+                        tightest = Some((remaining, via, i));
                     }
                     if via == Admission::Lease
                         && let (Some(ks), Some(epoch)) = (before, epoch)
@@ -556,12 +581,12 @@ impl Limiter {
                         let _driver = ks.driver.lock().await;
                         ks.lease.refund(cost, epoch);
                     }
-                    return other;
+                    return other.map(|d| (d, i));
                 }
             }
         }
-        let (remaining, via) = tightest.unwrap_or((0, Admission::Lease));
-        Ok(Decision::Allowed { remaining, via })
+        let (remaining, via, i) = tightest.unwrap_or((0, Admission::Lease, 0));
+        Ok((Decision::Allowed { remaining, via }, i))
     }
 
     /// Like [`Limiter::check`], but when the bucket is empty waits (FIFO with the other
@@ -634,6 +659,89 @@ impl Limiter {
             return Ok(Local::Decided(d));
         }
         self.look_up(subject, rule, cost, &guard)
+    }
+
+    /// For the HTTP layer: decides every check without waiting, all or nothing, or
+    /// `None` when one of them needs the store (tokens taken by the others go back to
+    /// their leases first, or are dropped if the lock that guards that is busy: that
+    /// only under-admits). Each decided check comes with the entry that decided it.
+    #[cfg(feature = "tower")]
+    pub(crate) fn try_check_all_now(
+        &self,
+        checks: &[crate::http::Check],
+        decided: &mut smallvec::SmallVec<[(Decision, Arc<RuleEntry>); 2]>,
+    ) -> Result<bool, CheckError> {
+        decided.clear();
+        let mut taken: smallvec::SmallVec<[(Arc<KeyState>, u64, u64); 2]> =
+            smallvec::SmallVec::new();
+        let give_back = |taken: &mut smallvec::SmallVec<[(Arc<KeyState>, u64, u64); 2]>| {
+            for (ks, cost, epoch) in taken.drain(..) {
+                if let Ok(_driver) = ks.driver.try_lock() {
+                    ks.lease.refund(cost, epoch);
+                }
+            }
+        };
+        for c in checks {
+            let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
+            let keys = &self.inner.keys;
+            let guard = keys.guard();
+            // The hot path, as in `check`: a live key whose lease covers the cost.
+            if let Some(ks) = keys.get(&KeyRef { rule, subject }, &guard)
+                && cost != 0
+                && cost <= ks.capacity.load(Ordering::Relaxed)
+                && ks.hot.load(Ordering::Relaxed)
+            {
+                let epoch = ks.lease.epoch();
+                if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
+                    taken.push((ks.clone(), cost, epoch));
+                    decided.push((d, ks.entry.load_full()));
+                    continue;
+                }
+            }
+            let looked = self.look_up(subject, rule, cost, &guard);
+            match looked {
+                Ok(Local::Decided(d)) => {
+                    let entry = self.key(rule, subject).map(|ks| ks.entry.load_full());
+                    let entry = match entry {
+                        Some(e) => e,
+                        None => self.inner.rules.load().get(rule)?.resolve(subject).clone(),
+                    };
+                    let refused = !matches!(d, Decision::Allowed { .. });
+                    decided.push((d, entry));
+                    if refused {
+                        give_back(&mut taken);
+                        return Ok(true);
+                    }
+                }
+                Ok(Local::NeedsStore(..)) => {
+                    give_back(&mut taken);
+                    decided.clear();
+                    return Ok(false);
+                }
+                Err(e) => {
+                    give_back(&mut taken);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The entry in force for `subject` under `rule` (its key's, or the rule table's).
+    #[cfg(feature = "tower")]
+    pub(crate) fn entry_for(&self, rule: &str, subject: &[u8]) -> Option<Arc<RuleEntry>> {
+        if let Some(ks) = self.key(rule, subject) {
+            return Some(ks.entry.load_full());
+        }
+        Some(
+            self.inner
+                .rules
+                .load()
+                .get(rule)
+                .ok()?
+                .resolve(subject)
+                .clone(),
+        )
     }
 
     /// Takes `cost` from the key's lease; below the low-water mark, asks the background

@@ -138,6 +138,7 @@ pub(crate) struct RuleEntry {
     pub(crate) name: Arc<str>,
     /// This rule's `RateLimit-Policy` item, `"NAME";q=B;w=SECONDS` (W: the seconds an
     /// empty bucket takes to fill), made once so a response needs no formatting.
+    #[cfg_attr(not(feature = "tower"), expect(dead_code, reason = "read by the tower layer"))]
     pub(crate) policy: bytes::Bytes,
     counters: Arc<RuleCounters>,
     /// Shadow mode: refusals are counted as such and let through.

@@ -32,43 +32,69 @@ struct Cli {
     log_format: leasehold::coordinator::cli::LogFormat,
 }
 
+/// A baseline `simulate` runs after Leasehold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Baseline {
+    /// The naive per-request Lua token bucket.
+    Naive,
+    /// governor, in process (a local limit per agent).
+    Governor,
+    /// No baseline.
+    None,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Runs the coordinator: accounting of admitted tokens against each key's bound,
     /// hot-key splitting, and the admin endpoint (health, metrics, JSON views of keys).
     Coordinator(leasehold::coordinator::cli::Args),
+    /// Serves the Envoy rate limit service v3 over gRPC (envoyproxy/ratelimit's YAML
+    /// configuration as it is) and an HTTP check API (JSON, and a GET form for nginx
+    /// auth_request), with /metrics and /health.
+    Serve(leasehold_serve::cli::Args),
     /// Runs agents against a global store under a workload and reports Leasehold, the
     /// naive per-request Lua bucket and governor side by side.
     Simulate {
         /// A built-in scenario: steady, burst, hot-key, zipf, shifting, agent-crash,
         /// redis-down, failover, cluster.
-        #[arg(long, default_value = "hot-key", conflicts_with = "scenario_file")]
+        #[arg(
+            long,
+            default_value = "hot-key",
+            conflicts_with = "scenario_file",
+            env = "LEASEHOLD_SCENARIO"
+        )]
         scenario: String,
         /// A scenario file (TOML; see `src/simulate/scenario.rs`).
-        #[arg(long)]
+        #[arg(long, env = "LEASEHOLD_SCENARIO_FILE")]
         scenario_file: Option<PathBuf>,
         /// embedded | spawn (a private redis-server) | spawn-replica | cluster-spawn |
         /// redis://HOST:PORT | cluster://HOST:PORT,HOST:PORT. Default: the scenario's
         /// store, else embedded.
-        #[arg(long)]
+        #[arg(long, env = "LEASEHOLD_STORE")]
         store: Option<simulate::StoreChoice>,
         /// Agents (gateways); default: the scenario's.
-        #[arg(long)]
+        #[arg(long, env = "LEASEHOLD_AGENTS")]
         agents: Option<usize>,
         /// Seconds each system runs.
-        #[arg(long, default_value_t = 6.0)]
+        #[arg(long, default_value_t = 6.0, env = "LEASEHOLD_DURATION")]
         duration: f64,
-        /// Baselines to run after Leasehold: naive, governor (comma-separated), or none.
-        #[arg(long, default_value = "naive,governor")]
-        compare: String,
+        /// Baselines to run after Leasehold (comma-separated).
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "naive,governor",
+            env = "LEASEHOLD_COMPARE"
+        )]
+        compare: Vec<Baseline>,
         /// Write the JSON report here.
-        #[arg(long)]
+        #[arg(long, env = "LEASEHOLD_JSON")]
         json: Option<PathBuf>,
         /// Write an SVG plot of admitted rate vs the limit here.
-        #[arg(long)]
+        #[arg(long, env = "LEASEHOLD_PLOT")]
         plot: Option<PathBuf>,
         /// Random seed of the workload.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, env = "LEASEHOLD_SEED")]
         seed: u64,
     },
     /// Runs the fault matrix under HTTP load against the example gateway (private
@@ -76,21 +102,26 @@ enum Command {
     /// table row per fault. `scripts/chaos` builds what it needs and runs it.
     Chaos {
         /// The example gateway binary (`cargo build --release --example gateway`).
-        #[arg(long, default_value = "target/release/examples/gateway")]
+        #[arg(
+            long,
+            default_value = "target/release/examples/gateway",
+            env = "LEASEHOLD_GATEWAY"
+        )]
         gateway: PathBuf,
         /// Distinct API keys in the flood.
-        #[arg(long, default_value_t = 1_000_000)]
+        #[arg(long, default_value_t = 1_000_000, env = "LEASEHOLD_FLOOD_KEYS")]
         flood_keys: u64,
         /// Seconds each fault holds before it is cleared.
-        #[arg(long, default_value_t = 3.0)]
+        #[arg(long, default_value_t = 3.0, env = "LEASEHOLD_HOLD")]
         hold: f64,
         /// Seconds each phase is watched after the fault is cleared.
-        #[arg(long, default_value_t = 4.0)]
+        #[arg(long, default_value_t = 4.0, env = "LEASEHOLD_WATCH")]
         watch: f64,
     },
     /// Reads a rules file, validates every rule and prints what each one means.
     CheckConfig {
         /// The TOML rules file (`[rules.NAME]` tables).
+        #[arg(env = "LEASEHOLD_CONFIG")]
         file: PathBuf,
     },
 }
@@ -98,7 +129,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.command {
-        Command::Coordinator(_) => "info",
+        Command::Coordinator(_) | Command::Serve(_) => "info",
         _ => "warn",
     };
     leasehold::coordinator::cli::init_logging(cli.log_format, level);
@@ -111,8 +142,7 @@ fn main() -> ExitCode {
             watch,
         } => {
             if !(hold.is_finite() && watch.is_finite() && hold >= 0.0 && watch >= 1.0) {
-                eprintln!("error: --hold must be >= 0 and --watch >= 1 (seconds)");
-                return ExitCode::FAILURE;
+                return usage("--hold must be >= 0 and --watch >= 1 (seconds)");
             }
             match chaos::run(chaos::Options {
                 gateway,
@@ -128,6 +158,7 @@ fn main() -> ExitCode {
             }
         }
         Command::Coordinator(args) => coordinator(args),
+        Command::Serve(args) => serve(args),
         Command::Simulate {
             scenario,
             scenario_file,
@@ -145,34 +176,34 @@ fn main() -> ExitCode {
             };
             let mut scenario = match scenario {
                 Ok(s) => s,
-                Err(e) => return fail(&e),
+                Err(e) => return usage(&e),
             };
             if let Some(n) = agents {
                 scenario.agents = n;
             }
             if !(duration > 0.0 && duration <= 3600.0) {
-                return fail(&format!(
+                return usage(&format!(
                     "--duration {duration}: must be in (0, 3600] seconds"
                 ));
             }
-            let compare: Vec<String> = compare
-                .split(',')
-                .map(str::trim)
-                .filter(|c| !c.is_empty() && *c != "none")
-                .map(str::to_owned)
-                .collect();
-            if let Some(bad) = compare
-                .iter()
-                .find(|c| !matches!(c.as_str(), "naive" | "governor"))
-            {
-                return fail(&format!("--compare {bad:?}: naive, governor or none"));
+            let mut names: Vec<String> = Vec::new();
+            for b in compare {
+                let name = match b {
+                    Baseline::Naive => "naive",
+                    Baseline::Governor => "governor",
+                    Baseline::None => continue,
+                };
+                if !names.iter().any(|n| n == name) {
+                    names.push(name.to_owned());
+                }
             }
+            let compare = names;
             let store = match store {
                 Some(store) => store,
                 None => match scenario.store.as_deref().map(str::parse) {
                     Some(Ok(store)) => store,
                     Some(Err(e)) => {
-                        return fail(&format!("scenario {}: store: {e}", scenario.name));
+                        return usage(&format!("scenario {}: store: {e}", scenario.name));
                     }
                     None => simulate::StoreChoice::Embedded,
                 },
@@ -205,6 +236,20 @@ fn main() -> ExitCode {
     }
 }
 
+fn serve(args: leasehold_serve::cli::Args) -> ExitCode {
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => return fail(&format!("tokio runtime: {e}")),
+    };
+    let done = rt.block_on(leasehold_serve::cli::run(args, async {
+        let _ = tokio::signal::ctrl_c().await;
+    }));
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
 fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -219,7 +264,15 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
     }
 }
 
+/// A runtime error (a store unreachable, a refused config file, a port taken): exit 1.
 fn fail(message: &str) -> ExitCode {
+    eprintln!("error: {message}");
+    ExitCode::FAILURE
+}
+
+/// A usage error (a flag's value out of range, an unknown scenario): exit 2, as clap
+/// exits for the flags it refuses itself.
+fn usage(message: &str) -> ExitCode {
     eprintln!("error: {message}");
     ExitCode::from(2)
 }
@@ -255,7 +308,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
         Ok(rules) => rules,
         Err(e) => {
             eprintln!("error: {e}");
-            return ExitCode::from(2);
+            return ExitCode::FAILURE;
         }
     };
     println!(

@@ -19,16 +19,16 @@ pub struct Args {
     #[command(flatten)]
     pub store: StoreArgs,
     /// The rules file the agents use.
-    #[arg(long)]
+    #[arg(long, env = "LEASEHOLD_CONFIG")]
     pub config: PathBuf,
     /// Where to serve the admin endpoint (keep it on loopback unless fronted).
-    #[arg(long, default_value = "127.0.0.1:9470")]
+    #[arg(long, default_value = "127.0.0.1:9470", env = "LEASEHOLD_LISTEN")]
     pub listen: std::net::SocketAddr,
     /// Split a key whose store calls exceed this many per second (its per-shard budget).
-    #[arg(long, default_value_t = 5000.0)]
+    #[arg(long, default_value_t = 5000.0, env = "LEASEHOLD_SPLIT_ABOVE")]
     pub split_above: f64,
     /// Seconds each extension of a split's term adds.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, env = "LEASEHOLD_TERM")]
     pub term: u64,
 }
 

@@ -19,7 +19,7 @@ fn main() -> std::process::ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: tokio runtime: {e}");
-            return std::process::ExitCode::from(2);
+            return std::process::ExitCode::FAILURE;
         }
     };
     let done = rt.block_on(leasehold_coordinator::cli::run(cli.args, async {
@@ -29,7 +29,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            std::process::ExitCode::from(2)
+            std::process::ExitCode::FAILURE
         }
     }
 }

@@ -476,8 +476,8 @@ where
         .iter()
         .map(|c| (c.subject(), c.rule(), c.cost()))
         .collect();
-    let mut each = SmallVec::new();
-    let (decision, at) = match limiter.check_all_at(&list, &mut each).await {
+    let mut each = Vec::new();
+    let (decision, at) = match limiter.check_all_each(&list, &mut each).await {
         Ok(decided) => decided,
         Err(e) => {
             let rule = checks.iter().next().map_or("", Check::rule);

@@ -18,7 +18,7 @@ pub struct StoreArgs {
     pub redis: Option<String>,
     /// Read the store's address from the first line of this file (it wins over --redis
     /// and LEASEHOLD_REDIS_URL), so a password stays off the command line.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "LEASEHOLD_REDIS_URL_FILE")]
     pub redis_url_file: Option<PathBuf>,
     /// PEM file of the CA that signed the server's TLS certificate (default: the
     /// system's trust store).

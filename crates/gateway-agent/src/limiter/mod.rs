@@ -138,7 +138,10 @@ pub(crate) struct RuleEntry {
     pub(crate) name: Arc<str>,
     /// This rule's `RateLimit-Policy` item, `"NAME";q=B;w=SECONDS` (W: the seconds an
     /// empty bucket takes to fill), made once so a response needs no formatting.
-    #[cfg_attr(not(feature = "tower"), expect(dead_code, reason = "read by the tower layer"))]
+    #[cfg_attr(
+        not(feature = "tower"),
+        expect(dead_code, reason = "read by the tower layer")
+    )]
     pub(crate) policy: bytes::Bytes,
     counters: Arc<RuleCounters>,
     /// Shadow mode: refusals are counted as such and let through.
@@ -543,16 +546,17 @@ impl Limiter {
     /// returned; an admission reports the tightest check (least `remaining`, and how
     /// that one was admitted).
     pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
-        let mut each = smallvec::SmallVec::new();
-        Ok(self.check_all_at(checks, &mut each).await?.0)
+        let mut each = Vec::new();
+        Ok(self.check_all_each(checks, &mut each).await?.0)
     }
 
-    /// [`Limiter::check_all`], with the index of the check that decided (the refusing
-    /// one, or the tightest admission) and each check's own decision in `each`.
-    pub(crate) async fn check_all_at(
+    /// [`Limiter::check_all`], also giving the index of the check that decided (the
+    /// refusing one, or the tightest admission) and, in `each`, the decision of every
+    /// check made (up to and including a refusal; the ones before it were given back).
+    pub async fn check_all_each(
         &self,
         checks: &[(&[u8], &str, u64)],
-        each: &mut smallvec::SmallVec<[Decision; 2]>,
+        each: &mut Vec<Decision>,
     ) -> Result<(Decision, usize), CheckError> {
         each.clear();
         let mut taken: Vec<(Arc<KeyState>, u64, u64)> = Vec::with_capacity(checks.len());

@@ -1,0 +1,208 @@
+//! `leasehold serve`: flags, start-up and reloads.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use leasehold_agent::{Limiter, LimiterConfig};
+use leasehold_store::{Rules, StoreArgs};
+
+use crate::config::Domains;
+
+/// Serves the Envoy rate limit service (gRPC) and the HTTP check API from one limiter.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Args {
+    /// The limits: envoyproxy/ratelimit YAML (a `.yaml`/`.yml` file, or a directory of
+    /// them, one domain each), or a Leasehold rules file (TOML; HTTP API only).
+    /// Reloaded when it changes and on SIGHUP.
+    #[arg(long, env = "LEASEHOLD_CONFIG")]
+    pub config: PathBuf,
+    /// The store (default: embedded, in this process).
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Serve the Envoy rate limit service v3 (gRPC) here.
+    #[arg(long, env = "LEASEHOLD_GRPC", value_name = "ADDR")]
+    pub grpc: Option<SocketAddr>,
+    /// Serve the HTTP check API, /metrics and /health here.
+    #[arg(long, env = "LEASEHOLD_HTTP", value_name = "ADDR")]
+    pub http: Option<SocketAddr>,
+}
+
+/// The limits a config file gives: the domains (YAML) and the rules.
+fn load(path: &Path) -> Result<(Domains, Rules), String> {
+    let yaml = path.is_dir()
+        || matches!(
+            path.extension().and_then(|x| x.to_str()),
+            Some("yaml" | "yml")
+        );
+    if yaml {
+        let domains = Domains::from_path(path).map_err(|e| e.to_string())?;
+        let rules = domains.rules();
+        Ok((domains, rules))
+    } else {
+        let rules = Rules::from_file(path).map_err(|e| e.to_string())?;
+        Ok((Domains::default(), rules))
+    }
+}
+
+/// The newest modification time under `path` (a file, or the files of a directory).
+fn modified(path: &Path) -> Option<SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    if !meta.is_dir() {
+        return meta.modified().ok();
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .chain(meta.modified().ok())
+        .max()
+}
+
+/// Installs a Prometheus recorder as the process's global recorder (once per process;
+/// later calls return the same handle), with the agent's help text and histogram
+/// buckets. Call it inside a tokio runtime: a task runs the recorder's upkeep.
+pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    static HANDLE: std::sync::OnceLock<
+        Result<metrics_exporter_prometheus::PrometheusHandle, String>,
+    > = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Suffix("_seconds".into()),
+                    leasehold_agent::telemetry::TIME_BUCKETS,
+                )
+                .map_err(|e| e.to_string())?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
+            leasehold_agent::telemetry::describe();
+            let upkeep = handle.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    tick.tick().await;
+                    upkeep.run_upkeep();
+                }
+            });
+            Ok(handle)
+        })
+        .clone()
+}
+
+/// Runs until `shutdown` completes. Errors name what is wrong (config, store, address).
+pub async fn run(
+    args: Args,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    if args.grpc.is_none() && args.http.is_none() {
+        return Err("nothing to serve: give --grpc ADDR, --http ADDR or both".into());
+    }
+    let (domains, rules) = load(&args.config).map_err(|e| format!("--config {e}"))?;
+    if args.grpc.is_some() && domains.domain_names().is_empty() {
+        return Err(format!(
+            "--grpc needs envoyproxy/ratelimit YAML (a .yaml file or a directory of them); {} is a Leasehold rules file",
+            args.config.display()
+        ));
+    }
+    let mut builder = Limiter::builder().rules(rules);
+    builder = match args.store.address()? {
+        None => builder.embedded(),
+        Some(a) if a == "embedded" => builder.embedded(),
+        Some(address) => builder.redis(address).config({
+            let mut c = LimiterConfig::default();
+            c.store = args.store.config();
+            c
+        }),
+    };
+    let metrics = install_prometheus()?;
+    let limiter = builder.build().await.map_err(|e| e.to_string())?;
+    let domains = Arc::new(ArcSwap::from_pointee(domains));
+    let grpc = match args.grpc {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("--grpc {addr}: {e}"))?,
+        ),
+        None => None,
+    };
+    let http = match args.http {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("--http {addr}: {e}"))?,
+        ),
+        None => None,
+    };
+    for (what, l) in [
+        ("envoy rate limit service (gRPC)", &grpc),
+        ("http check API", &http),
+    ] {
+        if let Some(l) = l {
+            let addr = l.local_addr().map_err(|e| e.to_string())?;
+            println!("{what} on {addr}");
+        }
+    }
+    let reloading = tokio::spawn(reload(
+        limiter.clone(),
+        domains.clone(),
+        args.config.clone(),
+    ));
+    let served = crate::serve(
+        limiter.clone(),
+        domains,
+        grpc,
+        http,
+        Some(metrics),
+        shutdown,
+    )
+    .await;
+    reloading.abort();
+    limiter.shutdown().await;
+    served
+}
+
+/// Reads the config again when it changes (checked every second) or on SIGHUP; a
+/// config that fails validation is refused, logged, and the limits in force stay.
+async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf) {
+    let mut seen = modified(&path);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    loop {
+        #[cfg(unix)]
+        let hangup = async {
+            match hup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hangup = std::future::pending::<()>();
+        tokio::select! {
+            _ = tick.tick() => {
+                let now = modified(&path);
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+            }
+            () = hangup => {}
+        }
+        match load(&path) {
+            Ok((d, rules)) => {
+                limiter.set_rules(&rules);
+                domains.store(Arc::new(d));
+                tracing::info!(rules = rules.len(), path = %path.display(), "limits reloaded");
+            }
+            Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
+        }
+    }
+}

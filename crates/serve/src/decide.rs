@@ -1,0 +1,197 @@
+//! One `ShouldRateLimit` call, independent of gRPC: match every descriptor to its limit,
+//! drop replaced limits, and check the rest together, all or nothing.
+
+use std::time::Duration;
+
+use leasehold_agent::{CheckError, Decision, Limiter};
+
+use crate::config::{Action, Domains, Limit, Unit};
+
+/// The answer for one descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// Over the limit (not in shadow mode).
+    pub over_limit: bool,
+    /// The limit applied, if any: requests per unit, unit, name.
+    pub limit: Option<(u32, Unit, Option<String>)>,
+    /// What is left (`u32::MAX` when unlimited or no limit).
+    pub remaining: u32,
+    /// When the tokens asked for exist again (over the limit), or when the bucket is
+    /// full again (OK).
+    pub reset: Option<Duration>,
+}
+
+/// The answer for a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Verdict {
+    /// Some descriptor is over its limit.
+    pub over_limit: bool,
+    /// Per descriptor, in the request's order.
+    pub statuses: Vec<Status>,
+    /// Headers for Envoy to add to the response: `retry-after` when over the limit,
+    /// `ratelimit-policy` and `ratelimit` for the tightest limit.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+/// Why a request could not be decided.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecideError {
+    /// No such domain in the configuration.
+    #[error("unknown domain {0:?}")]
+    UnknownDomain(String),
+    /// The request has no descriptor, or an empty one.
+    #[error("{0}")]
+    Invalid(String),
+    /// The limiter refused a check (a cost above a capacity, say).
+    #[error(transparent)]
+    Check(#[from] CheckError),
+}
+
+/// One descriptor of a request: its entries and what it costs.
+#[derive(Clone, Debug)]
+pub struct Descriptor<'a> {
+    /// `(key, value)` entries, in order.
+    pub entries: Vec<(&'a str, &'a str)>,
+    /// Tokens (the descriptor's `hits_addend`, else the request's, else 1).
+    pub hits: u64,
+}
+
+/// Decides a request of `domain` with `descriptors`.
+pub async fn decide(
+    limiter: &Limiter,
+    domains: &Domains,
+    domain: &str,
+    descriptors: &[Descriptor<'_>],
+) -> Result<Verdict, DecideError> {
+    if domain.is_empty() {
+        return Err(DecideError::Invalid("domain must not be empty".into()));
+    }
+    if descriptors.is_empty() {
+        return Err(DecideError::Invalid(
+            "descriptor list must not be empty".into(),
+        ));
+    }
+    if !domains.has_domain(domain) {
+        return Err(DecideError::UnknownDomain(
+            domain.chars().take(80).collect(),
+        ));
+    }
+    let matched: Vec<_> = descriptors
+        .iter()
+        .map(|d| domains.find(domain, &d.entries))
+        .collect();
+    let replaced: Vec<&str> = matched
+        .iter()
+        .flatten()
+        .flat_map(|m| m.limit.replaces.iter().map(String::as_str))
+        .collect();
+    let applies = |l: &Limit| l.name.as_deref().is_none_or(|n| !replaced.contains(&n));
+    let mut statuses: Vec<Status> = matched
+        .iter()
+        .map(|m| Status {
+            over_limit: false,
+            limit: m
+                .as_ref()
+                .filter(|m| applies(m.limit) && m.limit.action != Action::Unlimited)
+                .and_then(|m| {
+                    Some((
+                        m.limit.requests_per_unit,
+                        m.limit.unit?,
+                        m.limit.name.clone(),
+                    ))
+                }),
+            remaining: u32::MAX,
+            reset: None,
+        })
+        .collect();
+    // The descriptors to check in the store, with their index.
+    let mut checks: Vec<(usize, &str, &[u8], u64)> = Vec::new();
+    for (i, m) in matched.iter().enumerate() {
+        let Some(m) = m else { continue };
+        if !applies(m.limit) {
+            continue;
+        }
+        metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => m.metric_key.clone())
+            .increment(1);
+        match &m.limit.action {
+            Action::Unlimited => {}
+            Action::DenyAll => {
+                if m.limit.shadow {
+                    metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned()).increment(1);
+                } else {
+                    statuses[i].over_limit = true;
+                    statuses[i].remaining = 0;
+                }
+            }
+            Action::Rule(rule) => {
+                checks.push((i, rule.as_str(), m.subject.as_bytes(), descriptors[i].hits))
+            }
+        }
+    }
+    let denied_already = statuses.iter().any(|s| s.over_limit);
+    if !checks.is_empty() && !denied_already {
+        let list: Vec<(&[u8], &str, u64)> = checks.iter().map(|c| (c.2, c.1, c.3)).collect();
+        let mut each = Default::default();
+        let (decision, at) = limiter.check_all_each(&list, &mut each).await?;
+        for (k, d) in each.iter().enumerate() {
+            let (i, rule, subject, _) = checks[k];
+            let s = &mut statuses[i];
+            match *d {
+                Decision::Allowed { remaining, .. } => {
+                    s.remaining = remaining.min(u64::from(u32::MAX)) as u32;
+                    s.reset = limiter.bucket_params_for(rule, subject).ok().map(|p| {
+                        refill_time(
+                            p.capacity.saturating_sub(remaining),
+                            p.rate.period_us(),
+                            p.rate.tokens(),
+                        )
+                    });
+                }
+                Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
+                    s.over_limit = true;
+                    s.remaining = 0;
+                    s.reset = Some(retry_after);
+                }
+            }
+        }
+        let _ = (decision, at);
+    }
+    let over_limit = statuses.iter().any(|s| s.over_limit);
+    let mut headers = Vec::new();
+    // The tightest limit: the refused one, else the one with the least left.
+    let tightest = statuses
+        .iter()
+        .filter(|s| s.limit.is_some())
+        .min_by_key(|s| (!s.over_limit, s.remaining));
+    if let Some(s) = tightest
+        && let Some((rpu, unit, name)) = &s.limit
+    {
+        let label = name.as_deref().unwrap_or(domain);
+        let reset = s
+            .reset
+            .map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0));
+        headers.push((
+            "ratelimit-policy",
+            format!("\"{label}\";q={rpu};w={}", unit.seconds()),
+        ));
+        headers.push((
+            "ratelimit",
+            format!("\"{label}\";r={};t={reset}", s.remaining),
+        ));
+        if s.over_limit {
+            headers.push(("retry-after", reset.max(1).to_string()));
+        }
+    }
+    Ok(Verdict {
+        over_limit,
+        statuses,
+        headers,
+    })
+}
+
+/// Time for `missing` tokens at `tokens` per `period_us`.
+fn refill_time(missing: u64, period_us: u64, tokens: u64) -> Duration {
+    let us = (u128::from(missing) * u128::from(period_us)).div_ceil(u128::from(tokens.max(1)));
+    Duration::from_micros(us.min(u128::from(u64::MAX)) as u64)
+}

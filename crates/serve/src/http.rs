@@ -1,0 +1,229 @@
+//! The HTTP check API, `/metrics` and `/health`.
+//!
+//! - `POST /v1/check` with `{"checks":[{"rule":"api.write","subject":"tenant-42","cost":1}]}`
+//!   (cost defaults to 1): the checks pass all or nothing. 200 `{"allowed":true,...}`
+//!   with `RateLimit-Policy` and `RateLimit` headers; 429 with `Retry-After` when a
+//!   limit is exhausted; 503 with `Retry-After` when the store is unreachable and the
+//!   rule fails closed; 400 naming what is wrong with the request.
+//! - `GET /v1/auth?rule=R&subject=S[&cost=N]`, for nginx `auth_request`, which only knows
+//!   2xx (allow) and 401/403 (deny): 204 when admitted, 403 when refused (limited or
+//!   unavailable), with `Retry-After` and `X-Leasehold-Outcome: limited|unavailable` for
+//!   nginx to pass on; 400 for a bad request (nginx answers 500 then).
+//! - `GET /health`: 200 `ok`. `GET /metrics`: Prometheus text.
+
+use axum::Json;
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use leasehold_agent::{CheckError, Decision, Limiter};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Deserialize;
+
+#[derive(Clone, Debug)]
+struct Api {
+    limiter: Limiter,
+    metrics: Option<PrometheusHandle>,
+}
+
+/// The router: `/v1/check`, `/v1/auth`, `/health`, `/metrics`.
+pub fn router(limiter: Limiter, metrics: Option<PrometheusHandle>) -> Router {
+    Router::new()
+        .route("/v1/check", post(check))
+        .route("/v1/auth", get(auth))
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/metrics", get(render))
+        .with_state(Api { limiter, metrics })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckBody {
+    checks: Vec<OneCheck>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OneCheck {
+    rule: String,
+    subject: String,
+    #[serde(default = "one")]
+    cost: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn bad(message: impl Into<String>) -> Response {
+    let body = serde_json::json!({ "error": message.into() });
+    (StatusCode::BAD_REQUEST, Json(body)).into_response()
+}
+
+/// Seconds for `Retry-After`: rounded up, at least 1.
+fn secs(d: std::time::Duration) -> u64 {
+    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+}
+
+fn set(h: &mut HeaderMap, name: &'static str, value: String) {
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        h.insert(name, v);
+    }
+}
+
+/// `RateLimit-Policy` and `RateLimit` for the check that decided.
+fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str, d: Decision) {
+    let Ok(p) = limiter.bucket_params_for(rule, subject) else {
+        return;
+    };
+    let w = (u128::from(p.capacity) * u128::from(p.rate.period_us()))
+        .div_ceil(u128::from(p.rate.tokens()) * 1_000_000)
+        .max(1);
+    set(
+        h,
+        "ratelimit-policy",
+        format!("\"{rule}\";q={};w={w}", p.capacity),
+    );
+    let (r, t) = match d {
+        Decision::Allowed { remaining, .. } => {
+            let missing = u128::from(p.capacity.saturating_sub(remaining));
+            let t = (missing * u128::from(p.rate.period_us()))
+                .div_ceil(u128::from(p.rate.tokens()) * 1_000_000);
+            (remaining, t as u64)
+        }
+        Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
+            (0, secs(retry_after))
+        }
+    };
+    set(h, "ratelimit", format!("\"{rule}\";r={r};t={t}"));
+}
+
+async fn decide(
+    limiter: &Limiter,
+    checks: &[OneCheck],
+) -> Result<(Decision, usize, Vec<Decision>), CheckError> {
+    let list: Vec<(&[u8], &str, u64)> = checks
+        .iter()
+        .map(|c| (c.subject.as_bytes(), c.rule.as_str(), c.cost))
+        .collect();
+    let mut each = Vec::new();
+    let (d, at) = limiter.check_all_each(&list, &mut each).await?;
+    Ok((d, at, each))
+}
+
+async fn check(
+    State(api): State<Api>,
+    body: Result<Json<CheckBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Json(body) = match body {
+        Ok(b) => b,
+        Err(e) => return bad(e.body_text()),
+    };
+    if body.checks.is_empty() {
+        return bad("checks must not be empty");
+    }
+    let (decision, at, each) = match decide(&api.limiter, &body.checks).await {
+        Ok(x) => x,
+        Err(e) => return bad(e.to_string()),
+    };
+    let c = &body.checks[at];
+    let mut headers = HeaderMap::new();
+    limit_headers(&mut headers, &api.limiter, &c.rule, &c.subject, decision);
+    let (status, json) = match decision {
+        Decision::Allowed { .. } => {
+            let results: Vec<serde_json::Value> = body
+                .checks
+                .iter()
+                .zip(&each)
+                .map(|(c, d)| {
+                    let remaining = match d {
+                        Decision::Allowed { remaining, .. } => *remaining,
+                        _ => 0,
+                    };
+                    serde_json::json!({ "rule": c.rule, "remaining": remaining })
+                })
+                .collect();
+            (
+                StatusCode::OK,
+                serde_json::json!({ "allowed": true, "checks": results }),
+            )
+        }
+        Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
+            set(&mut headers, "retry-after", secs(retry_after).to_string());
+            let (status, outcome) = if matches!(decision, Decision::Denied { .. }) {
+                (StatusCode::TOO_MANY_REQUESTS, "limited")
+            } else {
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+            };
+            (
+                status,
+                serde_json::json!({
+                    "allowed": false,
+                    "outcome": outcome,
+                    "rule": c.rule,
+                    "retry_after_ms": retry_after.as_millis() as u64,
+                }),
+            )
+        }
+    };
+    metrics::counter!("leasehold_serve_requests_total", "api" => "http", "outcome" => if status == StatusCode::OK { "ok" } else { "over_limit" })
+        .increment(1);
+    (status, headers, Json(json)).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AuthQuery {
+    rule: String,
+    subject: String,
+    #[serde(default = "one")]
+    cost: u64,
+}
+
+async fn auth(
+    State(api): State<Api>,
+    q: Result<Query<AuthQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return bad(e.body_text()),
+    };
+    let one = [OneCheck {
+        rule: q.rule,
+        subject: q.subject,
+        cost: q.cost,
+    }];
+    let (decision, _, _) = match decide(&api.limiter, &one).await {
+        Ok(x) => x,
+        Err(e) => return bad(e.to_string()),
+    };
+    let mut headers = HeaderMap::new();
+    limit_headers(
+        &mut headers,
+        &api.limiter,
+        &one[0].rule,
+        &one[0].subject,
+        decision,
+    );
+    match decision {
+        Decision::Allowed { .. } => (StatusCode::NO_CONTENT, headers).into_response(),
+        Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
+            set(&mut headers, "retry-after", secs(retry_after).to_string());
+            let outcome = if matches!(decision, Decision::Denied { .. }) {
+                "limited"
+            } else {
+                "unavailable"
+            };
+            set(&mut headers, "x-leasehold-outcome", outcome.to_owned());
+            (StatusCode::FORBIDDEN, headers).into_response()
+        }
+    }
+}
+
+async fn render(State(api): State<Api>) -> Response {
+    match &api.metrics {
+        Some(h) => ([("content-type", "text/plain; version=0.0.4")], h.render()).into_response(),
+        None => (StatusCode::NOT_FOUND, "no metrics recorder installed\n").into_response(),
+    }
+}

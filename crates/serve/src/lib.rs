@@ -1,0 +1,72 @@
+//! `leasehold serve`: Leasehold for gateways not written in Rust.
+//!
+//! One process holding a [`Limiter`] serves:
+//! - the Envoy rate limit service v3 over gRPC
+//!   (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`), configured with
+//!   envoyproxy/ratelimit's YAML as it is ([`config`]);
+//! - an HTTP check API: `POST /v1/check` with JSON, and `GET /v1/auth` for nginx
+//!   `auth_request` ([`http`]);
+//! - `/metrics` (Prometheus) and `/health` on the HTTP listener.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod config;
+pub mod decide;
+pub mod grpc;
+pub mod http;
+
+pub use config::{ConfigError, Domains};
+pub use leasehold_agent::Limiter;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+/// Serves the gRPC rate limit service on `grpc` and the HTTP API on `http` (either may
+/// be absent) until `shutdown` completes, then lets calls in flight finish.
+pub async fn serve(
+    limiter: Limiter,
+    domains: Arc<ArcSwap<Domains>>,
+    grpc: Option<tokio::net::TcpListener>,
+    http: Option<tokio::net::TcpListener>,
+    metrics: Option<PrometheusHandle>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let (stop, _) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    if let Some(listener) = grpc {
+        let service = grpc::Rls::new(limiter.clone(), domains).into_server();
+        let mut rx = stop.subscribe();
+        tasks.push(tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(
+                    tonic::transport::server::TcpIncoming::from(listener),
+                    async move {
+                        let _ = rx.wait_for(|s| *s).await;
+                    },
+                )
+                .await
+                .map_err(|e| format!("grpc: {e}"))
+        }));
+    }
+    if let Some(listener) = http {
+        let app = http::router(limiter, metrics);
+        let mut rx = stop.subscribe();
+        tasks.push(tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                })
+                .await
+                .map_err(|e| format!("http: {e}"))
+        }));
+    }
+    shutdown.await;
+    let _ = stop.send(true);
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())??;
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! `leasehold serve` on a real Redis: the Envoy rate limit service through a tonic
+//! client, configured with envoyproxy/ratelimit's YAML, and the HTTP check API.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+mod support;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use leasehold_serve::Domains;
+
+const CONFIG: &str = r#"
+domain: messaging
+descriptors:
+  # Only 5 marketing messages a day to one number.
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit: {unit: day, requests_per_unit: 5}
+  - key: to_number
+    rate_limit: {unit: day, requests_per_unit: 100}
+  - key: ldap
+    rate_limit: {unlimited: true}
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit: {unit: second, requests_per_unit: 0}
+  - key: service
+    descriptors:
+      - key: user
+        value: user-a
+        rate_limit: {unit: minute, requests_per_unit: 2}
+        shadow_mode: true
+  - key: key_1
+    value: value_1
+    descriptors:
+      - key: user
+        rate_limit: {name: specific, unit: minute, requests_per_unit: 1}
+  - key: key_2
+    value: value_2
+    descriptors:
+      - key: user
+        rate_limit:
+          replaces: [{name: specific}]
+          unit: minute
+          requests_per_unit: 10
+  - key: files
+    value: docs/*
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: tenant
+    rate_limit: {unit: minute, requests_per_unit: 60}
+    leasehold: {capacity: 2, leasing: exact}
+"#;
+
+fn descriptor(entries: &[(&str, &str)], hits: Option<u64>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).to_owned(),
+                value: (*v).to_owned(),
+            })
+            .collect(),
+        hits_addend: hits.map(|value| envoy_types::pb::google::protobuf::UInt64Value { value }),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn request(descriptors: Vec<RateLimitDescriptor>, hits: u32) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "messaging".into(),
+        descriptors,
+        hits_addend: hits,
+    }
+}
+
+type Client = RateLimitServiceClient<tonic::transport::Channel>;
+
+async fn over(c: &mut Client, descriptors: Vec<RateLimitDescriptor>) -> bool {
+    let r = c
+        .should_rate_limit(request(descriptors, 0))
+        .await
+        .unwrap()
+        .into_inner();
+    r.overall_code == Code::OverLimit as i32
+}
+
+/// A POST of `body` to `path`: status, headers and body.
+async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.unwrap();
+    let status = resp.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+#[test]
+fn envoy_rls_and_http_check_on_redis() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let domains = Domains::from_yaml(CONFIG, "messaging.yaml").unwrap();
+        let limiter = leasehold_agent::Limiter::builder()
+            .redis(server.url())
+            .rules(domains.rules())
+            .config({
+                let mut c = leasehold_agent::LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let metrics = leasehold_serve::cli::install_prometheus().unwrap();
+        let serving = tokio::spawn(leasehold_serve::serve(
+            limiter.clone(),
+            Arc::new(ArcSwap::from_pointee(domains)),
+            Some(grpc),
+            Some(http),
+            Some(metrics),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let mut c = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+
+        // Nested descriptors: 5 a day, then OVER_LIMIT with the headers Envoy forwards.
+        let marketing = || {
+            vec![descriptor(
+                &[("message_type", "marketing"), ("to_number", "206")],
+                None,
+            )]
+        };
+        for _ in 0..5 {
+            assert!(!over(&mut c, marketing()).await);
+        }
+        let r = c
+            .should_rate_limit(request(marketing(), 0))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        let s = &r.statuses[0];
+        assert_eq!(s.code, Code::OverLimit as i32);
+        let limit = s.current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (5, 4)); // DAY
+        let header = |k: &str| {
+            r.response_headers_to_add
+                .iter()
+                .find(|h| h.key == k)
+                .map(|h| h.value.clone())
+        };
+        let retry: u64 = header("retry-after").unwrap().parse().unwrap();
+        assert!(retry >= 1, "{retry}");
+        assert!(header("ratelimit").unwrap().contains("r=0"));
+
+        // Several descriptors, all or nothing: the marketing one is out, so the plain
+        // to_number one is not charged either.
+        let both = vec![
+            descriptor(&[("to_number", "206")], None),
+            descriptor(&[("message_type", "marketing"), ("to_number", "206")], None),
+        ];
+        assert!(over(&mut c, both).await);
+        let r = c
+            .should_rate_limit(request(vec![descriptor(&[("to_number", "206")], None)], 0))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+
+        // hits_addend is the cost, per request or per descriptor.
+        let r = c
+            .should_rate_limit(request(vec![descriptor(&[("tenant", "t9")], None)], 2))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert!(
+            over(&mut c, vec![descriptor(&[("tenant", "t9")], Some(1))]).await,
+            "B = 2 spent"
+        );
+
+        // unlimited, requests_per_unit 0, no limit at all, unknown domain.
+        let r = c
+            .should_rate_limit(request(vec![descriptor(&[("ldap", "x")], None)], 0))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (Code::Ok as i32, u32::MAX)
+        );
+        assert!(
+            over(
+                &mut c,
+                vec![descriptor(&[("remote_address", "50.0.0.5")], None)]
+            )
+            .await
+        );
+        assert!(
+            !over(
+                &mut c,
+                vec![descriptor(&[("remote_address", "50.0.0.6")], None)]
+            )
+            .await
+        );
+        let mut other = request(vec![descriptor(&[("a", "b")], None)], 0);
+        other.domain = "nobody".into();
+        let r = c.should_rate_limit(other).await.unwrap().into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+
+        // shadow_mode: counted, never enforced.
+        for _ in 0..5 {
+            assert!(
+                !over(
+                    &mut c,
+                    vec![descriptor(&[("service", "s"), ("user", "user-a")], None)]
+                )
+                .await
+            );
+        }
+        assert_eq!(
+            limiter
+                .stats(&leasehold_serve::config::rule_name(
+                    "messaging.service.user_user-a"
+                ))
+                .unwrap()
+                .shadow_denied,
+            3
+        );
+
+        // replaces: matched together, the specific limit (1/min) gives way to 10/min.
+        let pair = || {
+            vec![
+                descriptor(&[("key_1", "value_1"), ("user", "u")], None),
+                descriptor(&[("key_2", "value_2"), ("user", "u")], None),
+            ]
+        };
+        for _ in 0..3 {
+            assert!(!over(&mut c, pair()).await);
+        }
+        assert!(
+            !over(
+                &mut c,
+                vec![descriptor(&[("key_1", "value_1"), ("user", "u")], None)]
+            )
+            .await
+        );
+        assert!(
+            over(
+                &mut c,
+                vec![descriptor(&[("key_1", "value_1"), ("user", "u")], None)]
+            )
+            .await
+        );
+
+        // share_threshold: every value matching docs/* shares 3 an hour.
+        for f in ["docs/a", "docs/b", "docs/c"] {
+            assert!(!over(&mut c, vec![descriptor(&[("files", f)], None)]).await);
+        }
+        assert!(over(&mut c, vec![descriptor(&[("files", "docs/d")], None)]).await);
+
+        // The HTTP check API: rules by the names the YAML limits got.
+        let rule = leasehold_serve::config::rule_name("messaging.tenant");
+        let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"http-1","cost":1}}]}}"#);
+        let (status, head, json) = post(http_addr, "/v1/check", &body).await;
+        assert_eq!(status, 200, "{json}");
+        assert!(head.contains("ratelimit-policy:"), "{head}");
+        assert!(json.contains("\"allowed\":true"), "{json}");
+        let (status, _, _) = post(http_addr, "/v1/check", &body).await;
+        assert_eq!(status, 200);
+        let (status, head, json) = post(http_addr, "/v1/check", &body).await;
+        assert_eq!(status, 429, "{json}");
+        assert!(head.contains("retry-after:"), "{head}");
+        let (status, _, json) = post(
+            http_addr,
+            "/v1/check",
+            r#"{"checks":[{"rule":"nope","subject":"s"}]}"#,
+        )
+        .await;
+        assert_eq!(status, 400);
+        assert!(json.contains("nope"), "{json}");
+        let (status, _, json) = post(
+            http_addr,
+            "/v1/check",
+            r#"{"checks":[{"rule":"x","subjet":"s"}]}"#,
+        )
+        .await;
+        assert_eq!(status, 400);
+        assert!(json.contains("subjet"), "{json}");
+        // The nginx auth_request form: 204 or 403.
+        let path = format!("/v1/auth?rule={rule}&subject=nginx-1");
+        assert_eq!(support::http_get(http_addr, &path).await.0, 204);
+        assert_eq!(support::http_get(http_addr, &path).await.0, 204);
+        assert_eq!(support::http_get(http_addr, &path).await.0, 403);
+        let (status, body) = support::http_get(http_addr, "/health").await;
+        assert_eq!((status, body.as_str()), (200, "ok\n"));
+        let (status, body) = support::http_get(http_addr, "/metrics").await;
+        assert_eq!(status, 200);
+        assert!(body.contains("leasehold_serve_requests_total"), "{body}");
+
+        stop.send(()).unwrap();
+        serving.await.unwrap().unwrap();
+    });
+}

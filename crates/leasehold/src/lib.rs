@@ -8,10 +8,14 @@
 //! - [`agent`] (`leasehold-agent`): what gateways link: the `Limiter` and the tower layer.
 //! - [`coordinator`] (`leasehold-coordinator`, feature `coordinator`): accounting of
 //!   admitted tokens, hot-key splitting, the admin endpoint.
+//! - [`serve`] (`leasehold-serve`, feature `serve`): the Envoy rate limit service over
+//!   gRPC and an HTTP check API, for gateways not written in Rust.
 #![forbid(unsafe_code)]
 
 pub use leasehold_agent as agent;
 #[cfg(feature = "coordinator")]
 pub use leasehold_coordinator as coordinator;
 pub use leasehold_core as core;
+#[cfg(feature = "serve")]
+pub use leasehold_serve as serve;
 pub use leasehold_store as store;

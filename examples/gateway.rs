@@ -26,26 +26,26 @@ use leasehold::agent::http::{Check, Checks, RateLimitLayer};
 #[derive(Parser)]
 struct Args {
     /// Address to serve on.
-    #[arg(long, default_value = "127.0.0.1:8080")]
+    #[arg(long, default_value = "127.0.0.1:8080", env = "LEASEHOLD_LISTEN")]
     listen: SocketAddr,
     /// The store (default: `embedded`, an in-process store).
     #[command(flatten)]
     store: leasehold::store::StoreArgs,
     /// Rules file (TOML); reloaded when it changes.
-    #[arg(long)]
+    #[arg(long, env = "LEASEHOLD_CONFIG")]
     config: PathBuf,
     /// The rule applied per API key.
-    #[arg(long, default_value = "api.write")]
+    #[arg(long, default_value = "api.write", env = "LEASEHOLD_RULE")]
     rule: String,
     /// The rule applied per client address to requests without an API key.
-    #[arg(long)]
+    #[arg(long, env = "LEASEHOLD_IP_RULE")]
     ip_rule: Option<String>,
     /// A rule every write (POST, PUT, PATCH, DELETE) also passes, per API key and path:
     /// a second check, all or nothing with the first.
-    #[arg(long)]
+    #[arg(long, env = "LEASEHOLD_WRITE_RULE")]
     write_rule: Option<String>,
     /// Serve Prometheus metrics here.
-    #[arg(long)]
+    #[arg(long, env = "LEASEHOLD_METRICS")]
     metrics: Option<SocketAddr>,
 }
 

@@ -127,7 +127,7 @@ fn envoy_rls_and_http_check_on_redis() {
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let metrics = leasehold_serve::cli::install_prometheus().unwrap();
+        let metrics = leasehold_agent::telemetry::install_prometheus().unwrap();
         let serving = tokio::spawn(leasehold_serve::serve(
             limiter.clone(),
             Arc::new(ArcSwap::from_pointee(domains)),

@@ -131,25 +131,51 @@ pub const TIME_BUCKETS: &[f64] = &[
 ];
 
 /// Installs a Prometheus recorder as this process's global recorder (histograms with
-/// [`TIME_BUCKETS`]) and serves its text on `listener` (any path). For applications that
-/// have no recorder of their own; call it once, before building limiters.
+/// [`TIME_BUCKETS`], the agent's help text), once per process: later calls return the
+/// same handle. For applications that serve the text themselves; runs inside a tokio
+/// runtime (a task does the recorder's upkeep).
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+    static HANDLE: std::sync::OnceLock<Result<PrometheusHandle, String>> =
+        std::sync::OnceLock::new();
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|_| "install_prometheus must run inside a tokio runtime".to_owned())?;
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), TIME_BUCKETS)
+                .map_err(|e| e.to_string())?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder)
+                .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
+            describe();
+            let upkeep = handle.clone();
+            runtime.spawn(async move {
+                let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+                loop {
+                    tick.tick().await;
+                    upkeep.run_upkeep();
+                }
+            });
+            Ok(handle)
+        })
+        .clone()
+}
+
+/// [`install_prometheus`], and serves the text on `listener` (any path). For
+/// applications that have no recorder of their own; call it once, before building
+/// limiters.
 #[cfg(feature = "prometheus")]
 pub fn serve_prometheus(
     listener: std::net::TcpListener,
 ) -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let runtime = tokio::runtime::Handle::try_current()
         .map_err(|_| "serve_prometheus must run inside a tokio runtime".to_owned())?;
-    let recorder = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), TIME_BUCKETS)
-        .map_err(|e| e.to_string())?
-        .build_recorder();
-    let handle = recorder.handle();
-    metrics::set_global_recorder(recorder)
-        .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
-    describe();
+    let handle = install_prometheus()?;
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let listener = {
         let _entered = runtime.enter();
@@ -183,14 +209,6 @@ pub fn serve_prometheus(
                 let _ = socket.write_all(head.as_bytes()).await;
                 let _ = socket.write_all(body.as_bytes()).await;
             });
-        }
-    });
-    let upkeep = handle.clone();
-    runtime.spawn(async move {
-        let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
-        loop {
-            tick.tick().await;
-            upkeep.run_upkeep();
         }
     });
     Ok(handle)

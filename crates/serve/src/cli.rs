@@ -61,40 +61,6 @@ fn modified(path: &Path) -> Option<SystemTime> {
         .max()
 }
 
-/// Installs a Prometheus recorder as the process's global recorder (once per process;
-/// later calls return the same handle), with the agent's help text and histogram
-/// buckets. Call it inside a tokio runtime: a task runs the recorder's upkeep.
-pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    static HANDLE: std::sync::OnceLock<
-        Result<metrics_exporter_prometheus::PrometheusHandle, String>,
-    > = std::sync::OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            let recorder = PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Suffix("_seconds".into()),
-                    leasehold_agent::telemetry::TIME_BUCKETS,
-                )
-                .map_err(|e| e.to_string())?
-                .build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder)
-                .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
-            leasehold_agent::telemetry::describe();
-            let upkeep = handle.clone();
-            tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs(5));
-                loop {
-                    tick.tick().await;
-                    upkeep.run_upkeep();
-                }
-            });
-            Ok(handle)
-        })
-        .clone()
-}
-
 /// Runs until `shutdown` completes. Errors name what is wrong (config, store, address).
 pub async fn run(
     args: Args,
@@ -120,7 +86,7 @@ pub async fn run(
             c
         }),
     };
-    let metrics = install_prometheus()?;
+    let metrics = leasehold_agent::telemetry::install_prometheus()?;
     let limiter = builder.build().await.map_err(|e| e.to_string())?;
     let domains = Arc::new(ArcSwap::from_pointee(domains));
     let grpc = match args.grpc {

@@ -128,34 +128,7 @@ pub async fn run(
 /// Reads the rules file again when it changes (checked every second) or on SIGHUP. A
 /// file that fails validation is refused, logged, and the rules in force stay.
 async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf) {
-    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = modified(&path);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    #[cfg(unix)]
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    loop {
-        #[cfg(unix)]
-        let hangup = async {
-            match hup.as_mut() {
-                Some(h) => {
-                    h.recv().await;
-                }
-                None => std::future::pending().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let hangup = std::future::pending::<()>();
-        let why = tokio::select! {
-            _ = tick.tick() => {
-                let now = modified(&path);
-                if now == seen {
-                    continue;
-                }
-                seen = now;
-                "file changed"
-            }
-            () = hangup => "SIGHUP",
-        };
+    leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("rules_reload", why).entered();
         match Rules::from_file(&path) {
             Ok(rules) => {
@@ -165,5 +138,6 @@ async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf) {
             }
             Err(e) => tracing::error!(error = %e, "rules file refused; the rules in force stay"),
         }
-    }
+    })
+    .await;
 }

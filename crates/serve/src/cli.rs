@@ -3,7 +3,6 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use leasehold_agent::{Limiter, LimiterConfig};
@@ -45,20 +44,6 @@ fn load(path: &Path) -> Result<(Domains, Rules), String> {
         let rules = Rules::from_file(path).map_err(|e| e.to_string())?;
         Ok((Domains::default(), rules))
     }
-}
-
-/// The newest modification time under `path` (a file, or the files of a directory).
-fn modified(path: &Path) -> Option<SystemTime> {
-    let meta = std::fs::metadata(path).ok()?;
-    if !meta.is_dir() {
-        return meta.modified().ok();
-    }
-    std::fs::read_dir(path)
-        .ok()?
-        .flatten()
-        .filter_map(|e| e.metadata().ok()?.modified().ok())
-        .chain(meta.modified().ok())
-        .max()
 }
 
 /// Runs until `shutdown` completes. Errors name what is wrong (config, store, address).
@@ -136,32 +121,8 @@ pub async fn run(
 /// Reads the config again when it changes (checked every second) or on SIGHUP; a
 /// config that fails validation is refused, logged, and the limits in force stay.
 async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf) {
-    let mut seen = modified(&path);
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    #[cfg(unix)]
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    loop {
-        #[cfg(unix)]
-        let hangup = async {
-            match hup.as_mut() {
-                Some(h) => {
-                    h.recv().await;
-                }
-                None => std::future::pending().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let hangup = std::future::pending::<()>();
-        tokio::select! {
-            _ = tick.tick() => {
-                let now = modified(&path);
-                if now == seen {
-                    continue;
-                }
-                seen = now;
-            }
-            () = hangup => {}
-        }
+    leasehold_store::rules::watch(&path, |why| {
+        let _span = tracing::info_span!("limits_reload", why).entered();
         match load(&path) {
             Ok((d, rules)) => {
                 limiter.set_rules(&rules);
@@ -170,5 +131,6 @@ async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf)
             }
             Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
         }
-    }
+    })
+    .await;
 }

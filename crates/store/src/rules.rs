@@ -341,6 +341,55 @@ impl Rules {
     }
 }
 
+/// The newest modification time under `path`: the file's, or for a directory, its own
+/// and its files'.
+pub fn modified(path: &Path) -> Option<std::time::SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    if !meta.is_dir() {
+        return meta.modified().ok();
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .chain(meta.modified().ok())
+        .max()
+}
+
+/// Calls `reload` whenever the file (or directory) at `path` changes, checked every
+/// second, and on SIGHUP, with why (`"file changed"`, `"SIGHUP"`). Runs until dropped.
+pub async fn watch(path: &Path, mut reload: impl FnMut(&'static str)) {
+    let mut seen = modified(path);
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    loop {
+        #[cfg(unix)]
+        let hangup = async {
+            match hup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hangup = std::future::pending::<()>();
+        let why = tokio::select! {
+            _ = tick.tick() => {
+                let now = modified(path);
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                "file changed"
+            }
+            () = hangup => "SIGHUP",
+        };
+        reload(why);
+    }
+}
+
 const ENV_PREFIX: &str = "LEASEHOLD_RULES__";
 
 fn env_name(rule: &str) -> String {

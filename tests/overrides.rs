@@ -15,7 +15,7 @@ use leasehold_coordinator::{Coordinator, CoordinatorConfig};
 
 fn rules_text(hot_capacity: u64, hot_rate: &str) -> String {
     format!(
-        "[rules.api]\ncapacity = 10\nrate = \"1/s\"\nleasing = \"exact\"\ntimeout = \"2s\"\n\
+        "[rules.api]\ncapacity = 10\nrate = \"1/m\"\nleasing = \"exact\"\ntimeout = \"2s\"\n\
          [rules.api.overrides.\"tenant-42\"]\ncapacity = {hot_capacity}\nrate = \"{hot_rate}\"\n"
     )
 }
@@ -35,7 +35,7 @@ fn a_live_bucket_follows_its_override_through_reloads() {
     let server = support::server();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("limits.toml");
-    std::fs::write(&path, rules_text(1000, "1/s")).unwrap();
+    std::fs::write(&path, rules_text(1000, "1/m")).unwrap();
     support::runtime().block_on(async {
         let l = Limiter::builder()
             .redis(server.url())
@@ -60,12 +60,12 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         assert!(support::field(&server, key, "tok") >= 690);
 
         // Capacity shrinks below the ~700 tokens the bucket holds: the next call clamps
-        // the bucket to the new B (a refill of at most a token or two meanwhile).
-        std::fs::write(&path, rules_text(50, "1/s")).unwrap();
+        // the bucket to the new B (refill at 1/m adds nothing meanwhile, even on a busy box).
+        std::fs::write(&path, rules_text(50, "1/m")).unwrap();
         l.reload_rules().unwrap();
         let n = admitted(&l, "tenant-42", 100).await;
         assert!(
-            (50..=52).contains(&n),
+            (50..=51).contains(&n),
             "{n} admitted after shrinking B to 50"
         );
         // A cost above the new capacity is refused by name, as for any rule.
@@ -79,23 +79,27 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         // A rate change applies from the next call: 200/s refills the empty bucket.
         std::fs::write(&path, rules_text(50, "200/s")).unwrap();
         l.reload_rules().unwrap();
+        let since = Instant::now();
         let _ = l.check("tenant-42", "api", 1).await.unwrap();
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let n = admitted(&l, "tenant-42", 100).await;
+        let n = admitted(&l, "tenant-42", 100).await as f64;
+        // At least the 150 ms of refill, at most B plus the refill for as long as it
+        // took (a loaded machine makes the checks slow, and the bucket refills meanwhile).
+        let most = 50.0 + 200.0 * since.elapsed().as_secs_f64() + 1.0;
         assert!(
-            (25..=50).contains(&n),
-            "{n} admitted 150 ms after the rate went to 200/s"
+            (25.0..=most).contains(&n),
+            "{n} admitted after the rate went to 200/s (at most {most})"
         );
         // The override removed: tenant-42 is back under the rule's B = 10.
         std::fs::write(
             &path,
-            "[rules.api]\ncapacity = 10\nrate = \"1/s\"\nleasing = \"exact\"\ntimeout = \"2s\"\n",
+            "[rules.api]\ncapacity = 10\nrate = \"1/m\"\nleasing = \"exact\"\ntimeout = \"2s\"\n",
         )
         .unwrap();
         l.reload_rules().unwrap();
         assert!(admitted(&l, "tenant-42", 20).await <= 11);
         // A refused file keeps the rules in force and says why, naming the override.
-        std::fs::write(&path, rules_text(0, "1/s")).unwrap();
+        std::fs::write(&path, rules_text(0, "1/m")).unwrap();
         let e = l.reload_rules().unwrap_err().to_string();
         assert!(e.contains("override \"tenant-42\": capacity"), "{e}");
         assert_eq!(l.bucket_params_for("api", "tenant-1").unwrap().capacity, 10);

@@ -69,8 +69,9 @@ struct YamlDescriptor {
     value_to_metric: bool,
     #[serde(default)]
     share_threshold: bool,
-    #[serde(default)]
-    metadata: Option<serde_norway::Value>,
+    /// Accepted for compatibility; Leasehold returns no dynamic metadata.
+    #[serde(default, rename = "metadata")]
+    _metadata: Option<serde::de::IgnoredAny>,
     #[serde(default)]
     leasehold: Option<Extras>,
 }
@@ -387,7 +388,6 @@ impl Domains {
                     "share_threshold applies only to a value with a * wildcard".into(),
                 ));
             }
-            let _ = &d.metadata;
             let limit = match &d.rate_limit {
                 Some(rl) => Some(self.limit(shown, &full, d, rl)?),
                 None => {

@@ -133,7 +133,7 @@ pub async fn decide(
     if !checks.is_empty() && !denied_already {
         let list: Vec<(&[u8], &str, u64)> = checks.iter().map(|c| (c.2, c.1, c.3)).collect();
         let mut each = Default::default();
-        let (decision, at) = limiter.check_all_each(&list, &mut each).await?;
+        limiter.check_all_each(&list, &mut each).await?;
         for (k, d) in each.iter().enumerate() {
             let (i, rule, subject, _) = checks[k];
             let s = &mut statuses[i];
@@ -155,7 +155,6 @@ pub async fn decide(
                 }
             }
         }
-        let _ = (decision, at);
     }
     let over_limit = statuses.iter().any(|s| s.over_limit);
     let mut headers = Vec::new();

@@ -67,8 +67,7 @@ impl RateLimitService for Rls {
                     .map_or(default_hits, |h| h.value.max(1)),
             })
             .collect();
-        if let Some(d) = descriptors.iter().find(|d| d.entries.is_empty()) {
-            let _ = d;
+        if descriptors.iter().any(|d| d.entries.is_empty()) {
             return Err(Status::invalid_argument("a descriptor has no entries"));
         }
         let domains = self.domains.load();

@@ -589,15 +589,30 @@ impl SentinelSet {
         self.port
     }
 
-    /// Runs one command on the Sentinel.
+    /// Runs one command on the Sentinel, on a fresh connection; a connection the
+    /// Sentinel drops (it can, while it reconfigures during a failover on a busy
+    /// machine) is retried for up to 5 s.
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Result<T> {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?;
-        let mut c = client.get_connection_with_timeout(Duration::from_secs(2))?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?;
+            let mut cmd = redis::cmd(args[0]);
+            for a in &args[1..] {
+                cmd.arg(*a);
+            }
+            let answer = client
+                .get_connection_with_timeout(Duration::from_secs(2))
+                .and_then(|mut c| cmd.query(&mut c));
+            match answer {
+                Err(e)
+                    if (e.is_io_error() || e.is_connection_dropped())
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                other => return Ok(other?),
+            }
         }
-        Ok(cmd.query(&mut c)?)
     }
 
     /// The primary's port as the Sentinel names it.

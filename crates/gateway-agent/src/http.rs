@@ -556,10 +556,8 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
         let (remaining, t) = match *d {
             Decision::Allowed { remaining, .. } => {
                 let p = &e.params;
-                let missing = u128::from(p.capacity.saturating_sub(remaining));
-                let t = (missing * u128::from(p.rate.period_us()))
-                    .div_ceil(u128::from(p.rate.tokens()) * 1_000_000);
-                (remaining, t as u64)
+                let missing = p.capacity.saturating_sub(remaining);
+                (remaining, leasehold_core::refill_secs(missing, p.rate))
             }
             Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
                 (0, retry_secs(retry_after))

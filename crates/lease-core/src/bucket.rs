@@ -72,6 +72,13 @@ impl Level {
     }
 }
 
+/// Whole seconds, rounded up, for `tokens` to refill at `rate` into an empty bucket: the
+/// `w` of a `RateLimit-Policy` item (with the capacity) and the `t` of a `RateLimit`
+/// item (with what is missing); 0 for no tokens.
+pub fn refill_secs(tokens: u64, rate: Rate) -> u64 {
+    retry_after_secs(Level::default().time_until(tokens, rate))
+}
+
 /// Whole seconds for an HTTP `Retry-After` header: rounded up, and at least 1 for any
 /// positive wait, so a denial never says "retry after 0".
 pub fn retry_after_secs(wait_us: u64) -> u64 {

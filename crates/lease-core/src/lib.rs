@@ -29,7 +29,7 @@ pub mod schema;
 pub mod sizing;
 mod sync;
 
-pub use bucket::{Level, retry_after_secs};
+pub use bucket::{Level, refill_secs, retry_after_secs};
 pub use key::{BucketKey, SubjectError, SubjectMatch};
 pub use lease::{LocalLease, Spend};
 pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request, Split};

@@ -140,13 +140,10 @@ pub async fn decide(
             match *d {
                 Decision::Allowed { remaining, .. } => {
                     s.remaining = remaining.min(u64::from(u32::MAX)) as u32;
-                    s.reset = limiter.bucket_params_for(rule, subject).ok().map(|p| {
-                        refill_time(
-                            p.capacity.saturating_sub(remaining),
-                            p.rate.period_us(),
-                            p.rate.tokens(),
-                        )
-                    });
+                    s.reset = limiter
+                        .bucket_params_for(rule, subject)
+                        .ok()
+                        .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
                 }
                 Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
                     s.over_limit = true;
@@ -167,9 +164,9 @@ pub async fn decide(
         && let Some((rpu, unit, name)) = &s.limit
     {
         let label = name.as_deref().unwrap_or(domain);
-        let reset = s
-            .reset
-            .map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0));
+        let reset = s.reset.map_or(0, |d| {
+            leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64)
+        });
         headers.push((
             "ratelimit-policy",
             format!("\"{label}\";q={rpu};w={}", unit.seconds()),
@@ -189,8 +186,7 @@ pub async fn decide(
     })
 }
 
-/// Time for `missing` tokens at `tokens` per `period_us`.
-fn refill_time(missing: u64, period_us: u64, tokens: u64) -> Duration {
-    let us = (u128::from(missing) * u128::from(period_us)).div_ceil(u128::from(tokens.max(1)));
-    Duration::from_micros(us.min(u128::from(u64::MAX)) as u64)
+/// Time for `missing` tokens to refill at `rate`.
+fn refill_time(missing: u64, rate: leasehold_core::Rate) -> Duration {
+    Duration::from_micros(leasehold_core::Level::default().time_until(missing, rate))
 }

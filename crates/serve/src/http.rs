@@ -61,9 +61,9 @@ fn bad(message: impl Into<String>) -> Response {
     (StatusCode::BAD_REQUEST, Json(body)).into_response()
 }
 
-/// Seconds for `Retry-After`: rounded up, at least 1.
+/// Seconds for `Retry-After`: rounded up, at least 1 (as the tower layer's).
 fn secs(d: std::time::Duration) -> u64 {
-    (d.as_secs() + u64::from(d.subsec_nanos() > 0)).max(1)
+    leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
 }
 
 fn set(h: &mut HeaderMap, name: &'static str, value: String) {
@@ -77,9 +77,7 @@ fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str
     let Ok(p) = limiter.bucket_params_for(rule, subject) else {
         return;
     };
-    let w = (u128::from(p.capacity) * u128::from(p.rate.period_us()))
-        .div_ceil(u128::from(p.rate.tokens()) * 1_000_000)
-        .max(1);
+    let w = leasehold_core::refill_secs(p.capacity, p.rate);
     set(
         h,
         "ratelimit-policy",
@@ -87,10 +85,8 @@ fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str
     );
     let (r, t) = match d {
         Decision::Allowed { remaining, .. } => {
-            let missing = u128::from(p.capacity.saturating_sub(remaining));
-            let t = (missing * u128::from(p.rate.period_us()))
-                .div_ceil(u128::from(p.rate.tokens()) * 1_000_000);
-            (remaining, t as u64)
+            let missing = p.capacity.saturating_sub(remaining);
+            (remaining, leasehold_core::refill_secs(missing, p.rate))
         }
         Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
             (0, secs(retry_after))

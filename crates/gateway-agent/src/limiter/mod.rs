@@ -156,9 +156,7 @@ impl RuleEntry {
     fn new(rule: &Rule, counters: &Arc<RuleCounters>, shadow_all: bool) -> Arc<Self> {
         let shadow = shadow_all || rule.shadow();
         let p = rule.bucket_params();
-        let w = (u128::from(p.capacity) * u128::from(p.rate.period_us()))
-            .div_ceil(u128::from(p.rate.tokens()) * 1_000_000)
-            .max(1);
+        let w = leasehold_core::refill_secs(p.capacity, p.rate);
         let policy = format!("\"{}\";q={};w={w}", rule.name(), p.capacity);
         Arc::new(Self {
             policy: policy.into(),

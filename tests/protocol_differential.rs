@@ -1,7 +1,7 @@
 //! The Lua functions against the reference model, on a real Redis.
 //!
-//! Random operation sequences (acquire, release, exact, replayed and stale sequence
-//! numbers, pauses long enough for leases, records and keys to expire, rule parameters
+//! Random operation sequences (acquire, release, exact, exact batches over one or two
+//! keys, replayed and stale sequence numbers, pauses long enough for leases, records and keys to expire, rule parameters
 //! changing under a live bucket) run against Redis and against the model fed the server
 //! time each reply reports. The replies must be identical, and after every call the hash
 //! Redis holds and its expiry time must equal the model's, field for field.
@@ -14,9 +14,12 @@ use std::time::Duration;
 
 use leasehold_agent::StoreError;
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{AgentId, GlobalBucket, Op, ProtocolError, Request, Split};
+use leasehold_core::model::{
+    AgentId, ExactOutcome, GlobalBucket, Op, ProtocolError, Request, Split,
+};
 use leasehold_core::rule::{BucketParams, RuleName};
 use leasehold_redis_harness::RedisServer;
+use leasehold_store::ExactItem;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use support::{field, params, runtime, server, store};
@@ -106,15 +109,74 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     let part_key = key.part_of(0, 0);
     let mut part_model = GlobalBucket::new();
     let mut split: Option<Split> = None;
-    let agents: Vec<AgentId> = (0..3).map(|_| AgentId(rng.random())).collect();
-    let mut seqs = [0u64; 3];
+    // Three agents make every kind of call; twenty more only exact batches, so their
+    // records pile up past the sweep mark.
+    let agents: Vec<AgentId> = (0..23).map(|_| AgentId(rng.random())).collect();
+    let mut seqs = [0u64; 23];
     // A retry re-sends the original command: same request, same rule parameters.
     let mut last: [Option<(Request, BucketParams, bool)>; 3] = [None; 3];
     let mut last_now = 0;
     let (mut replays, mut stales, mut denials, mut splits, mut part_calls) = (0, 0, 0, 0, 0);
+    // Exact batches: on the key, sometimes with a second key in the same call.
+    let other = BucketKey::new(&rule, format!("other-{}", rng.random::<u32>())).expect("key");
+    let mut other_model = GlobalBucket::new();
+    let mut last_batch: Vec<Option<Batch>> = vec![None; agents.len()];
+    let mut batches = BatchCounts::default();
     for step in 0..steps() {
-        let i = rng.random_range(0..agents.len());
+        let i = rng.random_range(0..3);
         let roll = rng.random_range(0..100);
+        if (12..26).contains(&roll) {
+            let i = if rng.random_range(0..3) == 0 {
+                rng.random_range(3..agents.len())
+            } else {
+                i
+            };
+            let fresh = |rng: &mut StdRng| {
+                let p = case.params[rng.random_range(0..case.params.len())];
+                let cost = |rng: &mut StdRng| rng.random_range(1..=p.capacity.min(10));
+                let costs: Vec<u64> = (0..rng.random_range(1..=4)).map(|_| cost(rng)).collect();
+                let other_costs = (rng.random_range(0..2) == 0)
+                    .then(|| (0..rng.random_range(1..=3)).map(|_| cost(rng)).collect());
+                (p, costs, other_costs)
+            };
+            let b = match (rng.random_range(0..10), &last_batch[i]) {
+                (0..2, Some(b)) => b.clone(),
+                (2, Some(b)) if b.seq > 1 => Batch {
+                    seq: b.seq - 1,
+                    ..b.clone()
+                },
+                _ => {
+                    let (p, costs, other_costs) = fresh(rng);
+                    seqs[i] += 1;
+                    Batch {
+                        seq: seqs[i],
+                        p,
+                        costs,
+                        other_costs,
+                    }
+                }
+            };
+            let ctx = format!("in case {} step {step}: exact batch {b:?}", case.name);
+            let mut keys = vec![(&key, &mut model, &b.costs)];
+            if let Some(oc) = &b.other_costs {
+                keys.push((&other, &mut other_model, oc));
+            }
+            exact_batch(
+                server,
+                &st,
+                agents[i],
+                &b,
+                &mut keys,
+                &mut last_now,
+                &mut batches,
+                &ctx,
+            )
+            .await;
+            if last_batch[i].as_ref().is_none_or(|prev| b.seq > prev.seq) {
+                last_batch[i] = Some(b);
+            }
+            continue;
+        }
         let (req, p, on_part) = match (roll, last[i]) {
             (0..8, Some(prev)) => prev,
             (8..12, Some((prev, p, on_part))) if prev.seq > 1 => (
@@ -244,12 +306,122 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     }
     println!(
         "case {}: {} steps, {replays} replays, {stales} stale, {denials} denials, \
-         {splits} splits, {part_calls} part calls, tok={} out={}",
+         {splits} splits, {part_calls} part calls, batches {batches:?}, tok={} out={}",
         case.name,
         steps(),
         field(server, key.as_str(), "tok"),
         field(server, key.as_str(), "out")
     );
+}
+
+/// One exact batch as sent (a retry sends it again as it was).
+#[derive(Clone, Debug)]
+struct Batch {
+    seq: u64,
+    p: BucketParams,
+    costs: Vec<u64>,
+    other_costs: Option<Vec<u64>>,
+}
+
+#[derive(Debug, Default)]
+struct BatchCounts {
+    calls: u32,
+    swept: u32,
+    decided: u32,
+    replayed: u32,
+    moved: u32,
+    stale: u32,
+    denials: u32,
+}
+
+/// Sends `b` on `keys` to Redis and applies it to each key's model: every key's outcome,
+/// hash and expiry must match.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a test step with its whole context"
+)]
+async fn exact_batch(
+    server: &RedisServer,
+    st: &leasehold_agent::RedisStore,
+    agent: AgentId,
+    b: &Batch,
+    keys: &mut [(&BucketKey, &mut GlobalBucket, &Vec<u64>)],
+    last_now: &mut u64,
+    counts: &mut BatchCounts,
+    ctx: &str,
+) {
+    let items: Vec<ExactItem<'_>> = keys
+        .iter()
+        .map(|(k, _, costs)| ExactItem {
+            key: k,
+            params: &b.p,
+            costs,
+        })
+        .collect();
+    let outs = st
+        .exact_many(agent, b.seq, &items)
+        .await
+        .unwrap_or_else(|e| panic!("store error {e} {ctx}"));
+    counts.calls += 1;
+    // One TIME for the whole call: a decided key tells it (as max(TIME, its ts)).
+    let now = outs
+        .iter()
+        .find_map(|o| match o {
+            ExactOutcome::Decided(r) => Some(r.now_us),
+            _ => None,
+        })
+        .unwrap_or(*last_now);
+    for ((key, model, costs), out) in keys.iter_mut().zip(&outs) {
+        let before = model.clone();
+        let mut expected = model
+            .exact_many(&b.p, now, agent, b.seq, costs)
+            .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
+        // As for single calls: at the expiry boundary, Redis may still have found the key.
+        let now_ms = now / 1000;
+        if let Some(at) = before.state().map(|s| s.expire_at_ms)
+            && at < now_ms
+            && now_ms - at <= EXPIRY_CLOCK_GAP_MS
+        {
+            let mut alive = before.alive_until(now_ms);
+            if let Ok(r) = alive.exact_many(&b.p, now, agent, b.seq, costs)
+                && r == *out
+            {
+                let (redis, _, _) = read(server, key);
+                let fits =
+                    |m: &GlobalBucket| redis == leasehold_store::wire::hash_fields(m.state());
+                // Moved and stale write nothing: the key may expire right after.
+                let unwritten = !matches!(out, ExactOutcome::Decided(_));
+                if (*out != expected || !fits(model)) && (fits(&alive) || unwritten) {
+                    println!("expiry read at the command's start {ctx}");
+                    **model = alive;
+                    expected = r;
+                }
+            }
+        }
+        assert_eq!(*out, expected, "batch outcome differs for {key:?} {ctx}");
+        let sweeps = |m: &GlobalBucket| m.state().and_then(|s| s.exact_sweep_at);
+        if sweeps(model).is_some() && sweeps(model) != sweeps(&before) {
+            counts.swept += 1;
+        }
+        match out {
+            ExactOutcome::Decided(r) => {
+                if before
+                    .state()
+                    .and_then(|s| s.exact.get(&agent))
+                    .is_some_and(|e| e.seq == b.seq)
+                {
+                    counts.replayed += 1;
+                } else {
+                    counts.decided += 1;
+                }
+                counts.denials += r.retry_us.iter().filter(|&&w| w > 0).count() as u32;
+                *last_now = (*last_now).max(r.now_us);
+            }
+            ExactOutcome::Moved => counts.moved += 1,
+            ExactOutcome::Stale { .. } => counts.stale += 1,
+        }
+        check_same(server, key, model, ctx);
+    }
 }
 
 #[test]
@@ -403,4 +575,81 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
     assert!(text.contains("invalid bucket parameters"), "{text}");
     let exists: i64 = server.cmd(&["EXISTS", "lh:{t|bad}"]).expect("EXISTS");
     assert_eq!(exists, 0, "a refused call wrote the key");
+}
+
+/// `lh_exact_many` validates the whole batch before it writes anything: a bad item late
+/// in the batch leaves the good keys before it untouched.
+#[test]
+fn lua_refuses_bad_batches_and_writes_nothing() {
+    let server = server();
+    runtime().block_on(async {
+        let _store = store(&server.url()).await;
+    });
+    let rule = ["10", "1", "1000000", "100000", "0"];
+    let cases: &[(&[&str], &[&str], &str)] = &[
+        (
+            &["lh:{t|a}", "lh:{t|a}"],
+            &["1", "1", "1", "1", "1", "1"],
+            "LH_ARG a key appears twice",
+        ),
+        (
+            &["lh:{t|a}", "lh:{t|b}"],
+            &["1", "1", "1", "1", "1", "11"],
+            "LH_CAPACITY 11",
+        ),
+        (
+            &["lh:{t|a}", "lh:{t|b|1.0}"],
+            &["1", "1", "1", "1", "1", "1"],
+            "LH_ARG not a bucket key",
+        ),
+        (
+            &["lh:{t|a}", "app:user:1"],
+            &["1", "1", "1", "1", "1", "1"],
+            "LH_ARG not a bucket key",
+        ),
+        (
+            &["lh:{t|a}"],
+            &["1", "1", "1", "7"],
+            "LH_ARG 1 arguments left over",
+        ),
+        (
+            &["lh:{t|a}"],
+            &["2", "1", "1"],
+            "LH_ARG invalid argument rule = 2",
+        ),
+        (&["lh:{t|a}"], &["1", "0"], "LH_ARG invalid batch item 1"),
+        (
+            &["lh:{t|a}"],
+            &["1", "1", "0"],
+            "LH_ARG invalid argument cost = 0",
+        ),
+    ];
+    let mut conn = server.connection().expect("connection");
+    for (keys, items, want) in cases {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg("lh_exact_many").arg(keys.len());
+        for k in *keys {
+            cmd.arg(*k);
+        }
+        cmd.arg("00ab").arg("1").arg("1");
+        for a in rule.iter().chain(items.iter()) {
+            cmd.arg(*a);
+        }
+        let err = cmd
+            .query::<redis::Value>(&mut conn)
+            .expect_err("a bad batch must be refused");
+        let text = format!(
+            "{} {}",
+            err.code().unwrap_or_default(),
+            err.detail().unwrap_or_default()
+        );
+        assert!(
+            text.starts_with(want),
+            "{keys:?} {items:?}: got {text:?}, want {want:?}"
+        );
+        for k in *keys {
+            let exists: i64 = server.cmd(&["EXISTS", k]).expect("EXISTS");
+            assert_eq!(exists, 0, "a refused batch wrote {k}");
+        }
+    }
 }

@@ -8,11 +8,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{GlobalBucket, Reply, Request, validate};
+use leasehold_core::model::{AgentId, ExactOutcome, GlobalBucket, Reply, Request, validate};
 use leasehold_core::rule::BucketParams;
 use parking_lot::Mutex;
 
 use crate::redis::StoreError;
+use crate::wire::ExactItem;
 
 const SHARDS: usize = 64;
 
@@ -81,6 +82,34 @@ impl EmbeddedStore {
             }
         };
         Ok(reply?)
+    }
+
+    /// Runs one exact batch: each key atomically, at one server time, as
+    /// `lh_exact_many` does.
+    pub fn exact_many(
+        &self,
+        agent: AgentId,
+        seq: u64,
+        items: &[ExactItem<'_>],
+    ) -> Result<Vec<ExactOutcome>, StoreError> {
+        crate::redis::validate_batch(seq, items)?;
+        if self.offline.load(Ordering::Acquire) {
+            return Err(StoreError::Offline);
+        }
+        let now_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let mut out = Vec::with_capacity(items.len());
+        for it in items {
+            let mut shard = self.shards[(self.hasher.hash_one(it.key) as usize) % SHARDS].lock();
+            let bucket = match shard.get_mut(it.key) {
+                Some(b) => b,
+                None => shard.entry(it.key.clone()).or_default(),
+            };
+            out.push(bucket.exact_many(it.params, now_us, agent, seq, it.costs)?);
+        }
+        Ok(out)
     }
 
     /// Calls served so far.

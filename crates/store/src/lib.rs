@@ -22,7 +22,7 @@ pub mod rules;
 pub mod wire;
 
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{Reply, Request};
+use leasehold_core::model::{AgentId, ExactOutcome, Reply, Request};
 use leasehold_core::rule::BucketParams;
 
 #[cfg(feature = "cli")]
@@ -30,6 +30,7 @@ pub use args::StoreArgs;
 pub use embedded::EmbeddedStore;
 pub use redis::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
 pub use rules::{Overrides, Rules, RulesError, UnknownRule};
+pub use wire::ExactItem;
 
 /// A slot range `start..=end` and the primary that serves it (`host:port`, or
 /// `single` for one Redis).
@@ -67,6 +68,20 @@ impl Store {
         match self {
             Self::Redis(s) => s.call_replicated(key, params, req, replication).await,
             Self::Embedded(s) => s.call(key, params, req),
+        }
+    }
+
+    /// Runs one exact batch of `agent` with sequence number `seq` (see
+    /// [`RedisStore::exact_many`]): one outcome per item, in order.
+    pub async fn exact_many(
+        &self,
+        agent: AgentId,
+        seq: u64,
+        items: &[ExactItem<'_>],
+    ) -> Result<Vec<ExactOutcome>, StoreError> {
+        match self {
+            Self::Redis(s) => s.exact_many(agent, seq, items).await,
+            Self::Embedded(s) => s.exact_many(agent, seq, items),
         }
     }
 

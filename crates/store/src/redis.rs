@@ -15,9 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{Op, ProtocolError, Reply, Request, validate};
+use leasehold_core::model::{
+    AgentId, ExactOutcome, MAX_BATCH_COSTS, Op, ProtocolError, Reply, Request, validate,
+    validate_exact,
+};
 
-use crate::wire;
+use crate::wire::{self, ExactItem};
 use leasehold_core::rule::{BucketParams, Replication};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -777,6 +780,96 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(limit))?
     }
 
+    /// Runs one exact batch (`lh_exact_many`) for `agent` with sequence number `seq`,
+    /// within the call timeout: one outcome per item. The keys must lie on one node (a
+    /// single Redis, or one cluster primary); should the cluster disagree (a slot moved),
+    /// the batch is sent again per slot. A retry with the same `seq` replays (I2).
+    pub async fn exact_many(
+        &self,
+        agent: AgentId,
+        seq: u64,
+        items: &[ExactItem<'_>],
+    ) -> Result<Vec<ExactOutcome>, StoreError> {
+        validate_batch(seq, items)?;
+        let limit = self.config.call_timeout;
+        tokio::time::timeout(limit, async {
+            match self.exact_many_once(agent, seq, items).await {
+                Err(StoreError::Server { code, .. })
+                    if matches!(self.conn, Conn::Cluster(_))
+                        && matches!(code.as_str(), "MOVED" | "ASK" | "CROSSSLOT" | "TRYAGAIN") =>
+                {
+                    self.exact_many_by_slot(agent, seq, items).await
+                }
+                other => other,
+            }
+        })
+        .await
+        .map_err(|_| StoreError::Timeout(limit))?
+    }
+
+    async fn exact_many_once(
+        &self,
+        agent: AgentId,
+        seq: u64,
+        items: &[ExactItem<'_>],
+    ) -> Result<Vec<ExactOutcome>, StoreError> {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg("lh_exact_many").arg(items.len());
+        for it in items {
+            cmd.arg(it.key.as_str());
+        }
+        cmd.arg(wire::exact_many_args(agent, seq, items));
+        let seen = self.loader.generation.load(Ordering::Acquire);
+        let v = match self.conn.query(&cmd).await {
+            Err(e) if is_missing_library(&e) => {
+                self.reload(seen).await?;
+                self.conn.query(&cmd).await
+            }
+            other => other,
+        }
+        .map_err(classify)?;
+        let nums: Vec<u64> = redis::from_redis_value(v.clone())
+            .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
+        wire::exact_many_reply(&nums, items).ok_or_else(|| {
+            StoreError::Misconfigured(format!(
+                "unexpected exact batch reply of {} integers for {} keys",
+                nums.len(),
+                items.len()
+            ))
+        })
+    }
+
+    /// A batch the cluster refused as a whole, sent again as one call per slot.
+    async fn exact_many_by_slot(
+        &self,
+        agent: AgentId,
+        seq: u64,
+        items: &[ExactItem<'_>],
+    ) -> Result<Vec<ExactOutcome>, StoreError> {
+        let mut slots: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let slot = it.key.slot();
+            match slots.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, v)) => v.push(i),
+                None => slots.push((slot, vec![i])),
+            }
+        }
+        let mut out: Vec<Option<ExactOutcome>> = vec![None; items.len()];
+        for (_, idx) in &slots {
+            let group: Vec<ExactItem<'_>> = idx.iter().map(|&i| items[i]).collect();
+            for (&i, o) in idx
+                .iter()
+                .zip(self.exact_many_once(agent, seq, &group).await?)
+            {
+                out[i] = Some(o);
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|o| o.unwrap_or(ExactOutcome::Moved))
+            .collect())
+    }
+
     /// Runs one plain command (agent reports, the coordinator's reads), bounded by the
     /// call timeout.
     pub async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
@@ -911,6 +1004,30 @@ pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
         .arg(wire::agent(req))
         .arg(rest);
     cmd
+}
+
+/// Validates an exact batch before it is sent: every key once, every item valid.
+pub(crate) fn validate_batch(seq: u64, items: &[ExactItem<'_>]) -> Result<(), StoreError> {
+    let mut total = 0;
+    let mut keys = std::collections::HashSet::with_capacity(items.len());
+    for it in items {
+        validate_exact(it.params, seq, it.costs)?;
+        total += it.costs.len();
+        if !keys.insert(it.key.as_str()) {
+            return Err(StoreError::Misconfigured(format!(
+                "key {} appears twice in one exact batch",
+                it.key.for_logs()
+            )));
+        }
+    }
+    if items.is_empty() || total > MAX_BATCH_COSTS {
+        return Err(ProtocolError::InvalidArgument {
+            what: "count",
+            value: total as u64,
+        }
+        .into());
+    }
+    Ok(())
 }
 
 fn is_missing_library(e: &RedisError) -> bool {

@@ -9,12 +9,17 @@
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
 //!   drop; zeros when none).
+//! - Exact batches: `FCALL lh_exact_many N KEY...` then [`exact_many_args`]; the reply
+//!   is read by [`exact_many_reply`].
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
 //!   holds it.
 
 use std::collections::BTreeMap;
 
-use leasehold_core::model::{BucketState, Op, Reply, Request, Split};
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::{
+    AgentId, BucketState, ExactOutcome, ExactRecord, ExactReply, Op, Reply, Request, Split,
+};
 use leasehold_core::rule::{BucketParams, Mode, PartSeed};
 use leasehold_core::schema as h;
 
@@ -222,7 +227,115 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
             r.credit_milli.to_string(),
         );
     }
+    for (id, r) in &s.exact {
+        f.insert(format!("{id}{}", h::AGENT_EXACT), encode_exact(r));
+    }
+    if !s.exact.is_empty() {
+        f.insert(h::EXACT_COUNT.to_owned(), s.exact.len().to_string());
+    }
+    if let Some(mark) = s.exact_sweep_at {
+        f.insert(h::EXACT_SWEEP.to_owned(), mark.to_string());
+    }
     f
+}
+
+/// The stored form of an exact-batch record (`ID:e`).
+pub fn encode_exact(r: &ExactRecord) -> String {
+    let mut v = vec![
+        r.seq,
+        r.drop_us,
+        r.reply.now_us,
+        r.reply.remaining,
+        r.reply.scale_ppm,
+    ];
+    v.extend(&r.reply.retry_us);
+    join(&v)
+}
+
+/// One key of an exact batch: its bucket, the rule's parameters and the costs of the
+/// decisions on it, in arrival order.
+#[derive(Clone, Copy, Debug)]
+pub struct ExactItem<'a> {
+    /// The bucket (never a split's part).
+    pub key: &'a BucketKey,
+    /// Its parameters.
+    pub params: &'a BucketParams,
+    /// The decisions' costs.
+    pub costs: &'a [u64],
+}
+
+/// The arguments of `FCALL lh_exact_many` after the keys: agent, seq, the distinct rule
+/// parameters (capacity, rate tokens, rate period µs, grace µs, max outstanding), then
+/// per key its rule's index (from 1), its number of costs and the costs. Every key once.
+pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec<Vec<u8>> {
+    let mut rules: Vec<&BucketParams> = Vec::new();
+    let mut index = Vec::with_capacity(items.len());
+    for it in items {
+        let i = match rules
+            .iter()
+            .position(|r| std::ptr::eq(*r, it.params) || **r == *it.params)
+        {
+            Some(i) => i,
+            None => {
+                rules.push(it.params);
+                rules.len() - 1
+            }
+        };
+        index.push(i + 1);
+    }
+    let n = 3 + rules.len() * 5 + items.iter().map(|it| 2 + it.costs.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(n);
+    out.push(agent.to_string().into_bytes());
+    let mut num = |v: u64| out.push(v.to_string().into_bytes());
+    num(seq);
+    num(rules.len() as u64);
+    for p in &rules {
+        let max_outstanding = match p.mode {
+            Mode::Strict => 0,
+            Mode::Relaxed { max_outstanding } => max_outstanding.get(),
+        };
+        for v in [
+            p.capacity,
+            p.rate.tokens(),
+            p.rate.period_us(),
+            p.grace_us,
+            max_outstanding,
+        ] {
+            num(v);
+        }
+    }
+    for (it, i) in items.iter().zip(index) {
+        num(i as u64);
+        num(it.costs.len() as u64);
+        for &c in it.costs {
+            num(c);
+        }
+    }
+    out
+}
+
+/// The reply of `lh_exact_many`, one outcome per item; `None` if its shape does not
+/// match the items.
+pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut at = 0;
+    for it in items {
+        let n = it.costs.len();
+        let a = v.get(at..at + 4 + n)?;
+        at += 4 + n;
+        out.push(match a[0] {
+            0 => ExactOutcome::Decided(ExactReply {
+                now_us: a[1],
+                remaining: a[2],
+                scale_ppm: a[3],
+                retry_us: a[4..].to_vec(),
+            }),
+            1 => ExactOutcome::Moved,
+            2 => ExactOutcome::Stale { last: a[2] },
+            _ => return None,
+        });
+    }
+    (at == v.len()).then_some(out)
 }
 
 #[cfg(test)]

@@ -26,8 +26,10 @@
 //!
 //! One file per concern, as the Lua is laid out: `state` (the hash and its refill),
 //! `ops` (validation, open/finish, one function per operation), `share` (proportional
-//! share), `split` (splitting a hot bucket into parts).
+//! share), `split` (splitting a hot bucket into parts), `batch` (exact decisions on many
+//! keys in one call, with a one-field record).
 
+mod batch;
 mod ops;
 mod share;
 mod split;
@@ -37,9 +39,10 @@ mod tests;
 
 use std::fmt;
 
+pub use batch::{EXACT_SWEEP, ExactOutcome, ExactReply, MAX_BATCH_COSTS, validate_exact};
 pub use ops::validate;
 pub use split::{MAX_PARTS, PartTerm, RESERVATION, Split};
-pub use state::{AgentRecord, BucketState, View};
+pub use state::{AgentRecord, BucketState, ExactRecord, View};
 
 use crate::bucket::Level;
 use crate::rule::BucketParams;

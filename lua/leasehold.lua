@@ -588,214 +588,102 @@ end
 
 -- lh_exact_many: the exact decisions of one agent on many cold keys in one call (the
 -- keys may lie in several slots of this node). Each key is decided as lh_exact would,
--- one cost after another, but its record is one field, ID:e = "seq,drop,now,remaining,
--- scale,retry..." (retry 0 = admitted), instead of the five of a lease record, and the
--- call writes only the fields it changes. A key that is split, or is a part, is left
--- untouched and answered "moved": its decisions go through lh_exact. Everything is
--- validated before anything is written.
+-- one cost after another, from its own state alone, but leaves no agent record: the
+-- batch's answer is kept once, in its dedup key, for the grace, and a retry of the batch
+-- (same agent, same seq) is answered from it (I2). An older batch than the one kept is
+-- stale and changes nothing. A key that is split, or is a part, is answered "moved" and
+-- left untouched: its decisions go through lh_exact. Everything is validated before
+-- anything is written.
 --
+-- KEYS: the dedup key, KEYS[2] .. ':b:' .. agent (so in KEYS[2]'s slot), then the bucket
+--       keys, each once.
 -- ARGV: agent, seq, rules, then per rule: capacity, rate_tokens, rate_period_us,
 --       grace_us, max_outstanding; then per key: rule (1-based), count, cost x count.
--- Reply: per key 4 + count integers: status (0 decided, 1 moved, 2 stale), now_us,
---        remaining (stale: the last sequence seen), scale_ppm, then per cost its
---        retry_us (0 = admitted).
+-- Reply: server_now_us, then per key 4 + count integers: status (0 decided, 1 moved,
+--        2 stale), now_us - server_now_us, remaining (stale: the seq kept), scale_ppm,
+--        then per cost its retry_us (0 = admitted).
+-- Dedup key: seq and the reply, MessagePack (cmsgpack: fast, and exact for integers),
+--            expiring after the longest grace.
 local MAX_BATCH_COSTS = 4096
--- Records of other agents are swept once this many (at least) are stored.
-local E_SWEEP = 16
-
 local NO_SPLIT = no_split()
 
--- A new record is counted (en: the count stored, ec: the sweep mark stored, e: the
--- agent's record); past the sweep mark the expired ones are dropped. Returns the new
--- count (nil if the agent had a record) and the new mark (nil if no sweep).
-local function count_record(key, p, en, ec, e, now)
-  if e then return nil, nil end
-  en = tonumber(en or 0) + 1
-  if en < tonumber(ec or E_SWEEP) then return en, nil end
-  local all = redis.call('HGETALL', key)
-  local gone = {}
-  for i = 1, #all, 2 do
-    local aid = string.match(all[i], '^(%x+):e$')
-    if aid and aid ~= p.id then
-      local drop = tonumber(string.match(all[i + 1], '^%d+,(%d+)'))
-      if drop <= now then gone[#gone + 1] = all[i] end
-    end
-  end
-  if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
-  en = en - #gone
-  return en, math.max(E_SWEEP, 2 * en)
-end
-
--- Answers a key from its record when the batch is a retry (or stale); true if it did.
-local function replayed(e, p, now, count, out)
-  if not e then return false end
-  local rseq, rdrop = string.match(e, '^(%d+),(%d+)')
-  rseq, rdrop = tonumber(rseq), tonumber(rdrop)
-  if rdrop <= now or p.seq > rseq then return false end
-  local n = #out
-  if p.seq == rseq then
-    local r = decode(e)
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, r[3], r[4], r[5]
-    for i = 1, count do out[n + 4 + i] = r[5 + i] or 0 end
-  else
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 2, now, rseq, 0
-    for i = 1, count do out[n + 4 + i] = 0 end
-  end
-  return true
-end
-
--- A key of a batch in general (created, split, records to drop, stale demand, a new
--- period): the state as a table and the shared advance. f is its HMGET.
-local function exact_full(key, p, cost, first, count, server_now, out, f)
-  local n = #out
-  local s
-  if f[1] then
-    s = {tok = tonumber(f[1]), car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
-         ts = tonumber(f[4] or 0), out = tonumber(f[5] or 0), nexp = tonumber(f[6] or 0),
-         mx = tonumber(f[7] or 0), ds = tonumber(f[8] or 0), dx = tonumber(f[9] or 0),
-         pg = 0, pu = 0, split = NO_SPLIT}
-  else
-    s = {tok = p.cap, car = 0, p = p.per, ts = server_now, out = 0, nexp = 0, mx = 0, ds = 0,
-         dx = 0, pg = 0, pu = 0, split = NO_SPLIT, created = true}
-  end
-  local now = server_now
-  if s.ts > now then now = s.ts end
-  local last = first + count - 1
-  if replayed(f[14], p, now, count, out) then return end
-  if f[10] or f[11] then
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, now, 0, 0
-    for i = 1, count do out[n + 4 + i] = 0 end
-    return
-  end
-  -- Lease records to drop, stale demand or a new period: the full advance; else refill.
-  local swept = s.created or s.p ~= p.per or (s.nexp ~= 0 and now >= s.nexp) or
-    (s.dx ~= 0 and now >= s.dx)
-  local own = 0
-  if swept then
-    local rec = nil
-    if f[15] then rec = {demand = tonumber(f[15])} end
-    rec = advance(key, s, p, now, rec)
-    if rec then own = rec.demand end
-  else
-    refill_to(s, p, now)
-    if f[15] then own = tonumber(f[15]) end
-  end
+-- One key in general (lease records due to drop, stale demand, a new period): the state
+-- as a table and the shared advance.
+local function exact_full(key, p, cost, first, count, server_now, out)
+  local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds', 'dx')
+  local s = {tok = tonumber(f[1]), car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
+    ts = tonumber(f[4] or 0), out = tonumber(f[5] or 0), nexp = tonumber(f[6] or 0),
+    mx = tonumber(f[7] or 0), ds = tonumber(f[8] or 0), dx = tonumber(f[9] or 0),
+    pg = 0, pu = 0, split = NO_SPLIT}
+  local now = math.max(server_now, s.ts)
+  advance(key, s, p, now, nil)
+  -- Agents lease this key: say so, with their proportional scale (at least 1).
   local scale = 0
-  if s.ds > own then scale = math.max(scale_ppm(p, s.ds, 0), 1) end
-  local tok = s.tok
-  local retries = ''
-  for i = first, last do
-    local c = cost[i]
-    local retry = 0
-    if tok >= c then
-      tok = tok - c
-    else
-      s.tok = tok
-      retry = time_until(s, c, p)
-    end
-    out[n + 4 + i - first + 1] = retry
-    retries = retries .. ',' .. fmt(retry)
+  if s.ds > 0 then scale = math.max(scale_ppm(p, s.ds, 0), 1) end
+  local n = #out
+  for i = 1, count do
+    local c, retry = cost[first + i - 1], 0
+    if s.tok >= c then s.tok = s.tok - c else retry = time_until(s, c, p) end
+    out[n + 4 + i] = retry
   end
-  s.tok = tok
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now, tok, scale
-  local text = string.format('%d,%d,%d,%d,%d', p.seq, now + p.grace, now, tok, scale) .. retries
-  local en, ec = count_record(key, p, f[12], f[13], f[14], now)
-  if swept or ec then
-    local args = {'tok', fmt(tok), 'car', fmt(s.car), 'ts', fmt(s.ts), p.efield, text,
-      'p', fmt(s.p), 'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds),
-      'dx', fmt(s.dx)}
-    if en then
-      args[#args + 1], args[#args + 2] = 'en', fmt(en)
-    end
-    if ec then
-      args[#args + 1], args[#args + 2] = 'ec', fmt(ec)
-    end
-    redis.call('HSET', key, unpack(args))
-  elseif en then
-    redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(s.car), 'ts', fmt(s.ts), p.efield, text,
-      'en', fmt(en))
-  else
-    redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(s.car), 'ts', fmt(s.ts), p.efield, text)
-  end
-  -- I6: not before the newest record's drop, every lease record's, and full again.
-  local busy = math.max(s.mx, now + p.grace)
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, s.tok, scale
+  redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
+    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx))
+  -- I6: not before every lease record's drop, and full again.
+  local busy = math.max(s.mx, now)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
 end
 
--- One key of a batch: its costs are cost[first .. first + count - 1]. The common cases (a
--- new key; a live key with no lease record due to drop, no stale demand, no split) run
--- on locals; the rest take exact_full.
+-- One key: its costs are cost[first .. first + count - 1]. The common cases (a new key; a
+-- live key with no lease record, no demand, no split, the same period) run on locals.
 local function exact_one(key, p, cost, first, count, server_now, out)
-  local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt', 'en',
-    'ec', p.efield)
-  local per, rate = p.per, p.n
+  local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt')
+  local n = #out
+  if g[7] or g[8] then
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, 0, 0
+    for i = 1, count do out[n + 4 + i] = 0 end
+    return
+  end
+  local per, rate, cap = p.per, p.n, p.cap
   local tok, car, now
   local created = not g[1]
   if created then
-    tok, car, now = p.cap, 0, server_now
+    tok, car, now = cap, 0, server_now
   else
-    -- No lease record (nexp 0: then out and mx are 0 too), no demand (dx 0: ds is 0), no
-    -- split, the same period: the bucket is its level alone.
-    if g[5] ~= '0' or g[6] ~= '0' or g[7] or g[8] or g[3] ~= p.pers then
-      local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds', 'dx',
-        'sp', 'pt', 'en', 'ec', p.efield, p.dfield)
-      return exact_full(key, p, cost, first, count, server_now, out, f)
+    -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
+    if g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
+      return exact_full(key, p, cost, first, count, server_now, out)
     end
     local ts = tonumber(g[4])
     now = server_now
     if ts > now then now = ts end
-    if replayed(g[11], p, now, count, out) then return end
     tok, car = tonumber(g[1]), tonumber(g[2])
     -- Level::refill to now.
-    if tok >= p.cap then
-      tok, car = p.cap, 0
-    elseif now - ts >= ceil_div((p.cap - tok) * per - car, rate) then
-      tok, car = p.cap, 0
+    if tok >= cap then
+      tok, car = cap, 0
+    elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
+      tok, car = cap, 0
     else
       local q, r = divmod(car + rate * (now - ts), per)
       tok, car = tok + q, r
     end
   end
-  local scale = 0
-  local n = #out
-  local text
-  if count == 1 then
-    local c, retry = cost[first], 0
+  for i = 1, count do
+    local c, retry = cost[first + i - 1], 0
     if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
-    out[n + 5] = retry
-    text = string.format('%d,%d,%d,%d,%d,%d', p.seq, now + p.grace, now, tok, scale, retry)
-  else
-    local retries = {}
-    for i = 1, count do
-      local c, retry = cost[first + i - 1], 0
-      if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
-      out[n + 4 + i] = retry
-      retries[i] = fmt(retry)
-    end
-    text = string.format('%d,%d,%d,%d,%d,', p.seq, now + p.grace, now, tok, scale) ..
-      table.concat(retries, ',')
+    out[n + 4 + i] = retry
   end
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now, tok, scale
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
   if created then
     redis.call('HSET', key, 'tok', fmt(tok), 'car', '0', 'p', p.pers, 'ts', fmt(now), 'out', '0',
-      'nexp', '0', 'mx', '0', 'ds', '0', 'dx', '0', p.efield, text, 'en', '1')
+      'nexp', '0', 'mx', '0', 'ds', '0', 'dx', '0')
   else
-    local en, ec = count_record(key, p, g[9], g[10], g[11], now)
-    if ec then
-      redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now), p.efield, text,
-        'en', fmt(en), 'ec', fmt(ec))
-    elseif en then
-      redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now), p.efield, text,
-        'en', fmt(en))
-    else
-      redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now), p.efield, text)
-    end
+    redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
   end
-  -- I6: not before the newest record's drop (there is no lease record), and full again.
-  local busy = now + p.grace
+  -- I6: full again (there is no lease record).
   local full = 0
-  if tok < p.cap then full = ceil_div((p.cap - tok) * per - car, rate) end
-  redis.call('PEXPIREAT', key, fmt(divmod(busy + full, 1000) + 1))
+  if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
+  redis.call('PEXPIREAT', key, fmt(divmod(now + full, 1000) + 1))
 end
 
 -- A decimal integer argument of a batch (digits only were checked for all at once).
@@ -811,35 +699,36 @@ local function exact_many(keys, args)
     fail('LH_ARG invalid argument agent = ' .. clip(id))
   end
   -- Every other argument is digits only: checked once for all.
-  local digits = table.concat(args, ',', 2)
-  if not string.find(digits, '^[%d,]*$') then
+  if not string.find(table.concat(args, ',', 2), '^[%d,]*$') then
     for i = 2, #args do int(args[i], 'at position ' .. fmt(i), MAX) end
   end
   local seq = num(args[2], 'seq', MAX)
   local nrules = num(args[3], 'rules', #keys)
-  if #keys == 0 or nrules == 0 then fail('LH_ARG an exact batch needs keys and rules') end
-  local rules, i = {}, 4
+  if #keys < 2 or nrules == 0 then fail('LH_ARG an exact batch needs keys and rules') end
+  local rules, i, grace = {}, 4, 0
   for r = 1, nrules do
     local p = {cap = num(args[i], 'capacity', MAX), n = num(args[i + 1], 'rate_tokens', MAX),
       per = num(args[i + 2], 'rate_period_us', MAX), grace = num(args[i + 3], 'grace_us', MAX),
       maxout = num(args[i + 4], 'max_outstanding', MAX), ttl = 0, id = id, seq = seq,
-      pgen = 0, puntil = 0, ptok = 0, pout = 0, pdrop = 0, efield = id .. ':e',
-      dfield = id .. ':d'}
+      pgen = 0, puntil = 0, ptok = 0, pout = 0, pdrop = 0}
     if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
       fail('LH_ARG invalid bucket parameters: capacity ' .. clip(args[i]) ..
         ', rate ' .. clip(args[i + 1]) .. '/' .. clip(args[i + 2]) .. 'us')
     end
     p.pers = fmt(p.per)
+    grace = math.max(grace, p.grace)
     rules[r] = p
     i = i + 5
   end
   local rule_of, first_of, count_of, cost, seen = {}, {}, {}, {}, {}
   local total = 0
-  for k, key in ipairs(keys) do
+  for k = 2, #keys do
+    local key = keys[k]
     local r = num(args[i], 'rule', nrules)
     local count = num(args[i + 1], 'count', MAX_BATCH_COSTS)
     if r == 0 or count == 0 or total + count > MAX_BATCH_COSTS then
-      fail('LH_ARG invalid batch item ' .. fmt(k) .. ': rule ' .. fmt(r) .. ', ' .. fmt(count) .. ' costs')
+      fail('LH_ARG invalid batch item ' .. fmt(k - 1) .. ': rule ' .. fmt(r) .. ', ' ..
+        fmt(count) .. ' costs')
     end
     local cap = rules[r].cap
     rule_of[k], first_of[k], count_of[k] = rules[r], total + 1, count
@@ -860,12 +749,29 @@ local function exact_many(keys, args)
     seen[key] = true
   end
   if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' arguments left over') end
+  local dkey = keys[1]
+  if dkey ~= keys[2] .. ':b:' .. id then fail('LH_ARG not the batch dedup key: ' .. clip(dkey)) end
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local out = {}
-  for k, key in ipairs(keys) do
-    exact_one(key, rule_of[k], cost, first_of[k], count_of[k], server_now, out)
+  local kept = redis.call('GET', dkey)
+  if kept then
+    local kseq, kout = cmsgpack.unpack(kept)
+    if kseq == seq then return kout end
+    if kseq > seq then
+      local out = {server_now}
+      for k = 2, #keys do
+        local n = #out
+        out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 2, 0, kseq, 0
+        for c = 1, count_of[k] do out[n + 4 + c] = 0 end
+      end
+      return out
+    end
   end
+  local out = {server_now}
+  for k = 2, #keys do
+    exact_one(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out)
+  end
+  redis.call('SET', dkey, cmsgpack.pack(seq, out), 'PX', fmt(math.max(ceil_div(grace, 1000), 1)))
   return out
 end
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 use leasehold_agent::StoreError;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{
-    AgentId, ExactOutcome, GlobalBucket, Op, ProtocolError, Request, Split,
+    AgentId, BatchLog, ExactOutcome, GlobalBucket, Op, ProtocolError, Request, Split,
 };
 use leasehold_core::rule::{BucketParams, RuleName};
 use leasehold_redis_harness::RedisServer;
@@ -109,10 +109,9 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     let part_key = key.part_of(0, 0);
     let mut part_model = GlobalBucket::new();
     let mut split: Option<Split> = None;
-    // Three agents make every kind of call; twenty more only exact batches, so their
-    // records pile up past the sweep mark.
-    let agents: Vec<AgentId> = (0..23).map(|_| AgentId(rng.random())).collect();
-    let mut seqs = [0u64; 23];
+    // Three agents make every kind of call; five more only exact batches.
+    let agents: Vec<AgentId> = (0..8).map(|_| AgentId(rng.random())).collect();
+    let mut seqs = [0u64; 8];
     // A retry re-sends the original command: same request, same rule parameters.
     let mut last: [Option<(Request, BucketParams, bool)>; 3] = [None; 3];
     let mut last_now = 0;
@@ -121,6 +120,8 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     let other = BucketKey::new(&rule, format!("other-{}", rng.random::<u32>())).expect("key");
     let mut other_model = GlobalBucket::new();
     let mut last_batch: Vec<Option<Batch>> = vec![None; agents.len()];
+    // Each agent's batches start with `key`: one dedup key per agent.
+    let mut logs: Vec<BatchLog> = vec![BatchLog::new(); agents.len()];
     let mut batches = BatchCounts::default();
     for step in 0..steps() {
         let i = rng.random_range(0..3);
@@ -166,6 +167,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 &st,
                 agents[i],
                 &b,
+                &mut logs[i],
                 &mut keys,
                 &mut last_now,
                 &mut batches,
@@ -326,7 +328,6 @@ struct Batch {
 #[derive(Debug, Default)]
 struct BatchCounts {
     calls: u32,
-    swept: u32,
     decided: u32,
     replayed: u32,
     moved: u32,
@@ -334,8 +335,8 @@ struct BatchCounts {
     denials: u32,
 }
 
-/// Sends `b` on `keys` to Redis and applies it to each key's model: every key's outcome,
-/// hash and expiry must match.
+/// Sends `b` on `keys` to Redis and applies it to the models of its dedup key and of each
+/// bucket: every key's outcome, hash and expiry, and the dedup key's text, must match.
 #[expect(
     clippy::too_many_arguments,
     reason = "a test step with its whole context"
@@ -345,6 +346,7 @@ async fn exact_batch(
     st: &leasehold_agent::RedisStore,
     agent: AgentId,
     b: &Batch,
+    log: &mut BatchLog,
     keys: &mut [(&BucketKey, &mut GlobalBucket, &Vec<u64>)],
     last_now: &mut u64,
     counts: &mut BatchCounts,
@@ -371,10 +373,23 @@ async fn exact_batch(
             _ => None,
         })
         .unwrap_or(*last_now);
+    let dedup = leasehold_store::wire::batch_key(keys[0].0, agent);
+    if let Some(answer) = log.open(now, b.seq, keys.len()) {
+        if matches!(answer[0], ExactOutcome::Stale { .. }) {
+            counts.stale += 1;
+        } else {
+            counts.replayed += 1;
+        }
+        assert_eq!(outs, answer, "batch answer differs from the one kept {ctx}");
+        for (key, model, _) in keys.iter() {
+            check_same(server, key, model, ctx);
+        }
+        return;
+    }
     for ((key, model, costs), out) in keys.iter_mut().zip(&outs) {
         let before = model.clone();
         let mut expected = model
-            .exact_many(&b.p, now, agent, b.seq, costs)
+            .exact_many(&b.p, now, costs)
             .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
         // As for single calls: at the expiry boundary, Redis may still have found the key.
         let now_ms = now / 1000;
@@ -383,14 +398,14 @@ async fn exact_batch(
             && now_ms - at <= EXPIRY_CLOCK_GAP_MS
         {
             let mut alive = before.alive_until(now_ms);
-            if let Ok(r) = alive.exact_many(&b.p, now, agent, b.seq, costs)
+            if let Ok(r) = alive.exact_many(&b.p, now, costs)
                 && r == *out
             {
                 let (redis, _, _) = read(server, key);
                 let fits =
                     |m: &GlobalBucket| redis == leasehold_store::wire::hash_fields(m.state());
-                // Moved and stale write nothing: the key may expire right after.
-                let unwritten = !matches!(out, ExactOutcome::Decided(_));
+                // Moved writes nothing: the key may expire right after.
+                let unwritten = matches!(out, ExactOutcome::Moved);
                 if (*out != expected || !fits(model)) && (fits(&alive) || unwritten) {
                     println!("expiry read at the command's start {ctx}");
                     **model = alive;
@@ -399,28 +414,48 @@ async fn exact_batch(
             }
         }
         assert_eq!(*out, expected, "batch outcome differs for {key:?} {ctx}");
-        let sweeps = |m: &GlobalBucket| m.state().and_then(|s| s.exact_sweep_at);
-        if sweeps(model).is_some() && sweeps(model) != sweeps(&before) {
-            counts.swept += 1;
-        }
         match out {
             ExactOutcome::Decided(r) => {
-                if before
-                    .state()
-                    .and_then(|s| s.exact.get(&agent))
-                    .is_some_and(|e| e.seq == b.seq)
-                {
-                    counts.replayed += 1;
-                } else {
-                    counts.decided += 1;
-                }
+                counts.decided += 1;
                 counts.denials += r.retry_us.iter().filter(|&&w| w > 0).count() as u32;
                 *last_now = (*last_now).max(r.now_us);
             }
             ExactOutcome::Moved => counts.moved += 1,
-            ExactOutcome::Stale { .. } => counts.stale += 1,
+            ExactOutcome::Stale { .. } => panic!("a key stale in a batch that was not {ctx}"),
         }
         check_same(server, key, model, ctx);
+    }
+    let grace = b.p.grace_us;
+    let sizes: Vec<usize> = keys.iter().map(|k| k.2.len()).collect();
+    let mut c = server.connection().expect("connection");
+    let (kept, at): (Vec<u64>, i64) = redis::Script::new(
+        "local v = redis.call('GET', KEYS[1]); if not v then return {{}, -2} end \
+         local s, o = cmsgpack.unpack(v); table.insert(o, 1, s); \
+         return {o, redis.call('PEXPIRETIME', KEYS[1])}",
+    )
+    .key(&dedup)
+    .invoke(&mut c)
+    .expect("read the dedup key");
+    // With every key moved, only the dedup key tells the server time of the call.
+    let decided = outs.iter().any(|o| matches!(o, ExactOutcome::Decided(_)));
+    let server_now = match kept.get(1) {
+        Some(&t) if !decided => t,
+        _ => now,
+    };
+    log.close(server_now, b.seq, grace, &outs, &sizes);
+    if !kept.is_empty() {
+        log.set_expiry(at as u64);
+        let record = log.record().expect("kept");
+        assert_eq!(
+            kept,
+            leasehold_store::wire::batch_numbers(record),
+            "dedup key differs {ctx}"
+        );
+        let least = record.server_now_us / 1000 + grace.div_ceil(1000);
+        assert!(
+            at as u64 >= least,
+            "dedup key expires at {at}, before the grace {least} {ctx}"
+        );
     }
 }
 
@@ -627,7 +662,9 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
     let mut conn = server.connection().expect("connection");
     for (keys, items, want) in cases {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_many").arg(keys.len());
+        cmd.arg("lh_exact_many")
+            .arg(keys.len() + 1)
+            .arg(format!("{}:b:00ab", keys[0]));
         for k in *keys {
             cmd.arg(*k);
         }
@@ -647,7 +684,11 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
             text.starts_with(want),
             "{keys:?} {items:?}: got {text:?}, want {want:?}"
         );
-        for k in *keys {
+        for k in keys
+            .iter()
+            .copied()
+            .chain([format!("{}:b:00ab", keys[0]).as_str()])
+        {
             let exists: i64 = server.cmd(&["EXISTS", k]).expect("EXISTS");
             assert_eq!(exists, 0, "a refused batch wrote {k}");
         }

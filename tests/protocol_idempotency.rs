@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use leasehold_agent::{RedisStore, StoreError};
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{AgentId, Op, Reply, Request};
+use leasehold_core::model::{AgentId, ExactOutcome, Op, Reply, Request};
 use leasehold_core::rule::{BucketParams, RuleName};
 use leasehold_redis_harness::{Fault, FaultProxy, RedisServer};
+use leasehold_store::ExactItem;
 use support::{field, hash, params, runtime, server, store};
 
 fn key(subject: &str) -> BucketKey {
@@ -142,5 +143,81 @@ fn i2_same_seq_twice_replays_and_changes_nothing() {
             }
             other => panic!("a stale sequence must be refused, got {other:?}"),
         }
+    });
+}
+
+/// A batch of exact decisions whose reply was lost: the retry (same agent, same seq, same
+/// keys) gets the first answer from the batch's dedup key, and no bucket is debited twice.
+/// An older batch sent late changes nothing.
+#[test]
+fn i2_retried_exact_batch_after_lost_reply_debits_once() {
+    let server = server();
+    let proxy = FaultProxy::start(server.addr()).expect("proxy");
+    let p = params(10, "1/s", "30s", "5s", None);
+    runtime().block_on(async {
+        let st = store(&proxy.url()).await;
+        let keys: Vec<BucketKey> = (0..5).map(|i| key(&format!("batch-{i}"))).collect();
+        let costs: Vec<Vec<u64>> = (0..5).map(|i| vec![3; i + 1]).collect();
+        let items: Vec<ExactItem<'_>> = keys
+            .iter()
+            .zip(&costs)
+            .map(|(k, c)| ExactItem {
+                key: k,
+                params: &p,
+                costs: c,
+            })
+            .collect();
+        let agent = AgentId(0xB47C);
+        proxy.set(Fault::DropReplies);
+        let lost = st.exact_many(agent, 9, &items).await;
+        assert!(
+            matches!(&lost, Err(e) if e.is_retryable()),
+            "the reply was swallowed, yet the call returned {lost:?}"
+        );
+        let after_first: Vec<_> = keys.iter().map(|k| hash(&server, k.as_str())).collect();
+        assert!(
+            after_first.iter().all(|h| !h.is_empty()),
+            "the lost batch was not applied"
+        );
+        proxy.cut();
+        proxy.set(Fault::Pass);
+        let mut answer = None;
+        for _ in 0..50 {
+            match st.exact_many(agent, 9, &items).await {
+                Ok(a) => {
+                    answer = Some(a);
+                    break;
+                }
+                Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(e) => panic!("retry failed: {e}"),
+            }
+        }
+        let answer = answer.expect("no answer to the retry");
+        let after_retry: Vec<_> = keys.iter().map(|k| hash(&server, k.as_str())).collect();
+        assert_eq!(after_retry, after_first, "the retry changed a bucket");
+        // Key i had i + 1 decisions of 3 from a bucket of 10: three admitted at most.
+        for (i, o) in answer.iter().enumerate() {
+            let ExactOutcome::Decided(r) = o else {
+                panic!("key {i}: {o:?}")
+            };
+            let admitted = r.retry_us.iter().filter(|&&w| w == 0).count();
+            assert_eq!(admitted, (i + 1).min(3), "key {i}: {r:?}");
+            assert_eq!(
+                field(&server, keys[i].as_str(), "tok"),
+                10 - 3 * admitted as u64
+            );
+        }
+        // A late duplicate of an older batch with the same first key: stale, no change.
+        let old = st.exact_many(agent, 8, &items).await.expect("old batch");
+        assert!(
+            old.iter()
+                .all(|o| matches!(o, ExactOutcome::Stale { last: 9 })),
+            "{old:?}"
+        );
+        let after_old: Vec<_> = keys.iter().map(|k| hash(&server, k.as_str())).collect();
+        assert_eq!(after_old, after_first, "a stale batch changed a bucket");
+        println!(
+            "lost exact batch of 5 keys / 15 decisions: applied once, replayed, stale refused"
+        );
     });
 }

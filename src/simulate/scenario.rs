@@ -233,6 +233,7 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "burst",
     "hot-key",
     "zipf",
+    "long-tail",
     "shifting",
     "agent-crash",
     "redis-down",
@@ -316,12 +317,28 @@ impl Scenario {
                 keys(1, "uniform"),
                 vec![phase(0.0, 0.0, None)],
             ),
-            // 100 000 tenants with Zipf demand.
-            "zipf" => base(
-                rule(100, "1000/s"),
-                keys(100_000, "zipf"),
-                vec![phase(0.0, 0.0, None)],
-            ),
+            // 100 000 tenants with Zipf demand; each gateway has 16 requests in flight.
+            "zipf" => Scenario {
+                threads_per_agent: 16,
+                ..base(
+                    rule(100, "1000/s"),
+                    keys(100_000, "zipf"),
+                    vec![phase(0.0, 0.0, None)],
+                )
+            },
+            // A million tenants, most of them seen a few times: the cold path's scenario.
+            "long-tail" => Scenario {
+                threads_per_agent: 16,
+                ..base(
+                    rule(100, "1000/s"),
+                    Keys {
+                        count: 1_000_000,
+                        distribution: "zipf".into(),
+                        zipf_s: 0.9,
+                    },
+                    vec![phase(0.0, 0.0, None)],
+                )
+            },
             // Demand moves from half the agents to the other half and back.
             "shifting" => base(
                 rule(10_000, "20000/s"),

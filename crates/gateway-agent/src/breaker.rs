@@ -57,6 +57,8 @@ pub(crate) struct Breaker {
     last_success_ns: AtomicU64,
     in_flight: Arc<Semaphore>,
     config: BreakerConfig,
+    /// The shard's queue of cold decisions waiting for their exact batch.
+    pub(crate) batch: crate::limiter::ExactBatch,
 }
 
 /// Why a call may not go to the store now.
@@ -111,6 +113,7 @@ impl Breaker {
             last_success_ns: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
+            batch: crate::limiter::ExactBatch::default(),
         }
     }
 

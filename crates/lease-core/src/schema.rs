@@ -30,11 +30,6 @@ pub const SPLIT: &str = "sp";
 /// On a part of a split bucket: `generation,until` of the split it serves.
 pub const PART: &str = "pt";
 
-/// The number of exact-batch records (`ID:e`) stored.
-pub const EXACT_COUNT: &str = "en";
-/// The number of exact-batch records at which a new one sweeps the expired ones.
-pub const EXACT_SWEEP: &str = "ec";
-
 /// Per agent (`ID` = 16 hex digits), what it holds from this bucket.
 pub const AGENT_HELD: &str = ":h";
 /// Per agent: when its record drops (lease expiry plus grace).
@@ -48,10 +43,6 @@ pub const AGENT_REPLY: &str = ":r";
 pub const AGENT_DEMAND: &str = ":d";
 /// Per agent: the lease credit it has earned at its share (thousandths of a token).
 pub const AGENT_CREDIT: &str = ":c";
-
-/// Per agent: its last exact batch on this key, `seq,drop,now,remaining,scale,retry...`
-/// (replayed to a retry until `drop`).
-pub const AGENT_EXACT: &str = ":e";
 
 /// Every field, with its meaning: `(name, meaning)`; per-agent fields are written
 /// `ID:h` and so on.
@@ -80,11 +71,6 @@ pub const FIELDS: &[(&str, &str)] = &[
         "split in force: parts,salt,until,tokens,outstanding,drop",
     ),
     (PART, "on a part: generation,until of its split"),
-    (EXACT_COUNT, "exact-batch records stored"),
-    (
-        EXACT_SWEEP,
-        "exact-batch records at which expired ones are swept",
-    ),
     (AGENT_HELD, "per agent: tokens it holds"),
     (AGENT_DROP, "per agent: when its record drops"),
     (AGENT_SEQ, "per agent: sequence number of its last request"),
@@ -93,10 +79,6 @@ pub const FIELDS: &[(&str, &str)] = &[
     (
         AGENT_CREDIT,
         "per agent: lease credit earned at its share (milli-tokens)",
-    ),
-    (
-        AGENT_EXACT,
-        "per agent: its last exact batch, seq,drop,now,remaining,scale,retry... (for replays)",
     ),
 ];
 

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{AgentId, ExactOutcome, GlobalBucket, Reply, Request, validate};
+use leasehold_core::model::{
+    AgentId, BatchLog, ExactOutcome, GlobalBucket, Reply, Request, validate,
+};
 use leasehold_core::rule::BucketParams;
 use parking_lot::Mutex;
 
@@ -27,6 +29,8 @@ pub struct EmbeddedStore {
     hasher: foldhash::fast::RandomState,
     calls: Arc<AtomicU64>,
     offline: Arc<std::sync::atomic::AtomicBool>,
+    /// Exact batches' dedup keys.
+    batches: Arc<Mutex<HashMap<String, BatchLog>>>,
 }
 
 impl Default for EmbeddedStore {
@@ -43,6 +47,7 @@ impl EmbeddedStore {
             hasher: foldhash::fast::RandomState::default(),
             calls: Arc::new(AtomicU64::new(0)),
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            batches: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -84,8 +89,8 @@ impl EmbeddedStore {
         Ok(reply?)
     }
 
-    /// Runs one exact batch: each key atomically, at one server time, as
-    /// `lh_exact_many` does.
+    /// Runs one exact batch as `lh_exact_many` does: each key atomically at one server
+    /// time, the answer kept in the batch's dedup log for a retry.
     pub fn exact_many(
         &self,
         agent: AgentId,
@@ -99,16 +104,25 @@ impl EmbeddedStore {
         let now_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        let n = self.calls.fetch_add(1, Ordering::Relaxed);
+        let dedup = crate::wire::batch_key(items[0].key, agent);
+        let mut logs = self.batches.lock();
+        if n.is_multiple_of(4096) {
+            logs.retain(|_, l| l.record().is_some_and(|r| now_us / 1000 < r.expire_at_ms));
+        }
+        let log = logs.entry(dedup).or_default();
+        if let Some(answer) = log.open(now_us, seq, items.len()) {
+            return Ok(answer);
+        }
         let mut out = Vec::with_capacity(items.len());
         for it in items {
             let mut shard = self.shards[(self.hasher.hash_one(it.key) as usize) % SHARDS].lock();
-            let bucket = match shard.get_mut(it.key) {
-                Some(b) => b,
-                None => shard.entry(it.key.clone()).or_default(),
-            };
-            out.push(bucket.exact_many(it.params, now_us, agent, seq, it.costs)?);
+            let bucket = shard.entry(it.key.clone()).or_default();
+            out.push(bucket.exact_many(it.params, now_us, it.costs)?);
         }
+        let grace = items.iter().map(|it| it.params.grace_us).max().unwrap_or(0);
+        let counts: Vec<usize> = items.iter().map(|it| it.costs.len()).collect();
+        log.close(now_us, seq, grace, &out, &counts);
         Ok(out)
     }
 

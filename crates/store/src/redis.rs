@@ -781,9 +781,10 @@ impl RedisStore {
     }
 
     /// Runs one exact batch (`lh_exact_many`) for `agent` with sequence number `seq`,
-    /// within the call timeout: one outcome per item. The keys must lie on one node (a
-    /// single Redis, or one cluster primary); should the cluster disagree (a slot moved),
-    /// the batch is sent again per slot. A retry with the same `seq` replays (I2).
+    /// within the call timeout: one outcome per item. The keys should lie on one node (a
+    /// single Redis, or one cluster primary); should the cluster refuse the batch (a slot
+    /// moved), it is sent again per slot. A retry of the same items with the same `seq`
+    /// replays (I2).
     pub async fn exact_many(
         &self,
         agent: AgentId,
@@ -814,7 +815,9 @@ impl RedisStore {
         items: &[ExactItem<'_>],
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_many").arg(items.len());
+        cmd.arg("lh_exact_many")
+            .arg(items.len() + 1)
+            .arg(wire::batch_key(items[0].key, agent));
         for it in items {
             cmd.arg(it.key.as_str());
         }

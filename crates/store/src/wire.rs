@@ -9,8 +9,9 @@
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
 //!   drop; zeros when none).
-//! - Exact batches: `FCALL lh_exact_many N KEY...` then [`exact_many_args`]; the reply
-//!   is read by [`exact_many_reply`].
+//! - Exact batches: `FCALL lh_exact_many N DEDUP KEY...` ([`batch_key`]) then
+//!   [`exact_many_args`]; the reply is read by [`exact_many_reply`]; the dedup key holds
+//!   [`batch_numbers`] (MessagePack).
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
 //!   holds it.
 
@@ -18,7 +19,7 @@ use std::collections::BTreeMap;
 
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{
-    AgentId, BucketState, ExactOutcome, ExactRecord, ExactReply, Op, Reply, Request, Split,
+    AgentId, BatchRecord, BucketState, ExactOutcome, ExactReply, Op, Reply, Request, Split,
 };
 use leasehold_core::rule::{BucketParams, Mode, PartSeed};
 use leasehold_core::schema as h;
@@ -227,29 +228,7 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
             r.credit_milli.to_string(),
         );
     }
-    for (id, r) in &s.exact {
-        f.insert(format!("{id}{}", h::AGENT_EXACT), encode_exact(r));
-    }
-    if !s.exact.is_empty() {
-        f.insert(h::EXACT_COUNT.to_owned(), s.exact.len().to_string());
-    }
-    if let Some(mark) = s.exact_sweep_at {
-        f.insert(h::EXACT_SWEEP.to_owned(), mark.to_string());
-    }
     f
-}
-
-/// The stored form of an exact-batch record (`ID:e`).
-pub fn encode_exact(r: &ExactRecord) -> String {
-    let mut v = vec![
-        r.seq,
-        r.drop_us,
-        r.reply.now_us,
-        r.reply.remaining,
-        r.reply.scale_ppm,
-    ];
-    v.extend(&r.reply.retry_us);
-    join(&v)
 }
 
 /// One key of an exact batch: its bucket, the rule's parameters and the costs of the
@@ -314,18 +293,24 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
     out
 }
 
-/// The reply of `lh_exact_many`, one outcome per item; `None` if its shape does not
-/// match the items.
+/// The dedup key of a batch whose first key is `first`: beside it, in its slot.
+pub fn batch_key(first: &BucketKey, agent: AgentId) -> String {
+    format!("{}:b:{agent}", first.as_str())
+}
+
+/// The reply of `lh_exact_many` (server time, then per key: status, time past the server
+/// time, remaining or the seq kept, scale, each cost's wait), one outcome per item;
+/// `None` if its shape does not match the items.
 pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
+    let (&server_now, mut rest) = v.split_first()?;
     let mut out = Vec::with_capacity(items.len());
-    let mut at = 0;
     for it in items {
         let n = it.costs.len();
-        let a = v.get(at..at + 4 + n)?;
-        at += 4 + n;
+        let a = rest.get(..4 + n)?;
+        rest = &rest[4 + n..];
         out.push(match a[0] {
             0 => ExactOutcome::Decided(ExactReply {
-                now_us: a[1],
+                now_us: server_now + a[1],
                 remaining: a[2],
                 scale_ppm: a[3],
                 retry_us: a[4..].to_vec(),
@@ -335,7 +320,27 @@ pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactO
             _ => return None,
         });
     }
-    (at == v.len()).then_some(out)
+    rest.is_empty().then_some(out)
+}
+
+/// What a batch's dedup key holds, as numbers: its seq, then its reply as
+/// `lh_exact_many` gives it (the key stores them MessagePack-encoded).
+pub fn batch_numbers(r: &BatchRecord) -> Vec<u64> {
+    let mut v = vec![r.seq, r.server_now_us];
+    for (o, &n) in r.outcomes.iter().zip(&r.counts) {
+        match o {
+            ExactOutcome::Decided(x) => {
+                v.extend([0, x.now_us - r.server_now_us, x.remaining, x.scale_ppm]);
+                v.extend(&x.retry_us);
+            }
+            // A kept batch has no stale key; a moved key's costs are answered 0.
+            ExactOutcome::Moved | ExactOutcome::Stale { .. } => {
+                v.extend([1, 0, 0, 0]);
+                v.extend(std::iter::repeat_n(0, n));
+            }
+        }
+    }
+    v
 }
 
 #[cfg(test)]

@@ -44,10 +44,12 @@ use crate::rules::{Overrides, Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
 mod background;
+mod batch;
 mod builder;
 mod route;
 
 use background::background;
+pub(crate) use batch::ExactBatch;
 pub use builder::{BuildError, LimiterBuilder, LimiterConfig};
 use route::{Dest, ROUTE_REFRESH_US, Route, dest, term_ending};
 
@@ -350,6 +352,8 @@ struct KeyState {
     transient: bool,
     /// The rule, or the subject's override, in force for this key; replaced on reload.
     entry: ArcSwap<RuleEntry>,
+    /// Exact decisions take the per-key path until then (the key was found split).
+    batch_after_ns: AtomicU64,
 }
 
 impl KeyState {
@@ -383,6 +387,7 @@ impl KeyState {
             emergency: parking_lot::Mutex::new(None),
             transient,
             entry: ArcSwap::new(entry.clone()),
+            batch_after_ns: AtomicU64::new(0),
         }
     }
 }
@@ -859,6 +864,25 @@ impl Limiter {
         let deadline = Instant::now() + entry.rule.timeout();
         if self.inner.breakers.for_slot(ks.slot).is_open(self.now_ns()) {
             return self.degraded(&ks, &entry, cost);
+        }
+        // A cold key: its shard's next exact batch decides, with no lock held meanwhile.
+        // Rules that wait for replicas, and keys found split, take the per-key path.
+        let now = self.now_ns();
+        if !self.is_hot(&ks, &entry)
+            && entry.rule.replication().is_none()
+            && now >= ks.batch_after_ns.load(Ordering::Relaxed)
+        {
+            let until = ks.deny_until_ns.load(Ordering::Acquire);
+            if now < until {
+                entry.counters.incr(entry.denied);
+                ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+                return denied(until - now);
+            }
+            if let Some(d) = self.exact_batched(&ks, &entry, cost, deadline).await {
+                return d;
+            }
+            ks.batch_after_ns
+                .store(self.now_ns() + 1_000_000_000, Ordering::Relaxed);
         }
         let Ok(mut driver) = timeout_at(deadline, ks.driver.lock()).await else {
             entry.counters.incr(Counter::StoreErrors);

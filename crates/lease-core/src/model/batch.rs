@@ -1,34 +1,29 @@
 //! Exact decisions in batches (the Lua's `lh_exact_many`): one agent's cold decisions on
-//! many keys in one call, each key decided as `lh_exact` would, one cost after another.
+//! many keys in one call, each key decided as `lh_exact` would, one cost after another,
+//! from its own state alone.
 //!
-//! The difference is the record. A lease record is five fields per agent and joins the
-//! drop schedule (`nexp`, `mx`); an exact batch leaves one field, `ID:e` =
-//! `seq,drop,now,remaining,scale,retry...`, which only replays the batch's answer to a
-//! retry until `drop` (now + grace). Such records are not in the drop schedule: each
-//! agent overwrites its own, the key's expiry covers the newest, and once their number
-//! (`en`) reaches the sweep mark (`ec`, at first [`EXACT_SWEEP`]) a new one drops the
-//! expired ones and sets the mark to twice what is left. A retry within the grace
-//! therefore always finds its record (the key cannot expire before it), so a lost
-//! reply never debits twice (I2); a record past its drop is never consulted again.
+//! The difference is the record. `lh_exact` leaves a five-field record per agent in the
+//! bucket, which joins the drop schedule. A batch leaves nothing in its buckets: its
+//! answer is kept once, in the batch's dedup key ([`BatchLog`], beside the first bucket
+//! key, in its slot), until the longest grace of its rules. A retry of the batch (same
+//! agent, same first key, same `seq`) finds it there and gets the same answer, whatever
+//! happened to the buckets since (I2); an older batch than the one kept is stale and
+//! changes nothing. The agent retries only within half the shortest grace, so a lost
+//! reply never debits twice.
 //!
 //! A key that is split, or is a part, is left untouched and answered
 //! [`ExactOutcome::Moved`]: its decisions take the single-key path, which routes them.
 
-use super::share::scale_ppm;
-use super::state::{BucketState, ExactRecord};
-use super::{AgentId, GlobalBucket, ProtocolError};
+use super::state::BucketState;
+use super::{GlobalBucket, ProtocolError};
 use crate::rate::MAX_EXACT;
 use crate::rule::BucketParams;
 
 /// The most decisions one batch may carry, over all its keys.
 pub const MAX_BATCH_COSTS: usize = 4096;
 
-/// Exact records of other agents are first swept once this many are stored.
-pub const EXACT_SWEEP: u64 = 16;
-
 /// One key's answer in a batch: the server time, the tokens left after its decisions,
-/// the proportional scale when other agents lease the key (as `lh_exact`'s), and each
-/// decision's wait (0 = admitted).
+/// and each decision's wait (0 = admitted).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ExactReply {
     /// The server time the key was decided at, µs.
@@ -48,10 +43,10 @@ pub enum ExactOutcome {
     Decided(ExactReply),
     /// The key is split or is a part: nothing was done; use the single-key path.
     Moved,
-    /// An older batch than the last one seen from this agent on this key: a late
-    /// duplicate; nothing was done.
+    /// The batch is older than the last one this agent sent with the same first key: a
+    /// late duplicate; nothing was done.
     Stale {
-        /// The last sequence number seen.
+        /// The sequence number kept.
         last: u64,
     },
 }
@@ -64,10 +59,10 @@ pub fn validate_exact(p: &BucketParams, seq: u64, costs: &[u64]) -> Result<(), P
             value: seq,
         });
     }
-    if p.part.is_some() {
+    if let Some(seed) = p.part {
         return Err(ProtocolError::InvalidArgument {
             what: "part_gen",
-            value: p.part.map_or(0, |s| s.gen_us),
+            value: seed.gen_us,
         });
     }
     if costs.is_empty() || costs.len() > MAX_BATCH_COSTS {
@@ -94,17 +89,15 @@ pub fn validate_exact(p: &BucketParams, seq: u64, costs: &[u64]) -> Result<(), P
 }
 
 impl GlobalBucket {
-    /// Decides `costs` (in order) on this key for `agent`'s batch `seq` at server time
-    /// `server_now_us`, as one key of an `lh_exact_many` call.
+    /// Decides `costs` (in order) on this key at server time `server_now_us`, as one key
+    /// of an `lh_exact_many` call: [`ExactOutcome::Decided`] or [`ExactOutcome::Moved`].
     pub fn exact_many(
         &mut self,
         p: &BucketParams,
         server_now_us: u64,
-        agent: AgentId,
-        seq: u64,
         costs: &[u64],
     ) -> Result<ExactOutcome, ProtocolError> {
-        validate_exact(p, seq, costs)?;
+        validate_exact(p, 0, costs)?;
         if self
             .state
             .as_ref()
@@ -112,21 +105,12 @@ impl GlobalBucket {
         {
             self.state = None;
         }
-        if let Some(s) = &self.state {
-            let now = server_now_us.max(s.updated_us);
-            if let Some(r) = s.exact.get(&agent)
-                && r.drop_us > now
-                && seq <= r.seq
-            {
-                return Ok(if seq == r.seq {
-                    ExactOutcome::Decided(r.reply.clone())
-                } else {
-                    ExactOutcome::Stale { last: r.seq }
-                });
-            }
-            if s.split.is_some() || s.part.is_some() {
-                return Ok(ExactOutcome::Moved);
-            }
+        if self
+            .state
+            .as_ref()
+            .is_some_and(|s| s.split.is_some() || s.part.is_some())
+        {
+            return Ok(ExactOutcome::Moved);
         }
         let mut s = self
             .state
@@ -134,9 +118,9 @@ impl GlobalBucket {
             .unwrap_or_else(|| BucketState::fresh(p, server_now_us));
         let now = server_now_us.max(s.updated_us);
         s.advance(p, now);
-        let own = s.agents.get(&agent).map_or(0, |r| r.demand);
-        let scale_ppm = if s.demand_sum > own {
-            scale_ppm(p, s.demand_sum, 0).max(1)
+        // Agents lease this key: say so, with their proportional scale (at least 1).
+        let scale_ppm = if s.demand_sum > 0 {
+            super::share::scale_ppm(p, s.demand_sum, 0).max(1)
         } else {
             0
         };
@@ -151,28 +135,93 @@ impl GlobalBucket {
                 }
             })
             .collect();
+        // I6: not before every lease record's drop, and full again.
+        let busy = s.last_drop_us.max(now);
+        s.expire_at_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
         let reply = ExactReply {
             now_us: now,
             remaining: s.level.tokens,
             scale_ppm,
             retry_us,
         };
-        let record = ExactRecord {
-            seq,
-            drop_us: now + p.grace_us,
-            reply: reply.clone(),
-        };
-        if s.exact.insert(agent, record).is_none() {
-            let mark = s.exact_sweep_at.unwrap_or(EXACT_SWEEP);
-            if s.exact.len() as u64 >= mark {
-                s.exact.retain(|id, r| *id == agent || r.drop_us > now);
-                s.exact_sweep_at = Some(EXACT_SWEEP.max(2 * s.exact.len() as u64));
-            }
-        }
-        // I6: not before the newest record's drop, every lease record's, and full again.
-        let busy = s.last_drop_us.max(now + p.grace_us);
-        s.expire_at_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
         self.state = Some(s);
         Ok(ExactOutcome::Decided(reply))
+    }
+}
+
+/// A batch's dedup key: the last batch an agent sent with this first key, and its answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchRecord {
+    /// Its sequence number.
+    pub seq: u64,
+    /// The server time it was decided at, µs.
+    pub server_now_us: u64,
+    /// Its answer, key by key.
+    pub outcomes: Vec<ExactOutcome>,
+    /// The number of decisions on each key.
+    pub counts: Vec<usize>,
+    /// When the key expires, ms.
+    pub expire_at_ms: u64,
+}
+
+/// The model of one dedup key; absent state is no batch kept.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchLog {
+    state: Option<BatchRecord>,
+}
+
+impl BatchLog {
+    /// No batch kept.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What the key holds.
+    pub fn record(&self) -> Option<&BatchRecord> {
+        self.state.as_ref()
+    }
+
+    /// The key with its expiry as the store set it (the moment of the write, which only
+    /// the store knows).
+    pub fn set_expiry(&mut self, expire_at_ms: u64) {
+        if let Some(r) = &mut self.state {
+            r.expire_at_ms = expire_at_ms;
+        }
+    }
+
+    /// Before the batch's keys are decided: the answer when `seq` is a retry of the batch
+    /// kept (its answer) or older than it (each of its `keys` stale); `None` to go on.
+    pub fn open(&mut self, server_now_us: u64, seq: u64, keys: usize) -> Option<Vec<ExactOutcome>> {
+        if self
+            .state
+            .as_ref()
+            .is_some_and(|r| server_now_us / 1000 >= r.expire_at_ms)
+        {
+            self.state = None;
+        }
+        let r = self.state.as_ref()?;
+        if r.seq == seq {
+            return Some(r.outcomes.clone());
+        }
+        (r.seq > seq).then(|| vec![ExactOutcome::Stale { last: r.seq }; keys])
+    }
+
+    /// After the keys: keeps the batch's answer (with each key's number of decisions) for
+    /// `grace_us` (the longest of its rules).
+    pub fn close(
+        &mut self,
+        server_now_us: u64,
+        seq: u64,
+        grace_us: u64,
+        outcomes: &[ExactOutcome],
+        counts: &[usize],
+    ) {
+        self.state = Some(BatchRecord {
+            seq,
+            server_now_us,
+            outcomes: outcomes.to_vec(),
+            counts: counts.to_vec(),
+            expire_at_ms: server_now_us / 1000 + grace_us.div_ceil(1000).max(1),
+        });
     }
 }

@@ -27,7 +27,7 @@
 //! One file per concern, as the Lua is laid out: `state` (the hash and its refill),
 //! `ops` (validation, open/finish, one function per operation), `share` (proportional
 //! share), `split` (splitting a hot bucket into parts), `batch` (exact decisions on many
-//! keys in one call, with a one-field record).
+//! keys in one call, answered once from a per-batch dedup key).
 
 mod batch;
 mod ops;
@@ -39,10 +39,10 @@ mod tests;
 
 use std::fmt;
 
-pub use batch::{EXACT_SWEEP, ExactOutcome, ExactReply, MAX_BATCH_COSTS, validate_exact};
+pub use batch::{BatchLog, BatchRecord, ExactOutcome, ExactReply, MAX_BATCH_COSTS, validate_exact};
 pub use ops::validate;
 pub use split::{MAX_PARTS, PartTerm, RESERVATION, Split};
-pub use state::{AgentRecord, BucketState, ExactRecord, View};
+pub use state::{AgentRecord, BucketState, View};
 
 use crate::bucket::Level;
 use crate::rule::BucketParams;

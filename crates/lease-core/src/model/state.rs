@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 
-use super::batch::ExactReply;
 use super::split::{PartTerm, RESERVATION, Split};
 use super::{AgentId, DEMAND_TTL_US, Reply};
 use crate::bucket::Level;
@@ -56,23 +55,6 @@ pub struct BucketState {
     pub part: Option<PartTerm>,
     /// Redis key expiry, ms (PEXPIREAT).
     pub expire_at_ms: u64,
-    /// Per agent, its last exact batch on this key (`ID:e`; see [`super::batch`]).
-    pub exact: BTreeMap<AgentId, ExactRecord>,
-    /// The number of exact records at which a new one sweeps the expired ones (`ec`;
-    /// `None`: never swept, the default applies).
-    pub exact_sweep_at: Option<u64>,
-}
-
-/// What the store remembers of an agent's last exact batch on a key: enough to replay
-/// it to a retry, in one hash field.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExactRecord {
-    /// The batch's sequence number.
-    pub seq: u64,
-    /// Server time after which the record no longer replays (now + grace).
-    pub drop_us: u64,
-    /// The key's answer.
-    pub reply: ExactReply,
 }
 
 /// What a bucket would hold at some time, without anything being sent to it.
@@ -111,8 +93,6 @@ impl BucketState {
             last_split_us: 0,
             part: None,
             expire_at_ms: 0,
-            exact: BTreeMap::new(),
-            exact_sweep_at: None,
         }
     }
 

@@ -309,11 +309,12 @@ fn decided(o: ExactOutcome) -> ExactReply {
 }
 
 #[test]
-fn an_exact_batch_decides_costs_in_order_and_replays_a_retry() {
+fn an_exact_batch_decides_costs_in_order_and_its_log_replays_a_retry() {
     let p = params(10, "1/s");
     let mut b = GlobalBucket::new();
-    let a = AgentId(7);
-    let r = decided(b.exact_many(&p, T0, a, 5, &[4, 7, 6, 1]).unwrap());
+    let mut log = BatchLog::new();
+    assert_eq!(log.open(T0, 5, 1), None);
+    let r = decided(b.exact_many(&p, T0, &[4, 7, 6, 1]).unwrap());
     // 4 fits (6 left), 7 does not (one token short), 6 does (0 left), 1 does not.
     assert_eq!(
         r.retry_us.iter().map(|&w| w == 0).collect::<Vec<_>>(),
@@ -323,41 +324,23 @@ fn an_exact_batch_decides_costs_in_order_and_replays_a_retry() {
         (r.remaining, r.retry_us[1], r.retry_us[3]),
         (0, 1_000_000, 1_000_000)
     );
-    let before = b.clone();
-    // The same batch again (a lost reply): the same answer, nothing debited.
-    let again = decided(b.exact_many(&p, T0 + 10, a, 5, &[4, 7, 6, 1]).unwrap());
-    assert_eq!(again, r);
-    assert_eq!(b, before);
-    // An older one: stale, nothing done.
+    let answer = vec![ExactOutcome::Decided(r)];
+    log.close(T0, 5, p.grace_us, &answer, &[4]);
+    // The same batch again (a lost reply): the same answer, from the log.
+    assert_eq!(log.open(T0 + 10, 5, 1), Some(answer.clone()));
+    // An older one: stale.
     assert_eq!(
-        b.exact_many(&p, T0 + 10, a, 4, &[1]).unwrap(),
-        ExactOutcome::Stale { last: 5 }
+        log.open(T0 + 10, 4, 1),
+        Some(vec![ExactOutcome::Stale { last: 5 }])
     );
-    assert_eq!(b, before);
-    // A lease record and an exact record of one agent do not interfere.
-    let g = b.apply(&p, T0 + 2_000_000, &acquire(7, 6, 0, 1)).unwrap();
-    assert_eq!(g.granted, 1);
-    assert!(b.state().unwrap().exact.contains_key(&a));
-}
-
-#[test]
-fn exact_records_are_swept_once_they_pile_up() {
-    // Slow refill: the key outlives the records (grace 100 ms).
-    let p = params(1000, "1/s");
-    let mut b = GlobalBucket::new();
-    for i in 0..EXACT_SWEEP - 1 {
-        decided(b.exact_many(&p, T0 + i, AgentId(i), 1, &[1]).unwrap());
-    }
-    assert_eq!(b.state().unwrap().exact.len() as u64, EXACT_SWEEP - 1);
-    assert_eq!(b.state().unwrap().exact_sweep_at, None);
-    // Past every record's drop (grace 100 ms), one more agent: the others go.
-    let later = T0 + 150_000;
-    decided(b.exact_many(&p, later, AgentId(99), 1, &[1]).unwrap());
+    // A newer one goes on.
+    assert_eq!(log.open(T0 + 10, 6, 1), None);
+    // Past the grace (100 ms) the log is gone.
+    assert_eq!(log.open(T0 + 100_000, 5, 1), None);
+    // No record in the bucket: it expires once full again.
     let s = b.state().unwrap();
-    assert_eq!(s.exact.len(), 1);
-    assert_eq!(s.exact_sweep_at, Some(EXACT_SWEEP));
-    // The key lives at least until the newest record drops.
-    assert!(s.expire_at_ms * 1000 >= later + 100_000);
+    assert!(s.agents.is_empty());
+    assert_eq!(s.expire_at_ms, (T0 + 10_000_000) / 1000 + 1);
 }
 
 #[test]
@@ -375,13 +358,10 @@ fn an_exact_batch_leaves_a_split_key_alone() {
     };
     b.apply(&p, T0, &split).unwrap();
     let before = b.clone();
-    assert_eq!(
-        b.exact_many(&p, T0 + 1, AgentId(2), 1, &[1]).unwrap(),
-        ExactOutcome::Moved
-    );
+    assert_eq!(b.exact_many(&p, T0 + 1, &[1]).unwrap(), ExactOutcome::Moved);
     assert_eq!(b, before);
     assert!(matches!(
-        b.exact_many(&p, T0, AgentId(2), 2, &[11]),
+        b.exact_many(&p, T0, &[11]),
         Err(ProtocolError::CapacityExceeded { requested: 11, .. })
     ));
 }

@@ -1,0 +1,341 @@
+//! Cold keys' exact decisions, batched per shard.
+//!
+//! A decision on a cold key joins its shard's queue and waits for its answer; it holds no
+//! lock while it waits. One task per shard at most sends the queue to the store as one
+//! `lh_exact_many` call, then sends what queued meanwhile, and ends when the queue is
+//! empty. So a batch forms from whatever arrived while the previous call was in flight:
+//! an idle shard sends a lone decision at once, and a busy one carries many decisions per
+//! round trip. Decisions on the same key in one batch are one item (their costs decided
+//! in arrival order, each answered on its own), so a decision never waits on another
+//! decision's I/O for longer than that I/O takes.
+//!
+//! A batch is one sequence number: a retry after an unknown outcome replays it (I2). A
+//! key found split is answered `Moved` and takes the per-key path, which routes it.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use leasehold_core::model::{ExactOutcome, MAX_BATCH_COSTS};
+use leasehold_store::ExactItem;
+use tokio::sync::oneshot;
+use tokio::time::{Instant, timeout_at};
+
+use super::{CallTimer, Decision, KeyState, Limiter, RuleEntry, denied};
+use crate::breaker::{Breaker, Refusal};
+use crate::counters::Counter;
+use crate::redis_store::ErrorKind;
+
+/// The most keys one call carries.
+const MAX_KEYS: usize = 128;
+
+/// The most decisions on one key coalesced into one item; more wait for the next call.
+const MAX_ITEM_COSTS: usize = 256;
+
+/// How a queued decision was answered.
+#[derive(Debug)]
+pub(super) enum Answer {
+    /// The store decided it.
+    Decided {
+        admitted: bool,
+        /// When denied: µs until its cost could exist.
+        retry_us: u64,
+        /// Tokens left in the bucket right after it.
+        remaining: u64,
+    },
+    /// The key is split: decide it on the per-key path.
+    Moved,
+    /// No answer from the store (the failure policy decides).
+    Failed,
+}
+
+struct Item {
+    ks: Arc<KeyState>,
+    entry: Arc<RuleEntry>,
+    costs: Vec<u64>,
+    waiters: Vec<oneshot::Sender<Answer>>,
+}
+
+/// One shard's queue of cold decisions.
+#[derive(Default)]
+pub(crate) struct ExactBatch {
+    pending: parking_lot::Mutex<Pending>,
+}
+
+impl std::fmt::Debug for ExactBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.pending.lock();
+        f.debug_struct("ExactBatch")
+            .field("sending", &p.sending)
+            .field("keys", &p.items.len())
+            .finish()
+    }
+}
+
+#[derive(Default)]
+struct Pending {
+    /// A task is sending this queue.
+    sending: bool,
+    items: Vec<Item>,
+}
+
+impl ExactBatch {
+    /// Queues a decision; returns where its answer comes and whether the caller must
+    /// start the sending task.
+    fn push(
+        &self,
+        ks: &Arc<KeyState>,
+        entry: &Arc<RuleEntry>,
+        cost: u64,
+    ) -> (oneshot::Receiver<Answer>, bool) {
+        let (tx, rx) = oneshot::channel();
+        let mut p = self.pending.lock();
+        let same = p.items.iter_mut().find(|it| {
+            Arc::ptr_eq(&it.ks, ks)
+                && Arc::ptr_eq(&it.entry, entry)
+                && it.costs.len() < MAX_ITEM_COSTS
+        });
+        match same {
+            Some(it) => {
+                it.costs.push(cost);
+                it.waiters.push(tx);
+            }
+            None => p.items.push(Item {
+                ks: ks.clone(),
+                entry: entry.clone(),
+                costs: vec![cost],
+                waiters: vec![tx],
+            }),
+        }
+        let start = !p.sending;
+        p.sending = true;
+        (rx, start)
+    }
+
+    /// The next call's items, oldest first (each key once, within the size caps), or
+    /// `None` when nothing waits: the sending task then ends.
+    fn take(&self) -> Option<Vec<Item>> {
+        let mut p = self.pending.lock();
+        if p.items.is_empty() {
+            p.sending = false;
+            return None;
+        }
+        let mut batch: Vec<Item> = Vec::with_capacity(p.items.len().min(MAX_KEYS));
+        let mut costs = 0;
+        let mut i = 0;
+        while i < p.items.len() && batch.len() < MAX_KEYS {
+            let it = &p.items[i];
+            let fits = costs + it.costs.len() <= MAX_BATCH_COSTS;
+            if fits && !batch.iter().any(|b| Arc::ptr_eq(&b.ks, &it.ks)) {
+                costs += it.costs.len();
+                batch.push(p.items.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        Some(batch)
+    }
+}
+
+impl Limiter {
+    /// Decides `cost` on cold key `ks` in its shard's next batch; `None` when the key is
+    /// split (the per-key path decides).
+    pub(super) async fn exact_batched(
+        &self,
+        ks: &Arc<KeyState>,
+        entry: &Arc<RuleEntry>,
+        cost: u64,
+        deadline: Instant,
+    ) -> Option<Decision> {
+        let shard = self.inner.breakers.for_slot(ks.slot);
+        let (rx, start) = shard.batch.push(ks, entry, cost);
+        if start {
+            let limiter = self.clone();
+            tokio::spawn(async move { limiter.send_batches(&shard).await });
+        }
+        ks.last_io_ns.store(self.now_ns(), Ordering::Relaxed);
+        let d = match timeout_at(deadline, rx).await {
+            Ok(Ok(Answer::Decided {
+                admitted,
+                retry_us,
+                remaining,
+            })) => {
+                if ks.in_emergency.swap(false, Ordering::AcqRel) {
+                    *ks.emergency.lock() = None;
+                }
+                if admitted {
+                    entry.counters.incr(Counter::AdmittedExact);
+                    Decision::Allowed {
+                        remaining,
+                        via: crate::Admission::Exact,
+                    }
+                } else {
+                    let wait = retry_us.max(1) * 1000;
+                    ks.deny_until_ns
+                        .store(self.now_ns() + wait, Ordering::Release);
+                    entry.counters.incr(entry.denied);
+                    ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+                    denied(wait)
+                }
+            }
+            Ok(Ok(Answer::Moved)) => return None,
+            Ok(Ok(Answer::Failed) | Err(_)) => self.degraded(ks, entry, cost),
+            Err(_) => {
+                // No answer within the rule's timeout. As on the per-key path, it counts
+                // against the shard only if nothing on it succeeded since this decision
+                // began (the batch call itself goes on, bounded by the store's timeout).
+                let began = self
+                    .now_ns()
+                    .saturating_sub(entry.rule.timeout().as_nanos() as u64);
+                self.inner
+                    .breakers
+                    .for_slot(ks.slot)
+                    .failure(self.now_ns(), began, false);
+                entry.counters.incr(Counter::StoreErrors);
+                self.inner.error_kinds.incr(ErrorKind::Timeout);
+                self.degraded(ks, entry, cost)
+            }
+        };
+        Some(d)
+    }
+
+    /// The shard's sending task: one call at a time until the queue is empty.
+    async fn send_batches(&self, shard: &Breaker) {
+        while let Some(items) = shard.batch.take() {
+            let out = self.send_batch(shard, &items).await;
+            self.answer(items, out);
+        }
+    }
+
+    /// One `lh_exact_many` call through the shard's breaker; a retry of an unknown
+    /// outcome reuses the sequence number.
+    async fn send_batch(&self, shard: &Breaker, items: &[Item]) -> Option<Vec<ExactOutcome>> {
+        let first = &items[0];
+        let permit = match shard.enter(self.now_ns()) {
+            Ok(p) => p,
+            Err(why) => {
+                if why == Refusal::Saturated {
+                    first.entry.counters.incr(Counter::StoreErrors);
+                }
+                return None;
+            }
+        };
+        let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let calls: Vec<ExactItem<'_>> = items
+            .iter()
+            .map(|it| ExactItem {
+                key: &it.ks.bucket,
+                params: &it.entry.params,
+                costs: &it.costs,
+            })
+            .collect();
+        let started = Instant::now();
+        let _timed = CallTimer {
+            shard: self.inner.breakers.shard_name(first.ks.slot),
+            op: "exact_many",
+            started,
+        };
+        let grace_us = items.iter().map(|it| it.entry.params.grace_us).min();
+        let replay_window = std::time::Duration::from_micros(grace_us.unwrap_or(0)) / 2;
+        let mut attempt = 0;
+        loop {
+            first.entry.counters.incr(Counter::StoreCalls);
+            match self
+                .inner
+                .store
+                .exact_many(self.inner.agent, seq, &calls)
+                .await
+            {
+                Ok(out) => {
+                    permit.succeeded(self.now_ns());
+                    return Some(out);
+                }
+                Err(e) if e.is_retryable() && attempt < 2 && started.elapsed() < replay_window => {
+                    attempt += 1;
+                }
+                Err(e) => {
+                    first.entry.counters.incr(Counter::StoreErrors);
+                    self.inner.error_kinds.incr(e.kind());
+                    match e.kind() {
+                        ErrorKind::Refused => permit.succeeded(self.now_ns()),
+                        ErrorKind::Protocol => drop(permit),
+                        _ => permit.failed(self.now_ns()),
+                    }
+                    if e.is_retryable() {
+                        tracing::debug!(error = %e, keys = items.len(), "exact batch failed; the failure policy decides");
+                    } else {
+                        tracing::error!(error = %e, keys = items.len(), "store refused an exact batch");
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Answers every decision of the batch, and counts them in their keys' policies (a
+    /// cold key used fast enough, or leased by others, becomes hot).
+    fn answer(&self, items: Vec<Item>, out: Option<Vec<ExactOutcome>>) {
+        let Some(outs) = out else {
+            for it in items {
+                for w in it.waiters {
+                    let _ = w.send(Answer::Failed);
+                }
+            }
+            return;
+        };
+        let now = self.now_ns();
+        for (it, o) in items.into_iter().zip(outs) {
+            let r = match o {
+                ExactOutcome::Decided(r) => r,
+                ExactOutcome::Moved => {
+                    for w in it.waiters {
+                        let _ = w.send(Answer::Moved);
+                    }
+                    continue;
+                }
+                ExactOutcome::Stale { last } => {
+                    tracing::warn!(key = %it.ks.bucket.for_logs(), last, "exact batch older than one the store already applied");
+                    for w in it.waiters {
+                        let _ = w.send(Answer::Failed);
+                    }
+                    continue;
+                }
+            };
+            if let Ok(mut driver) = it.ks.driver.try_lock() {
+                let mut hot = false;
+                for (&cost, &retry) in it.costs.iter().zip(&r.retry_us) {
+                    hot |= driver.policy.exact_done(
+                        &it.entry.rule,
+                        &self.inner.policy,
+                        now,
+                        cost,
+                        retry == 0,
+                        r.scale_ppm != 0,
+                    );
+                }
+                if hot {
+                    it.ks
+                        .share_milli
+                        .store(driver.policy.share_milli(), Ordering::Relaxed);
+                    it.ks.hot.store(true, Ordering::Release);
+                }
+            }
+            // Tokens left right after each decision: the final count plus what the later
+            // admitted ones took.
+            let mut remaining = r.remaining;
+            let mut after = vec![0; it.costs.len()];
+            for i in (0..it.costs.len()).rev() {
+                after[i] = remaining;
+                if r.retry_us[i] == 0 {
+                    remaining += it.costs[i];
+                }
+            }
+            for ((w, &retry_us), remaining) in it.waiters.into_iter().zip(&r.retry_us).zip(after) {
+                let _ = w.send(Answer::Decided {
+                    admitted: retry_us == 0,
+                    retry_us,
+                    remaining,
+                });
+            }
+        }
+    }
+}

@@ -25,7 +25,7 @@ fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
     rt.block_on(async {
         let rules = Rules::from_toml(
             "[rules.bench]\ncapacity = 1000000000\nrate = \"1000000000/s\"\nleasing = \"lease\"\n\
-             lease_min = 10000000\nlease_max = 10000000\nlease_ttl = \"1h\"\n",
+             lease_min = 100000000\nlease_max = 100000000\nlease_ttl = \"1h\"\n",
         )
         .unwrap();
         let l = Limiter::builder()
@@ -40,6 +40,13 @@ fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
                 Decision::Allowed { .. }
             ));
         }
+        // Every key must hold a lease before timing starts, or the bench measures the
+        // fall-through to the slow path instead of the hot path.
+        let missing = keys
+            .iter()
+            .filter(|k| l.try_check(k, "bench", 1).unwrap().is_none())
+            .count();
+        assert_eq!(missing, 0, "{missing} of {} keys hold no lease", keys.len());
         l
     })
 }

@@ -79,6 +79,41 @@ enum Target {
     Cluster(Vec<String>),
 }
 
+impl Target {
+    /// The memory Redis uses (`used_memory`, MB), for a single Redis.
+    async fn memory_mb(&self) -> Option<f64> {
+        let Self::Redis(url) = self else {
+            return None;
+        };
+        let client = redis::Client::open(url.as_str()).ok()?;
+        let mut c = client.get_multiplexed_async_connection().await.ok()?;
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        let bytes: f64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(bytes / 1e6)
+    }
+}
+
+/// This process's resident memory, MB.
+fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1000.0)
+}
+
 /// The store of one system's run, started fresh for it so that faults in one run never
 /// leak into the next.
 enum Env {
@@ -773,6 +808,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         let mut env = Env::start(&opts.store)?;
         store_name = env.describe();
         let naive_offline = Arc::new(AtomicBool::new(false));
+        let rss_before = rss_mb();
         let report = rt.block_on(async {
             let sys = Arc::new(
                 System::build(
@@ -840,18 +876,19 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
             }
             let calls = sys.redis_calls();
+            let rss = rss_mb();
+            let store_mb = env.target().memory_mb().await;
             sys.finish().await;
             if let Some(c) = coordinator.as_mut() {
                 c.stop().await;
                 summary = Some(c.summary.clone());
             }
-            Ok::<_, String>(report::analyze(
-                all,
-                capacity,
-                rate,
-                opts.duration.as_millis() as u64,
-                calls,
-            ))
+            let mut report =
+                report::analyze(all, capacity, rate, opts.duration.as_millis() as u64, calls);
+            report.rss_mb = rss;
+            report.rss_growth_mb = rss - rss_before;
+            report.store_mb = store_mb;
+            Ok::<_, String>(report)
         })?;
         systems.push((name.clone(), report));
     }
@@ -894,7 +931,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
 /// The summary table.
 pub(crate) fn table(r: &RunReport) -> String {
     let mut out = format!(
-        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10}\n",
+        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
         "system",
         "decisions/s",
         "admitted",
@@ -906,11 +943,13 @@ pub(crate) fn table(r: &RunReport) -> String {
         "utilization",
         "p50 ns",
         "p99 ns",
-        "p99.9 ns"
+        "p99.9 ns",
+        "RSS MB",
+        "redis MB"
     );
     for (name, s) in &r.systems {
         out.push_str(&format!(
-            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10}\n",
+            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
             name,
             s.decisions_per_sec,
             s.admitted,
@@ -922,7 +961,9 @@ pub(crate) fn table(r: &RunReport) -> String {
             s.utilization,
             s.latency_ns.p50,
             s.latency_ns.p99,
-            s.latency_ns.p999
+            s.latency_ns.p999,
+            format!("{:.0}{:+.0}", s.rss_mb, s.rss_growth_mb),
+            s.store_mb.map_or_else(|| "-".to_owned(), |m| format!("{m:.0}"))
         ));
     }
     if let Some(c) = &r.coordinator {

@@ -94,6 +94,12 @@ pub(crate) struct SystemReport {
     /// Tokens the ideal bucket admitted that this system denied.
     pub(crate) denied_below_limit: u64,
     pub(crate) latency_ns: Latency,
+    /// This process's resident memory at the end of the system's run, MB (the systems run
+    /// one after another in one process), and how much it grew during the run.
+    pub(crate) rss_mb: f64,
+    pub(crate) rss_growth_mb: f64,
+    /// The memory the store's Redis used at the end of the run (single Redis only).
+    pub(crate) store_mb: Option<f64>,
     /// Tokens admitted per second for key 0, per 100 ms (for the plot).
     #[serde(skip)]
     pub(crate) series: Vec<f64>,
@@ -158,6 +164,9 @@ pub(crate) fn analyze(
             admitted_tokens / ideal
         },
         denied_below_limit: below as u64,
+        rss_mb: 0.0,
+        rss_growth_mb: 0.0,
+        store_mb: None,
         latency_ns: Latency {
             p50: h.value_at_quantile(0.5),
             p95: h.value_at_quantile(0.95),

@@ -53,6 +53,8 @@ struct Item {
     entry: Arc<RuleEntry>,
     costs: Vec<u64>,
     waiters: Vec<oneshot::Sender<Answer>>,
+    /// The latest moment one of its decisions still waits for the answer.
+    deadline: Instant,
 }
 
 /// One shard's queue of cold decisions.
@@ -86,6 +88,7 @@ impl ExactBatch {
         ks: &Arc<KeyState>,
         entry: &Arc<RuleEntry>,
         cost: u64,
+        deadline: Instant,
     ) -> (oneshot::Receiver<Answer>, bool) {
         let (tx, rx) = oneshot::channel();
         let mut p = self.pending.lock();
@@ -98,12 +101,14 @@ impl ExactBatch {
             Some(it) => {
                 it.costs.push(cost);
                 it.waiters.push(tx);
+                it.deadline = it.deadline.max(deadline);
             }
             None => p.items.push(Item {
                 ks: ks.clone(),
                 entry: entry.clone(),
                 costs: vec![cost],
                 waiters: vec![tx],
+                deadline,
             }),
         }
         let start = !p.sending;
@@ -147,7 +152,7 @@ impl Limiter {
         deadline: Instant,
     ) -> Option<Decision> {
         let shard = self.inner.breakers.for_slot(ks.slot);
-        let (rx, start) = shard.batch.push(ks, entry, cost);
+        let (rx, start) = shard.batch.push(ks, entry, cost, deadline);
         if start {
             let limiter = self.clone();
             tokio::spawn(async move { limiter.send_batches(&shard).await });
@@ -207,8 +212,11 @@ impl Limiter {
     }
 
     /// One `lh_exact_many` call through the shard's breaker; a retry of an unknown
-    /// outcome reuses the sequence number.
+    /// outcome reuses the sequence number. The call ends when its last decision stops
+    /// waiting: then, as a cancelled per-key call, it leaves no verdict on the shard (each
+    /// decision that timed out counted its own).
     async fn send_batch(&self, shard: &Breaker, items: &[Item]) -> Option<Vec<ExactOutcome>> {
+        let deadline = items.iter().map(|it| it.deadline).max()?;
         let first = &items[0];
         let permit = match shard.enter(self.now_ns()) {
             Ok(p) => p,
@@ -239,12 +247,12 @@ impl Limiter {
         let mut attempt = 0;
         loop {
             first.entry.counters.incr(Counter::StoreCalls);
-            match self
-                .inner
-                .store
-                .exact_many(self.inner.agent, seq, &calls)
-                .await
-            {
+            let call = self.inner.store.exact_many(self.inner.agent, seq, &calls);
+            let Ok(reply) = timeout_at(deadline, call).await else {
+                drop(permit);
+                return None;
+            };
+            match reply {
                 Ok(out) => {
                     permit.succeeded(self.now_ns());
                     return Some(out);

@@ -196,20 +196,43 @@ fn i7_each_call_touches_exactly_its_own_key() {
             .split(',')
             .nth(1)
             .map(|a| a.trim().trim_end_matches(')'));
-        let ok = args.starts_with("'TIME')") || target == Some("key");
+        let ok = args.starts_with("'TIME')") || target == Some("key") || target == Some("dkey");
         assert!(
             ok,
             "a redis.call that does not target the call's one key: {line}"
         );
     }
     // ... and `key` is only ever bound to KEYS[1], directly or through `the_key`, which
-    // checks it and returns it.
+    // checks it and returns it, or (lh_exact_many) to each bucket key of a batch, which is
+    // checked as a bucket key before anything is read; `dkey`, the batch's dedup key, must
+    // be its first bucket key's name plus `:b:AGENT` (same slot, never a foreign key).
     for line in LIBRARY.lines().filter(|l| l.contains(" key =")) {
         assert!(
-            ["local key = keys[1]", "local key = the_key(keys, p)"].contains(&line.trim()),
+            [
+                "local key = keys[1]",
+                "local key = the_key(keys, p)",
+                "local key = keys[k]"
+            ]
+            .contains(&line.trim()),
             "key bound to something else: {line}"
         );
     }
+    let batch = LIBRARY
+        .split("local function exact_many(keys, args)")
+        .nth(1)
+        .and_then(|body| body.split("\nend\n").next())
+        .expect("exact_many");
+    assert!(
+        batch.contains(
+            "if #key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then"
+        )
+    );
+    assert!(batch.contains("if dkey ~= keys[2] .. ':b:' .. id then fail("));
+    assert!(
+        batch.find("local kept = redis.call('GET', dkey)")
+            > batch.find("if dkey ~= keys[2] .. ':b:' .. id then fail("),
+        "the dedup key is checked before it is read"
+    );
     let the_key = LIBRARY
         .split("local function the_key(keys, p)")
         .nth(1)

@@ -20,7 +20,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     (
         "leasehold_store_call_seconds",
         Kind::Histogram,
-        "Store call time by shard and op (acquire, release, exact), retries included.",
+        "Store call time by shard and op (acquire, release, exact, exact_many: a batch of cold decisions), retries included.",
     ),
     (
         "leasehold_store_calls_total",

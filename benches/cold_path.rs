@@ -1,7 +1,8 @@
 //! The slow path: cold decisions end to end (agent, batch, Redis, answer) against the
 //! naive per-request script (one EVALSHA per decision), in the same run, on one private
-//! redis-server. Keys are drawn Zipf 0.9 from 1 000 000 tenants with `leasing = "exact"`,
-//! so every decision goes to the store.
+//! redis-server. Keys are drawn Zipf 0.9 from 1 000 000 tenants with `leasing = "exact"`
+//! and a limit no key reaches (B = r = 10^6/s), so every decision goes to the store and is
+//! admitted: no local denial hides a call.
 //!
 //! - lone: one decision at a time (a batch of one: what an idle gateway pays).
 //! - concurrent: `COLD_CLIENTS` (default 64) decisions in flight.
@@ -88,8 +89,8 @@ impl System {
             Self::Naive(c, s) => {
                 let ok: i64 = s
                     .key(format!("naive:{{tenant-{key}}}"))
-                    .arg(100)
-                    .arg(1000)
+                    .arg(1_000_000)
+                    .arg(1_000_000)
                     .arg(1)
                     .invoke_async(c)
                     .await
@@ -183,7 +184,7 @@ fn main() {
     let cdf = zipf_table();
     rt.block_on(async {
         let rules = Rules::from_toml(
-            "[rules.cold]\ncapacity = 100\nrate = \"1000/s\"\nleasing = \"exact\"\n",
+            "[rules.cold]\ncapacity = 1000000\nrate = \"1000000/s\"\nleasing = \"exact\"\n",
         )
         .unwrap();
         let limiter = Limiter::builder()

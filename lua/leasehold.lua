@@ -589,19 +589,19 @@ end
 -- lh_exact_many: the exact decisions of one agent on many cold keys in one call (the
 -- keys may lie in several slots of this node). Each key is decided as lh_exact would,
 -- one cost after another, from its own state alone, but leaves no agent record: the
--- batch's answer is kept once, in its dedup key, for the grace, and a retry of the batch
--- (same agent, same seq) is answered from it (I2). An older batch than the one kept is
--- stale and changes nothing. A key that is split, or is a part, is answered "moved" and
+-- batch's answer is kept once, in its own dedup key, for the grace, and a retry of the
+-- batch (same agent, seq and keys) is answered from it (I2). A key that is split, or is
+-- a part, is answered "moved" and
 -- left untouched: its decisions go through lh_exact. Everything is validated before
 -- anything is written.
 --
--- KEYS: the dedup key, KEYS[2] .. ':b:' .. agent (so in KEYS[2]'s slot), then the bucket
---       keys, each once.
+-- KEYS: the dedup key, KEYS[2] .. ':b:' .. agent .. ':' .. seq (so in KEYS[2]'s slot),
+--       then the bucket keys, each once.
 -- ARGV: agent, seq, rules, then per rule: capacity, rate_tokens, rate_period_us,
 --       grace_us, max_outstanding; then per key: rule (1-based), count, cost x count.
--- Reply: server_now_us, then per key 4 + count integers: status (0 decided, 1 moved,
---        2 stale), now_us - server_now_us, remaining (stale: the seq kept), scale_ppm,
---        then per cost its retry_us (0 = admitted).
+-- Reply: server_now_us, then per key 4 + count integers: status (0 decided, 1 moved),
+--        now_us - server_now_us, remaining, scale_ppm, then per cost its retry_us
+--        (0 = admitted).
 -- Dedup key: seq and the reply, MessagePack (cmsgpack: fast, and exact for integers),
 --            expiring after the longest grace.
 local MAX_BATCH_COSTS = 4096
@@ -629,8 +629,9 @@ local function exact_full(key, p, cost, first, count, server_now, out)
   out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, s.tok, scale
   redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
     'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx))
-  -- I6: not before every lease record's drop, and full again.
-  local busy = math.max(s.mx, now)
+  -- I6: not before every lease record's drop, and full again; and, as lh_exact's record
+  -- does, a grace after the call (a key used again soon is not made again).
+  local busy = math.max(s.mx, now + p.grace)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
 end
 
@@ -680,10 +681,10 @@ local function exact_one(key, p, cost, first, count, server_now, out)
   else
     redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
   end
-  -- I6: full again (there is no lease record).
+  -- I6: full again (there is no lease record), and a grace after the call.
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  redis.call('PEXPIREAT', key, fmt(divmod(now + full, 1000) + 1))
+  redis.call('PEXPIREAT', key, fmt(divmod(now + p.grace + full, 1000) + 1))
 end
 
 -- A decimal integer argument of a batch (digits only were checked for all at once).
@@ -750,22 +751,15 @@ local function exact_many(keys, args)
   end
   if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' arguments left over') end
   local dkey = keys[1]
-  if dkey ~= keys[2] .. ':b:' .. id then fail('LH_ARG not the batch dedup key: ' .. clip(dkey)) end
+  if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then
+    fail('LH_ARG not the batch dedup key: ' .. clip(dkey))
+  end
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local kept = redis.call('GET', dkey)
   if kept then
     local kseq, kout = cmsgpack.unpack(kept)
     if kseq == seq then return kout end
-    if kseq > seq then
-      local out = {server_now}
-      for k = 2, #keys do
-        local n = #out
-        out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 2, 0, kseq, 0
-        for c = 1, count_of[k] do out[n + 4 + c] = 0 end
-      end
-      return out
-    end
   end
   local out = {server_now}
   for k = 2, #keys do

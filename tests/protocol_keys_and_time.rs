@@ -205,7 +205,7 @@ fn i7_each_call_touches_exactly_its_own_key() {
     // ... and `key` is only ever bound to KEYS[1], directly or through `the_key`, which
     // checks it and returns it, or (lh_exact_many) to each bucket key of a batch, which is
     // checked as a bucket key before anything is read; `dkey`, the batch's dedup key, must
-    // be its first bucket key's name plus `:b:AGENT` (same slot, never a foreign key).
+    // be its first bucket key's name plus `:b:AGENT:SEQ` (same slot, never a foreign key).
     for line in LIBRARY.lines().filter(|l| l.contains(" key =")) {
         assert!(
             [
@@ -227,10 +227,10 @@ fn i7_each_call_touches_exactly_its_own_key() {
             "if #key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then"
         )
     );
-    assert!(batch.contains("if dkey ~= keys[2] .. ':b:' .. id then fail("));
+    let check = "if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then";
+    assert!(batch.contains(check));
     assert!(
-        batch.find("local kept = redis.call('GET', dkey)")
-            > batch.find("if dkey ~= keys[2] .. ':b:' .. id then fail("),
+        batch.find("local kept = redis.call('GET', dkey)") > batch.find(check),
         "the dedup key is checked before it is read"
     );
     let the_key = LIBRARY

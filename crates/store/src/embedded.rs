@@ -105,13 +105,13 @@ impl EmbeddedStore {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
         let n = self.calls.fetch_add(1, Ordering::Relaxed);
-        let dedup = crate::wire::batch_key(items[0].key, agent);
+        let dedup = crate::wire::batch_key(items[0].key, agent, seq);
         let mut logs = self.batches.lock();
         if n.is_multiple_of(4096) {
             logs.retain(|_, l| l.record().is_some_and(|r| now_us / 1000 < r.expire_at_ms));
         }
         let log = logs.entry(dedup).or_default();
-        if let Some(answer) = log.open(now_us, seq, items.len()) {
+        if let Some(answer) = log.open(now_us, seq) {
             return Ok(answer);
         }
         let mut out = Vec::with_capacity(items.len());

@@ -783,8 +783,8 @@ impl RedisStore {
     /// Runs one exact batch (`lh_exact_many`) for `agent` with sequence number `seq`,
     /// within the call timeout: one outcome per item. The keys should lie on one node (a
     /// single Redis, or one cluster primary); should the cluster refuse the batch (a slot
-    /// moved), it is sent again per slot. A retry of the same items with the same `seq`
-    /// replays (I2).
+    /// moved), it is sent again per slot (each group with its own dedup key). A retry of
+    /// the same items with the same `seq` replays (I2).
     pub async fn exact_many(
         &self,
         agent: AgentId,
@@ -817,7 +817,7 @@ impl RedisStore {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg("lh_exact_many")
             .arg(items.len() + 1)
-            .arg(wire::batch_key(items[0].key, agent));
+            .arg(wire::batch_key(items[0].key, agent, seq));
         for it in items {
             cmd.arg(it.key.as_str());
         }

@@ -293,13 +293,14 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
     out
 }
 
-/// The dedup key of a batch whose first key is `first`: beside it, in its slot.
-pub fn batch_key(first: &BucketKey, agent: AgentId) -> String {
-    format!("{}:b:{agent}", first.as_str())
+/// The dedup key of `agent`'s batch `seq` whose first key is `first`: beside it, in its
+/// slot.
+pub fn batch_key(first: &BucketKey, agent: AgentId, seq: u64) -> String {
+    format!("{}:b:{agent}:{seq}", first.as_str())
 }
 
 /// The reply of `lh_exact_many` (server time, then per key: status, time past the server
-/// time, remaining or the seq kept, scale, each cost's wait), one outcome per item;
+/// time, remaining, scale, each cost's wait), one outcome per item;
 /// `None` if its shape does not match the items.
 pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
     let (&server_now, mut rest) = v.split_first()?;
@@ -316,7 +317,6 @@ pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactO
                 retry_us: a[4..].to_vec(),
             }),
             1 => ExactOutcome::Moved,
-            2 => ExactOutcome::Stale { last: a[2] },
             _ => return None,
         });
     }
@@ -333,8 +333,8 @@ pub fn batch_numbers(r: &BatchRecord) -> Vec<u64> {
                 v.extend([0, x.now_us - r.server_now_us, x.remaining, x.scale_ppm]);
                 v.extend(&x.retry_us);
             }
-            // A kept batch has no stale key; a moved key's costs are answered 0.
-            ExactOutcome::Moved | ExactOutcome::Stale { .. } => {
+            // A moved key's costs are answered 0.
+            ExactOutcome::Moved => {
                 v.extend([1, 0, 0, 0]);
                 v.extend(std::iter::repeat_n(0, n));
             }

@@ -1,11 +1,12 @@
 //! Cold keys' exact decisions, batched per shard.
 //!
 //! A decision on a cold key joins its shard's queue and waits for its answer; it holds no
-//! lock while it waits. One task per shard at most sends the queue to the store as one
-//! `lh_exact_many` call, then sends what queued meanwhile, and ends when the queue is
-//! empty. So a batch forms from whatever arrived while the previous call was in flight:
-//! an idle shard sends a lone decision at once, and a busy one carries many decisions per
-//! round trip. Decisions on the same key in one batch are one item (their costs decided
+//! lock while it waits. A task sends the queue to the store as one `lh_exact_many` call,
+//! then sends what queued meanwhile, and ends when the queue is empty; a second task
+//! joins while the first has a call in flight, so Redis never idles for a round trip
+//! between batches. So a batch forms from whatever arrived while the previous calls were
+//! in flight: an idle shard sends a lone decision at once, and a busy one carries many
+//! decisions per round trip. Decisions on the same key in one batch are one item (their costs decided
 //! in arrival order, each answered on its own), so a decision never waits on another
 //! decision's I/O for longer than that I/O takes.
 //!
@@ -30,6 +31,10 @@ const MAX_KEYS: usize = 128;
 
 /// The most decisions on one key coalesced into one item; more wait for the next call.
 const MAX_ITEM_COSTS: usize = 256;
+
+/// Calls in flight per shard: two, so the next batch is on its way while Redis runs one
+/// (with one, Redis would idle for a round trip between batches).
+const SENDERS: usize = 2;
 
 /// How a queued decision was answered.
 #[derive(Debug)]
@@ -67,7 +72,7 @@ impl std::fmt::Debug for ExactBatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let p = self.pending.lock();
         f.debug_struct("ExactBatch")
-            .field("sending", &p.sending)
+            .field("senders", &p.senders)
             .field("keys", &p.items.len())
             .finish()
     }
@@ -75,8 +80,8 @@ impl std::fmt::Debug for ExactBatch {
 
 #[derive(Default)]
 struct Pending {
-    /// A task is sending this queue.
-    sending: bool,
+    /// Tasks sending this queue.
+    senders: usize,
     items: Vec<Item>,
 }
 
@@ -92,8 +97,10 @@ impl ExactBatch {
     ) -> (oneshot::Receiver<Answer>, bool) {
         let (tx, rx) = oneshot::channel();
         let mut p = self.pending.lock();
+        // The same bucket (a key kept in the map, or one decided without state at
+        // max_keys: several states may name one bucket) under the same rule entry.
         let same = p.items.iter_mut().find(|it| {
-            Arc::ptr_eq(&it.ks, ks)
+            it.ks.bucket == ks.bucket
                 && Arc::ptr_eq(&it.entry, entry)
                 && it.costs.len() < MAX_ITEM_COSTS
         });
@@ -111,17 +118,19 @@ impl ExactBatch {
                 deadline,
             }),
         }
-        let start = !p.sending;
-        p.sending = true;
+        let start = p.senders < SENDERS;
+        if start {
+            p.senders += 1;
+        }
         (rx, start)
     }
 
-    /// The next call's items, oldest first (each key once, within the size caps), or
+    /// The next call's items, oldest first (each bucket once, within the size caps), or
     /// `None` when nothing waits: the sending task then ends.
     fn take(&self) -> Option<Vec<Item>> {
         let mut p = self.pending.lock();
         if p.items.is_empty() {
-            p.sending = false;
+            p.senders -= 1;
             return None;
         }
         let mut batch: Vec<Item> = Vec::with_capacity(p.items.len().min(MAX_KEYS));
@@ -130,7 +139,7 @@ impl ExactBatch {
         while i < p.items.len() && batch.len() < MAX_KEYS {
             let it = &p.items[i];
             let fits = costs + it.costs.len() <= MAX_BATCH_COSTS;
-            if fits && !batch.iter().any(|b| Arc::ptr_eq(&b.ks, &it.ks)) {
+            if fits && !batch.iter().any(|b| b.ks.bucket == it.ks.bucket) {
                 costs += it.costs.len();
                 batch.push(p.items.remove(i));
             } else {
@@ -203,7 +212,7 @@ impl Limiter {
         Some(d)
     }
 
-    /// The shard's sending task: one call at a time until the queue is empty.
+    /// A sending task of the shard: one call at a time until the queue is empty.
     async fn send_batches(&self, shard: &Breaker) {
         while let Some(items) = shard.batch.take() {
             let out = self.send_batch(shard, &items).await;
@@ -297,13 +306,6 @@ impl Limiter {
                 ExactOutcome::Moved => {
                     for w in it.waiters {
                         let _ = w.send(Answer::Moved);
-                    }
-                    continue;
-                }
-                ExactOutcome::Stale { last } => {
-                    tracing::warn!(key = %it.ks.bucket.for_logs(), last, "exact batch older than one the store already applied");
-                    for w in it.waiters {
-                        let _ = w.send(Answer::Failed);
                     }
                     continue;
                 }

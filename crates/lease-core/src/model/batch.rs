@@ -4,12 +4,13 @@
 //!
 //! The difference is the record. `lh_exact` leaves a five-field record per agent in the
 //! bucket, which joins the drop schedule. A batch leaves nothing in its buckets: its
-//! answer is kept once, in the batch's dedup key ([`BatchLog`], beside the first bucket
-//! key, in its slot), until the longest grace of its rules. A retry of the batch (same
-//! agent, same first key, same `seq`) finds it there and gets the same answer, whatever
-//! happened to the buckets since (I2); an older batch than the one kept is stale and
-//! changes nothing. The agent retries only within half the shortest grace, so a lost
-//! reply never debits twice.
+//! answer is kept once, in the batch's own dedup key ([`BatchLog`]: named by its first
+//! bucket key, agent and `seq`, in that key's slot), until the longest grace of its
+//! rules. A retry of the batch (same agent, `seq` and keys) finds it there and gets the
+//! same answer, whatever happened to the buckets since (I2). The agent retries only
+//! within half the shortest grace, so a lost reply never debits twice. (Exact decisions
+//! are independent debits: a late first arrival of a batch the agent gave up on only
+//! under-admits, so batches need no order.)
 //!
 //! A key that is split, or is a part, is left untouched and answered
 //! [`ExactOutcome::Moved`]: its decisions take the single-key path, which routes them.
@@ -43,12 +44,6 @@ pub enum ExactOutcome {
     Decided(ExactReply),
     /// The key is split or is a part: nothing was done; use the single-key path.
     Moved,
-    /// The batch is older than the last one this agent sent with the same first key: a
-    /// late duplicate; nothing was done.
-    Stale {
-        /// The sequence number kept.
-        last: u64,
-    },
 }
 
 /// Validates one key of a batch as the Lua does.
@@ -135,8 +130,9 @@ impl GlobalBucket {
                 }
             })
             .collect();
-        // I6: not before every lease record's drop, and full again.
-        let busy = s.last_drop_us.max(now);
+        // I6: not before every lease record's drop, and full again; and, as `lh_exact`'s
+        // record does, a grace after the call (a key used again soon is not made again).
+        let busy = s.last_drop_us.max(now + p.grace_us);
         s.expire_at_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
         let reply = ExactReply {
             now_us: now,
@@ -149,7 +145,7 @@ impl GlobalBucket {
     }
 }
 
-/// A batch's dedup key: the last batch an agent sent with this first key, and its answer.
+/// A batch's dedup key: the batch's sequence number and answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchRecord {
     /// Its sequence number.
@@ -164,7 +160,7 @@ pub struct BatchRecord {
     pub expire_at_ms: u64,
 }
 
-/// The model of one dedup key; absent state is no batch kept.
+/// The model of one batch's dedup key; absent state is no batch kept.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BatchLog {
     state: Option<BatchRecord>,
@@ -189,9 +185,9 @@ impl BatchLog {
         }
     }
 
-    /// Before the batch's keys are decided: the answer when `seq` is a retry of the batch
-    /// kept (its answer) or older than it (each of its `keys` stale); `None` to go on.
-    pub fn open(&mut self, server_now_us: u64, seq: u64, keys: usize) -> Option<Vec<ExactOutcome>> {
+    /// Before the batch's keys are decided: its answer when the batch was applied before
+    /// (this is a retry); `None` to go on.
+    pub fn open(&mut self, server_now_us: u64, seq: u64) -> Option<Vec<ExactOutcome>> {
         if self
             .state
             .as_ref()
@@ -200,10 +196,7 @@ impl BatchLog {
             self.state = None;
         }
         let r = self.state.as_ref()?;
-        if r.seq == seq {
-            return Some(r.outcomes.clone());
-        }
-        (r.seq > seq).then(|| vec![ExactOutcome::Stale { last: r.seq }; keys])
+        (r.seq == seq).then(|| r.outcomes.clone())
     }
 
     /// After the keys: keeps the batch's answer (with each key's number of decisions) for

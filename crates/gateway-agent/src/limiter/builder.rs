@@ -248,8 +248,11 @@ impl LimiterBuilder {
             rules: ArcSwap::from_pointee(RuleTable::new(&rules, None, self.config.shadow)),
             rules_file: self.rules_file,
             rules_mtime: parking_lot::Mutex::new(None),
+            // Blocking resizes: an incremental resize advances only on writes, and until
+            // it ends every lookup searches both tables (the hot path paid up to 5x).
             keys: papaya::HashMap::builder()
                 .hasher(foldhash::fast::RandomState::default())
+                .resize_mode(papaya::ResizeMode::Blocking)
                 .build(),
             base: clock.raw(),
             clock,

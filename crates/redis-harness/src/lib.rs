@@ -631,12 +631,18 @@ impl SentinelSet {
         let deadline = Instant::now() + READY_TIMEOUT * 2;
         let want = self.pair.replica.port();
         loop {
-            let role: Vec<redis::Value> = self.pair.replica.cmd(&["ROLE"])?;
-            let primary =
-                matches!(role.first(), Some(redis::Value::BulkString(b)) if b == b"master");
-            let old: Vec<redis::Value> = self.pair.primary.cmd(&["ROLE"])?;
-            let demoted = matches!(old.first(), Some(redis::Value::BulkString(b)) if b == b"slave");
-            if primary && demoted && self.primary_port()? == want {
+            // A node changing role closes its clients' connections: a reset here means
+            // "not yet", not a failure.
+            let role = |node: &RedisServer| -> Option<Vec<u8>> {
+                let r: Vec<redis::Value> = node.cmd(&["ROLE"]).ok()?;
+                match r.into_iter().next() {
+                    Some(redis::Value::BulkString(b)) => Some(b),
+                    _ => None,
+                }
+            };
+            let primary = role(&self.pair.replica).as_deref() == Some(b"master");
+            let demoted = role(&self.pair.primary).as_deref() == Some(b"slave");
+            if primary && demoted && self.primary_port().ok() == Some(want) {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -120,6 +120,8 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
     let other = BucketKey::new(&rule, format!("other-{}", rng.random::<u32>())).expect("key");
     let mut other_model = GlobalBucket::new();
     let mut last_batch: Vec<Option<Batch>> = vec![None; agents.len()];
+    // Every batch each agent sent, to send one again as it was.
+    let mut sent: Vec<Vec<Batch>> = vec![Vec::new(); agents.len()];
     // Each batch has its own dedup key (its agent and seq; the first key is always `key`).
     let mut logs: std::collections::HashMap<(usize, u64), BatchLog> =
         std::collections::HashMap::new();
@@ -143,24 +145,23 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
             };
             let b = match (rng.random_range(0..10), &last_batch[i]) {
                 (0..3, Some(b)) => b.clone(),
-                // An older batch arriving late: its own dedup key (if still there)
-                // answers it, else it is decided like a new one.
-                (3, Some(b)) if b.seq > 1 => {
+                // An older batch arriving again, as it was sent: its own dedup key (if
+                // still there) answers it, else it is decided like a new one.
+                (3, Some(_)) if sent[i].len() > 1 => {
                     batches.older += 1;
-                    Batch {
-                        seq: b.seq - 1,
-                        ..b.clone()
-                    }
+                    sent[i][rng.random_range(0..sent[i].len() - 1)].clone()
                 }
                 _ => {
                     let (p, costs, other_costs) = fresh(rng);
                     seqs[i] += 1;
-                    Batch {
+                    let b = Batch {
                         seq: seqs[i],
                         p,
                         costs,
                         other_costs,
-                    }
+                    };
+                    sent[i].push(b.clone());
+                    b
                 }
             };
             let ctx = format!("in case {} step {step}: exact batch {b:?}", case.name);

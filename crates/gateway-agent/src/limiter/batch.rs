@@ -13,6 +13,8 @@
 //! A batch is one sequence number: a retry after an unknown outcome replays it (I2). A
 //! key found split is answered `Moved` and takes the per-key path, which routes it.
 
+use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -83,11 +85,13 @@ struct Pending {
     /// Tasks sending this queue.
     senders: usize,
     items: Vec<Item>,
+    /// Where each key state's open item is in `items` (by the state's address).
+    open: HashMap<usize, usize, foldhash::fast::RandomState>,
 }
 
 impl ExactBatch {
     /// Queues a decision; returns where its answer comes and whether the caller must
-    /// start the sending task.
+    /// start a sending task.
     fn push(
         &self,
         ks: &Arc<KeyState>,
@@ -96,27 +100,37 @@ impl ExactBatch {
         deadline: Instant,
     ) -> (oneshot::Receiver<Answer>, bool) {
         let (tx, rx) = oneshot::channel();
-        let mut p = self.pending.lock();
-        // The same bucket (a key kept in the map, or one decided without state at
-        // max_keys: several states may name one bucket) under the same rule entry.
-        let same = p.items.iter_mut().find(|it| {
-            it.ks.bucket == ks.bucket
-                && Arc::ptr_eq(&it.entry, entry)
-                && it.costs.len() < MAX_ITEM_COSTS
-        });
+        let mut guard = self.pending.lock();
+        let p = &mut *guard;
+        // Decisions on one key state under one rule entry share an item. (Key states
+        // made per decision at max_keys each get their own: `take` keeps two items of
+        // one bucket out of one call.)
+        let at = Arc::as_ptr(ks) as usize;
+        let same = p
+            .open
+            .get(&at)
+            .and_then(|&i| p.items.get_mut(i))
+            .filter(|it| {
+                Arc::ptr_eq(&it.ks, ks)
+                    && Arc::ptr_eq(&it.entry, entry)
+                    && it.costs.len() < MAX_ITEM_COSTS
+            });
         match same {
             Some(it) => {
                 it.costs.push(cost);
                 it.waiters.push(tx);
                 it.deadline = it.deadline.max(deadline);
             }
-            None => p.items.push(Item {
-                ks: ks.clone(),
-                entry: entry.clone(),
-                costs: vec![cost],
-                waiters: vec![tx],
-                deadline,
-            }),
+            None => {
+                p.open.insert(at, p.items.len());
+                p.items.push(Item {
+                    ks: ks.clone(),
+                    entry: entry.clone(),
+                    costs: vec![cost],
+                    waiters: vec![tx],
+                    deadline,
+                });
+            }
         }
         let start = p.senders < SENDERS;
         if start {
@@ -128,23 +142,37 @@ impl ExactBatch {
     /// The next call's items, oldest first (each bucket once, within the size caps), or
     /// `None` when nothing waits: the sending task then ends.
     fn take(&self) -> Option<Vec<Item>> {
-        let mut p = self.pending.lock();
+        let mut guard = self.pending.lock();
+        let p = &mut *guard;
         if p.items.is_empty() {
             p.senders -= 1;
             return None;
         }
         let mut batch: Vec<Item> = Vec::with_capacity(p.items.len().min(MAX_KEYS));
+        let mut rest = Vec::new();
+        // Each bucket once per call, checked by name: several key states may name one.
+        let mut seen: HashMap<u64, usize, foldhash::fast::RandomState> = HashMap::default();
         let mut costs = 0;
-        let mut i = 0;
-        while i < p.items.len() && batch.len() < MAX_KEYS {
-            let it = &p.items[i];
-            let fits = costs + it.costs.len() <= MAX_BATCH_COSTS;
-            if fits && !batch.iter().any(|b| b.ks.bucket == it.ks.bucket) {
+        for it in std::mem::take(&mut p.items) {
+            let fits = batch.len() < MAX_KEYS && costs + it.costs.len() <= MAX_BATCH_COSTS;
+            let h = seen.hasher().hash_one(it.ks.bucket.as_str());
+            let dup = match seen.get(&h) {
+                None => false,
+                Some(&j) if batch[j].ks.bucket == it.ks.bucket => true,
+                Some(_) => batch.iter().any(|b| b.ks.bucket == it.ks.bucket),
+            };
+            if fits && !dup {
                 costs += it.costs.len();
-                batch.push(p.items.remove(i));
+                seen.entry(h).or_insert(batch.len());
+                batch.push(it);
             } else {
-                i += 1;
+                rest.push(it);
             }
+        }
+        p.items = rest;
+        p.open.clear();
+        for (i, it) in p.items.iter().enumerate() {
+            p.open.insert(Arc::as_ptr(&it.ks) as usize, i);
         }
         Some(batch)
     }

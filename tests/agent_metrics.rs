@@ -45,7 +45,7 @@ async fn prometheus_exporter_serves_decision_counters_on_loopback() {
         "sampled decision times: {body}"
     );
     assert!(
-        body.contains("leasehold_store_call_seconds_bucket{shard=\"all\",op=\"exact_many\",le="),
+        body.contains("leasehold_store_call_seconds_bucket{shard=\"all\",op=\"exact\",le="),
         "store call times by shard and op: {body}"
     );
     assert!(

@@ -29,8 +29,8 @@ pub struct EmbeddedStore {
     hasher: foldhash::fast::RandomState,
     calls: Arc<AtomicU64>,
     offline: Arc<std::sync::atomic::AtomicBool>,
-    /// Exact batches' dedup keys.
-    batches: Arc<Mutex<HashMap<String, BatchLog>>>,
+    /// Exact batches' dedup keys, sharded as the buckets are.
+    batches: Arc<[Mutex<HashMap<String, BatchLog>>]>,
 }
 
 impl Default for EmbeddedStore {
@@ -47,7 +47,7 @@ impl EmbeddedStore {
             hasher: foldhash::fast::RandomState::default(),
             calls: Arc::new(AtomicU64::new(0)),
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            batches: Arc::new(Mutex::new(HashMap::new())),
+            batches: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
         }
     }
 
@@ -104,10 +104,12 @@ impl EmbeddedStore {
         let now_us = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
-        let n = self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
         let dedup = crate::wire::batch_key(items[0].key, agent, seq);
-        let mut logs = self.batches.lock();
-        if n.is_multiple_of(4096) {
+        let mut logs = self.batches[(self.hasher.hash_one(&dedup) as usize) % SHARDS].lock();
+        // Dedup keys past their grace go, a shard at a time: whenever a shard holds a
+        // power of two of them from 1024 on (sweeps get rarer as it grows).
+        if logs.len() >= 1024 && logs.len().is_power_of_two() {
             logs.retain(|_, l| l.record().is_some_and(|r| now_us / 1000 < r.expire_at_ms));
         }
         let log = logs.entry(dedup).or_default();

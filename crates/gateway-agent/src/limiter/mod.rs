@@ -866,9 +866,11 @@ impl Limiter {
             return self.degraded(&ks, &entry, cost);
         }
         // A cold key: its shard's next exact batch decides, with no lock held meanwhile.
-        // Rules that wait for replicas, and keys found split, take the per-key path.
+        // Rules that wait for replicas, keys found split, and the embedded store (no
+        // round trip to share: a call returns at once) take the per-key path.
         let now = self.now_ns();
         if !self.is_hot(&ks, &entry)
+            && matches!(self.inner.store, Store::Redis(_))
             && entry.rule.replication().is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {

@@ -23,7 +23,7 @@ use leasehold_store::ExactItem;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
-use super::{CallTimer, Decision, KeyState, Limiter, RuleEntry, denied};
+use super::{CallTimer, Decision, KeyState, Limiter, RuleEntry, store_answered};
 use crate::breaker::{Breaker, Refusal};
 use crate::counters::Counter;
 use crate::redis_store::ErrorKind;
@@ -201,41 +201,13 @@ impl Limiter {
                 retry_us,
                 remaining,
             })) => {
-                if ks.in_emergency.swap(false, Ordering::AcqRel) {
-                    *ks.emergency.lock() = None;
-                }
-                if admitted {
-                    entry.counters.incr(Counter::AdmittedExact);
-                    Decision::Allowed {
-                        remaining,
-                        via: crate::Admission::Exact,
-                    }
-                } else {
-                    let wait = retry_us.max(1) * 1000;
-                    ks.deny_until_ns
-                        .store(self.now_ns() + wait, Ordering::Release);
-                    entry.counters.incr(entry.denied);
-                    ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                    denied(wait)
-                }
+                store_answered(ks);
+                self.exact_decided(ks, entry, cost, admitted, retry_us, remaining)
             }
             Ok(Ok(Answer::Moved)) => return None,
             Ok(Ok(Answer::Failed) | Err(_)) => self.degraded(ks, entry, cost),
-            Err(_) => {
-                // No answer within the rule's timeout. As on the per-key path, it counts
-                // against the shard only if nothing on it succeeded since this decision
-                // began (the batch call itself goes on, bounded by the store's timeout).
-                let began = self
-                    .now_ns()
-                    .saturating_sub(entry.rule.timeout().as_nanos() as u64);
-                self.inner
-                    .breakers
-                    .for_slot(ks.slot)
-                    .failure(self.now_ns(), began, false);
-                entry.counters.incr(Counter::StoreErrors);
-                self.inner.error_kinds.incr(ErrorKind::Timeout);
-                self.degraded(ks, entry, cost)
-            }
+            // The batch call itself goes on, bounded by its last decision's deadline.
+            Err(_) => self.timed_out(ks, entry, cost),
         };
         Some(d)
     }
@@ -339,23 +311,20 @@ impl Limiter {
                 }
             };
             if let Ok(mut driver) = it.ks.driver.try_lock() {
-                let mut hot = false;
-                for (&cost, &retry) in it.costs.iter().zip(&r.retry_us) {
-                    hot |= driver.policy.exact_done(
-                        &it.entry.rule,
-                        &self.inner.policy,
-                        now,
-                        cost,
-                        retry == 0,
-                        r.scale_ppm != 0,
-                    );
-                }
-                if hot {
-                    it.ks
-                        .share_milli
-                        .store(driver.policy.share_milli(), Ordering::Relaxed);
-                    it.ks.hot.store(true, Ordering::Release);
-                }
+                let decisions: Vec<(u64, bool)> = it
+                    .costs
+                    .iter()
+                    .zip(&r.retry_us)
+                    .map(|(&cost, &retry)| (cost, retry == 0))
+                    .collect();
+                self.count_exact(
+                    &it.ks,
+                    &mut driver,
+                    &it.entry,
+                    now,
+                    &decisions,
+                    r.scale_ppm != 0,
+                );
             }
             // Tokens left right after each decision: the final count plus what the later
             // admitted ones took.

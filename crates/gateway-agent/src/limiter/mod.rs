@@ -451,6 +451,13 @@ enum Local {
     NeedsStore(Arc<KeyState>, Arc<RuleEntry>),
 }
 
+/// The store answered for `ks`: an emergency limit in force ends.
+fn store_answered(ks: &KeyState) {
+    if ks.in_emergency.swap(false, Ordering::AcqRel) {
+        *ks.emergency.lock() = None;
+    }
+}
+
 fn denied(wait_ns: u64) -> Decision {
     Decision::Denied {
         retry_after: Duration::from_nanos(wait_ns.max(1)),
@@ -915,9 +922,7 @@ impl Limiter {
         drop(driver);
         match outcome {
             Ok(Ok(d)) => {
-                if ks.in_emergency.swap(false, Ordering::AcqRel) {
-                    *ks.emergency.lock() = None;
-                }
+                store_answered(&ks);
                 d
             }
             Ok(Err(CallError::Refused(why))) => {
@@ -930,22 +935,25 @@ impl Limiter {
                 tracing::debug!(error = %e, key = %ks.bucket.for_logs(), "store failed; the failure policy decides");
                 self.degraded(&ks, &entry, cost)
             }
-            Err(_) => {
-                // The call in flight was dropped (ending a probe, if it was one). The
-                // timeout counts against the shard only if nothing on it succeeded
-                // since this decision began.
-                let began = self
-                    .now_ns()
-                    .saturating_sub(entry.rule.timeout().as_nanos() as u64);
-                self.inner
-                    .breakers
-                    .for_slot(ks.slot)
-                    .failure(self.now_ns(), began, false);
-                entry.counters.incr(Counter::StoreErrors);
-                self.inner.error_kinds.incr(ErrorKind::Timeout);
-                self.degraded(&ks, &entry, cost)
-            }
+            // The call in flight was dropped (ending a probe, if it was one).
+            Err(_) => self.timed_out(&ks, &entry, cost),
         }
+    }
+
+    /// A decision the store did not answer within the rule's timeout: the timeout counts
+    /// against the shard only if nothing on it succeeded since this decision began, and
+    /// the failure policy decides.
+    fn timed_out(&self, ks: &KeyState, entry: &RuleEntry, cost: u64) -> Decision {
+        let began = self
+            .now_ns()
+            .saturating_sub(entry.rule.timeout().as_nanos() as u64);
+        self.inner
+            .breakers
+            .for_slot(ks.slot)
+            .failure(self.now_ns(), began, false);
+        entry.counters.incr(Counter::StoreErrors);
+        self.inner.error_kinds.incr(ErrorKind::Timeout);
+        self.degraded(ks, entry, cost)
     }
 
     async fn lease_and_spend(
@@ -991,31 +999,71 @@ impl Limiter {
         let reply = self.call(ks, driver, entry, Op::Exact { cost }).await?;
         let now = self.now_ns();
         let admitted = reply.granted == cost;
-        // Promotion: a cold key used faster than the threshold starts leasing.
-        if driver.policy.exact_done(
-            &entry.rule,
-            &self.inner.policy,
+        self.count_exact(
+            ks,
+            driver,
+            entry,
             now,
-            cost,
-            admitted,
+            &[(cost, admitted)],
             reply.scale_ppm != 0,
-        ) {
+        );
+        Ok(self.exact_decided(ks, entry, cost, admitted, reply.retry_us, reply.remaining))
+    }
+
+    /// Counts exact decisions `(cost, admitted)` taken at `now` in the key's policy
+    /// (`leased_elsewhere`: the store said other agents lease the key). Promotion: a cold
+    /// key used faster than the threshold, or leased elsewhere, starts leasing.
+    fn count_exact(
+        &self,
+        ks: &KeyState,
+        driver: &mut Driver,
+        entry: &RuleEntry,
+        now: u64,
+        decisions: &[(u64, bool)],
+        leased_elsewhere: bool,
+    ) {
+        let mut hot = false;
+        for &(cost, admitted) in decisions {
+            hot |= driver.policy.exact_done(
+                &entry.rule,
+                &self.inner.policy,
+                now,
+                cost,
+                admitted,
+                leased_elsewhere,
+            );
+        }
+        if hot {
             ks.share_milli
                 .store(driver.policy.share_milli(), Ordering::Relaxed);
             ks.hot.store(true, Ordering::Release);
         }
+    }
+
+    /// The decision the store made on an exact call of `cost`: counted, and a denial
+    /// remembered until `cost` tokens could exist (`retry_us`).
+    fn exact_decided(
+        &self,
+        ks: &KeyState,
+        entry: &RuleEntry,
+        cost: u64,
+        admitted: bool,
+        retry_us: u64,
+        remaining: u64,
+    ) -> Decision {
         if admitted {
             entry.counters.incr(Counter::AdmittedExact);
-            Ok(Decision::Allowed {
-                remaining: reply.remaining,
+            Decision::Allowed {
+                remaining,
                 via: Admission::Exact,
-            })
+            }
         } else {
-            let wait = reply.retry_us.max(1) * 1000;
-            ks.deny_until_ns.store(now + wait, Ordering::Release);
+            let wait = retry_us.max(1) * 1000;
+            ks.deny_until_ns
+                .store(self.now_ns() + wait, Ordering::Release);
             entry.counters.incr(entry.denied);
             ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-            Ok(denied(wait))
+            denied(wait)
         }
     }
 

@@ -737,13 +737,7 @@ impl RedisStore {
         tokio::time::timeout(limit, async {
             let seen = self.loader.generation.load(Ordering::Acquire);
             let Some(r) = wait else {
-                return match self.conn.query(&cmd).await {
-                    Err(e) if is_missing_library(&e) => {
-                        self.reload(seen).await?;
-                        parse(self.conn.query(&cmd).await)
-                    }
-                    other => parse(other),
-                };
+                return parse_value(self.query_loaded(&cmd).await?);
             };
             let mut pipe = redis::pipe();
             pipe.add_command(cmd)
@@ -822,15 +816,7 @@ impl RedisStore {
             cmd.arg(it.key.as_str());
         }
         cmd.arg(wire::exact_many_args(agent, seq, items));
-        let seen = self.loader.generation.load(Ordering::Acquire);
-        let v = match self.conn.query(&cmd).await {
-            Err(e) if is_missing_library(&e) => {
-                self.reload(seen).await?;
-                self.conn.query(&cmd).await
-            }
-            other => other,
-        }
-        .map_err(classify)?;
+        let v = self.query_loaded(&cmd).await?;
         let nums: Vec<u64> = redis::from_redis_value(v.clone())
             .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
         wire::exact_many_reply(&nums, items).ok_or_else(|| {
@@ -871,6 +857,20 @@ impl RedisStore {
             .into_iter()
             .map(|o| o.unwrap_or(ExactOutcome::Moved))
             .collect())
+    }
+
+    /// Runs a call of the function library, loading the library again (once, whoever
+    /// notices first) if the store lost it.
+    async fn query_loaded(&self, cmd: &Cmd) -> Result<Value, StoreError> {
+        let seen = self.loader.generation.load(Ordering::Acquire);
+        match self.conn.query(cmd).await {
+            Err(e) if is_missing_library(&e) => {
+                self.reload(seen).await?;
+                self.conn.query(cmd).await
+            }
+            other => other,
+        }
+        .map_err(classify)
     }
 
     /// Runs one plain command (agent reports, the coordinator's reads), bounded by the
@@ -1067,10 +1067,6 @@ fn classify(e: RedisError) -> StoreError {
         };
     }
     StoreError::Misconfigured(truncated(&e.to_string()))
-}
-
-fn parse(v: Result<Value, RedisError>) -> Result<Reply, StoreError> {
-    parse_value(v.map_err(classify)?)
 }
 
 fn parse_value(v: Value) -> Result<Reply, StoreError> {

@@ -509,6 +509,15 @@ fn differential_lua_matches_model() {
     });
 }
 
+/// A refusal as `CODE detail`.
+fn refusal(err: &redis::RedisError) -> String {
+    format!(
+        "{} {}",
+        err.code().unwrap_or_default(),
+        err.detail().unwrap_or_default()
+    )
+}
+
 /// The Lua refuses bad arguments itself, not only the Rust client: a misconfigured or
 /// foreign caller gets an error that names the argument, and nothing is written.
 #[test]
@@ -588,11 +597,7 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
         let err = cmd
             .query::<redis::Value>(&mut conn)
             .expect_err("bad arguments must be refused");
-        let text = format!(
-            "{} {}",
-            err.code().unwrap_or_default(),
-            err.detail().unwrap_or_default()
-        );
+        let text = refusal(&err);
         assert!(
             text.starts_with(want),
             "{f} {tail:?}: got {text:?}, want {want:?}"
@@ -677,11 +682,7 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
         let err = cmd
             .query::<redis::Value>(&mut conn)
             .expect_err("a bad batch must be refused");
-        let text = format!(
-            "{} {}",
-            err.code().unwrap_or_default(),
-            err.detail().unwrap_or_default()
-        );
+        let text = refusal(&err);
         assert!(
             text.starts_with(want),
             "{keys:?} {items:?}: got {text:?}, want {want:?}"

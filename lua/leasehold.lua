@@ -2,11 +2,14 @@
 --
 -- Leasehold global bucket protocol, version 1: the only code that mutates global state.
 --
--- Each function touches exactly one key, KEYS[1], a hash holding one bucket (invariant
--- I7), and uses only the Redis server clock (I5); lh_exact_many, the batch of cold
--- decisions, touches each of its keys as lh_exact would, each only from its own state. It is the twin of
+-- Each function touches exactly one key, KEYS[1], holding one bucket (invariant I7), and
+-- uses only the Redis server clock (I5); lh_exact_many, the batch of cold decisions,
+-- touches each of its keys as lh_exact would, each only from its own state. A bucket is a
+-- hash, or, while it has no lease record, demand or split and only lh_exact_many has
+-- written it, a compact string 'tok,car,ts,p' (two commands a decision instead of three,
+-- and no field table); any other function turns it into the hash. It is the twin of
 -- crates/lease-core/src/model/; the differential tests hold them to the same replies
--- and the same hash fields. Numbers are integers below 2^53 (rules are validated so);
+-- and the same stored values. Numbers are integers below 2^53 (rules are validated so);
 -- division goes through divmod() because Lua divides in floating point, and numbers are
 -- written with %d because Redis would otherwise format them with 14 digits.
 --
@@ -178,6 +181,15 @@ local function no_split()
   return {parts = 0, salt = 0, gen = 0, untl = 0, tok = 0, out = 0, drop = 0}
 end
 
+-- A compact bucket: the string 'tok,car,ts,p' that lh_exact_many keeps for a key with no
+-- lease record, demand or split (the fields of the same names, every other field 0).
+local function compact_of(key, v)
+  local a, b, c, d = nil, nil, nil, nil
+  if #v <= 80 then a, b, c, d = string.match(v, '^(%d+),(%d+),(%d+),(%d+)$') end
+  if not a then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds another string') end
+  return {tonumber(a), tonumber(b), tonumber(c), d}
+end
+
 local function fresh(p, now)
   return {tok = p.cap, car = 0, p = p.per, ts = now, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
           dx = 0, pg = 0, pu = 0, split = no_split()}
@@ -188,8 +200,16 @@ local function begin(key, p)
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local id = p.id
-  local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
+  local f = redis.pcall('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
     'sg', 'sp', 'pt', 'dx', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
+  local compact = false
+  if f.err then
+    -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
+    -- a hash when this call writes it.
+    local c = compact_of(key, redis.call('GET', key))
+    f = {fmt(c[1]), fmt(c[2]), c[4], fmt(c[3])}
+    compact = true
+  end
   local s
   if f[1] then
     local function num(i) return tonumber(f[i] or '0') end
@@ -207,6 +227,7 @@ local function begin(key, p)
       local a = decode(f[11])
       s.pg, s.pu = a[1], a[2]
     end
+    s.compact = compact
   else
     s = fresh(p, server_now)
     s.created = true
@@ -337,6 +358,10 @@ local function finish(key, s, p, now, rec, reply)
     redis.call('HDEL', key, 'sp')
   end
   if s.pg ~= 0 then add('pt', fmt(s.pg) .. ',' .. fmt(s.pu)) end
+  if s.compact then
+    -- A compact bucket becomes the hash.
+    redis.call('DEL', key)
+  end
   redis.call('HSET', key, unpack(args))
   local busy = math.max(s.mx, sp.untl)
   local life = math.max(busy - now, 0) + time_until(s, p.cap, p)
@@ -590,10 +615,10 @@ end
 -- keys may lie in several slots of this node). Each key is decided as lh_exact would,
 -- one cost after another, from its own state alone, but leaves no agent record: the
 -- batch's answer is kept once, in its own dedup key, for the grace, and a retry of the
--- batch (same agent, seq and keys) is answered from it (I2). A key that is split, or is
--- a part, is answered "moved" and
--- left untouched: its decisions go through lh_exact. Everything is validated before
--- anything is written.
+-- batch (same agent, seq and keys) is answered from it (I2). A new key is made compact,
+-- and a compact key stays so. A key that is split, or is a part, is answered "moved" and
+-- left untouched: its decisions go through lh_exact. Everything is validated, and every
+-- key read, before anything is written.
 --
 -- KEYS: the dedup key, KEYS[2] .. ':b:' .. agent .. ':' .. seq (so in KEYS[2]'s slot),
 --       then the bucket keys, each once.
@@ -611,7 +636,7 @@ local NO_SPLIT = no_split()
 -- as a table and the shared advance.
 local function exact_full(key, p, cost, first, count, server_now, out)
   local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds', 'dx')
-  local s = {tok = tonumber(f[1]), car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
+  local s = {tok = tonumber(f[1]) or p.cap, car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
     ts = tonumber(f[4] or 0), out = tonumber(f[5] or 0), nexp = tonumber(f[6] or 0),
     mx = tonumber(f[7] or 0), ds = tonumber(f[8] or 0), dx = tonumber(f[9] or 0),
     pg = 0, pu = 0, split = NO_SPLIT}
@@ -635,8 +660,8 @@ local function exact_full(key, p, cost, first, count, server_now, out)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
 end
 
--- One key: its costs are cost[first .. first + count - 1]. The common cases (a new key; a
--- live key with no lease record, no demand, no split, the same period) run on locals.
+-- One hash key: its costs are cost[first .. first + count - 1]. The common case (a live
+-- key with no lease record, no demand, no split, the same period) runs on locals.
 local function exact_one(key, p, cost, first, count, server_now, out)
   local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt')
   local n = #out
@@ -645,21 +670,48 @@ local function exact_one(key, p, cost, first, count, server_now, out)
     for i = 1, count do out[n + 4 + i] = 0 end
     return
   end
+  -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
+  if not g[1] or g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
+    return exact_full(key, p, cost, first, count, server_now, out)
+  end
   local per, rate, cap = p.per, p.n, p.cap
-  local tok, car, now
-  local created = not g[1]
-  if created then
-    tok, car, now = cap, 0, server_now
+  local ts = tonumber(g[4])
+  local now = server_now
+  if ts > now then now = ts end
+  local tok, car = tonumber(g[1]), tonumber(g[2])
+  -- Level::refill to now.
+  if tok >= cap then
+    tok, car = cap, 0
+  elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
+    tok, car = cap, 0
   else
-    -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
-    if g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
-      return exact_full(key, p, cost, first, count, server_now, out)
-    end
-    local ts = tonumber(g[4])
-    now = server_now
+    local q, r = divmod(car + rate * (now - ts), per)
+    tok, car = tok + q, r
+  end
+  for i = 1, count do
+    local c, retry = cost[first + i - 1], 0
+    if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
+    out[n + 4 + i] = retry
+  end
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
+  redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
+  -- I6: full again (there is no lease record), and a grace after the call.
+  local full = 0
+  if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
+  redis.call('PEXPIREAT', key, fmt(divmod(now + p.grace + full, 1000) + 1))
+end
+
+-- One compact key (c: its parsed value), or a new one (c false): read, decide and write
+-- back with its expiry in one SET.
+local function exact_compact(key, p, cost, first, count, server_now, out, c)
+  local per, rate, cap = p.per, p.n, p.cap
+  local tok, car, now = cap, 0, server_now
+  if c then
+    local ts = c[3]
+    tok, car = c[1], c[2]
+    -- Advance: a rule with another period restarts the carry.
+    if c[4] ~= p.pers then car = 0 end
     if ts > now then now = ts end
-    tok, car = tonumber(g[1]), tonumber(g[2])
-    -- Level::refill to now.
     if tok >= cap then
       tok, car = cap, 0
     elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
@@ -669,22 +721,18 @@ local function exact_one(key, p, cost, first, count, server_now, out)
       tok, car = tok + q, r
     end
   end
+  local n = #out
   for i = 1, count do
-    local c, retry = cost[first + i - 1], 0
-    if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
+    local v, retry = cost[first + i - 1], 0
+    if tok >= v then tok = tok - v else retry = ceil_div((v - tok) * per - car, rate) end
     out[n + 4 + i] = retry
   end
   out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
-  if created then
-    redis.call('HSET', key, 'tok', fmt(tok), 'car', '0', 'p', p.pers, 'ts', fmt(now), 'out', '0',
-      'nexp', '0', 'mx', '0', 'ds', '0', 'dx', '0')
-  else
-    redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
-  end
-  -- I6: full again (there is no lease record), and a grace after the call.
+  -- I6: full again, and a grace after the call.
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  redis.call('PEXPIREAT', key, fmt(divmod(now + p.grace + full, 1000) + 1))
+  redis.call('SET', key, fmt(tok) .. ',' .. fmt(car) .. ',' .. fmt(now) .. ',' .. p.pers,
+    'PXAT', fmt(divmod(now + p.grace + full, 1000) + 1))
 end
 
 -- A decimal integer argument of a batch (digits only were checked for all at once).
@@ -761,9 +809,31 @@ local function exact_many(keys, args)
     local kseq, kout = cmsgpack.unpack(kept)
     if kseq == seq then return kout end
   end
+  -- Every key read before any is written: a compact value (GET), none (false), or a hash
+  -- (GET fails; a key of any other type is refused here).
+  local found = {}
+  for k = 2, #keys do
+    local key = keys[k]
+    local v = redis.pcall('GET', key)
+    if type(v) == 'string' then
+      found[k] = compact_of(key, v)
+    elseif type(v) == 'table' then
+      local t = redis.call('TYPE', key)
+      t = t['ok']
+      if t ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. t) end
+      found[k] = true
+    else
+      found[k] = false
+    end
+  end
   local out = {server_now}
   for k = 2, #keys do
-    exact_one(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out)
+    local f = found[k]
+    if f == true then
+      exact_one(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out)
+    else
+      exact_compact(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out, f)
+    end
   end
   redis.call('SET', dkey, cmsgpack.pack(seq, out), 'PX', fmt(math.max(ceil_div(grace, 1000), 1)))
   return out

@@ -190,8 +190,15 @@ fn i7_each_call_touches_exactly_its_own_key() {
     });
     let n: i64 = server.cmd(&["DBSIZE"]).expect("DBSIZE");
     assert_eq!(n as usize, subjects.len());
-    for line in LIBRARY.lines().filter(|l| l.contains("redis.call(")) {
-        let args = line.split("redis.call(").nth(1).unwrap_or_default();
+    for line in LIBRARY
+        .lines()
+        .filter(|l| l.contains("redis.call(") || l.contains("redis.pcall("))
+    {
+        let args = line
+            .split("redis.call(")
+            .nth(1)
+            .or_else(|| line.split("redis.pcall(").nth(1))
+            .unwrap_or_default();
         let target = args
             .split(',')
             .nth(1)

@@ -58,9 +58,15 @@ pub fn config() -> StoreConfig {
     }
 }
 
-/// The hash of a bucket as Redis holds it.
+/// The hash of a bucket as Redis holds it; for a compact bucket (a string), the hash it
+/// stands for.
 pub fn hash(server: &RedisServer, key: &str) -> BTreeMap<String, String> {
     let mut c = server.connection().expect("connection");
+    let ty: String = redis::cmd("TYPE").arg(key).query(&mut c).expect("TYPE");
+    if ty == "string" {
+        let v: String = redis::cmd("GET").arg(key).query(&mut c).expect("GET");
+        return leasehold_store::wire::compact_fields(&v).expect("a compact bucket");
+    }
     redis::cmd("HGETALL")
         .arg(key)
         .query(&mut c)

@@ -41,6 +41,10 @@ const RENEW_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
 const DELETE_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('DEL', KEYS[1]) else return 0 end";
 
+/// A bucket's split fields (ARGV), or none when the key holds a compact bucket.
+const SPLIT_FIELDS: &str = "if redis.call('TYPE', KEYS[1])['ok'] == 'string' then return {} end \
+     return redis.call('HMGET', KEYS[1], ARGV[1], ARGV[2])";
+
 /// Tuning of the coordinator.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -220,15 +224,18 @@ impl Coordinator {
         Ok(secs * 1_000_000 + micros)
     }
 
-    /// The split in force on `key`, read from its bucket.
+    /// The split in force on `key`, read from its bucket. A compact bucket (a string) has
+    /// none; HMGET's WRONGTYPE is not an error here, so the read is a script.
     async fn split_of(&self, key: &BucketKey, now_us: u64) -> Result<Option<Split>, StoreError> {
-        let mut hmget = redis::cmd("HMGET");
-        hmget
+        let mut read = redis::cmd("EVAL");
+        read.arg(SPLIT_FIELDS)
+            .arg(1)
             .arg(key.as_str())
             .arg(leasehold_core::schema::SPLIT)
             .arg(leasehold_core::schema::SPLIT_GEN);
-        let f: Vec<Option<String>> = self.store.query(&hmget).await?;
-        let split = leasehold_store::wire::decode_split(f[0].as_deref(), num(&f[1]));
+        let f: Vec<Option<String>> = self.store.query(&read).await?;
+        let field = |i: usize| f.get(i).cloned().flatten();
+        let split = leasehold_store::wire::decode_split(field(0).as_deref(), num(&field(1)));
         Ok(split.filter(|s| s.until_us > now_us))
     }
 

@@ -950,11 +950,33 @@ impl RedisStore {
         &self,
         key: &BucketKey,
     ) -> Result<(std::collections::HashMap<String, String>, i64, u64), StoreError> {
-        let mut hgetall = redis::cmd("HGETALL");
-        hgetall.arg(key.as_str());
-        let fields = self.conn.query(&hgetall).await.map_err(classify)?;
-        let fields = redis::from_redis_value(fields)
-            .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
+        let mut ty = redis::cmd("TYPE");
+        ty.arg(key.as_str());
+        let ty: String = redis::from_redis_value(self.conn.query(&ty).await.map_err(classify)?)
+            .map_err(|e| StoreError::Misconfigured(format!("TYPE {key}: {e}")))?;
+        let fields = if ty == "string" {
+            // A compact bucket: the hash it stands for.
+            let mut get = redis::cmd("GET");
+            get.arg(key.as_str());
+            let v: Option<String> =
+                redis::from_redis_value(self.conn.query(&get).await.map_err(classify)?)
+                    .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
+            match v {
+                // Expired since TYPE.
+                None => Default::default(),
+                Some(v) => crate::wire::compact_fields(&v)
+                    .map(|f| f.into_iter().collect())
+                    .ok_or_else(|| {
+                        StoreError::Misconfigured(format!("{key} holds a string that is not a bucket"))
+                    })?,
+            }
+        } else {
+            let mut hgetall = redis::cmd("HGETALL");
+            hgetall.arg(key.as_str());
+            let fields = self.conn.query(&hgetall).await.map_err(classify)?;
+            redis::from_redis_value(fields)
+                .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?
+        };
         let mut pttl = redis::cmd("PTTL");
         pttl.arg(key.as_str());
         let ttl: i64 = redis::from_redis_value(self.conn.query(&pttl).await.map_err(classify)?)

@@ -13,7 +13,9 @@
 //!   [`exact_many_args`]; the reply is read by [`exact_many_reply`]; the dedup key holds
 //!   [`batch_numbers`] (MessagePack).
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
-//!   holds it.
+//!   holds it. A compact bucket (a string `tok,car,ts,p`, see
+//!   [`BucketState::compact`]) renders as one entry named [`COMPACT`];
+//!   [`compact_fields`] reads such a string as the hash it stands for.
 
 use std::collections::BTreeMap;
 
@@ -181,12 +183,21 @@ pub fn decode_split(sp: Option<&str>, gen_us: u64) -> Option<Split> {
     }
 }
 
-/// The hash fields Redis holds for `state`, sorted by name (empty for an absent key).
+/// The name under which [`hash_fields`] gives a compact bucket's string.
+pub const COMPACT: &str = "(compact)";
+
+/// The hash fields Redis holds for `state`, sorted by name (empty for an absent key); for
+/// a compact bucket, its string as the one entry [`COMPACT`].
 pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     let mut f = BTreeMap::new();
     let Some(s) = state else {
         return f;
     };
+    if s.compact {
+        let v = [s.level.tokens, s.level.carry, s.updated_us, s.period_us];
+        f.insert(COMPACT.to_owned(), join(&v));
+        return f;
+    }
     for (k, v) in [
         (h::TOKENS, s.level.tokens),
         (h::CARRY, s.level.carry),
@@ -229,6 +240,23 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
         );
     }
     f
+}
+
+/// The hash a compact bucket's string stands for (its four fields; every other field is
+/// 0), or `None` if `v` is not one.
+pub fn compact_fields(v: &str) -> Option<BTreeMap<String, String>> {
+    let parts: Vec<&str> = v.split(',').collect();
+    let [tok, car, ts, p] = parts[..] else {
+        return None;
+    };
+    let mut f = BTreeMap::new();
+    for (k, v) in [(h::TOKENS, tok), (h::CARRY, car), (h::UPDATED, ts), (h::PERIOD, p)] {
+        if v.is_empty() || v.len() > 16 || !v.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        f.insert(k.to_owned(), v.to_owned());
+    }
+    Some(f)
 }
 
 /// One key of an exact batch: its bucket, the rule's parameters and the costs of the

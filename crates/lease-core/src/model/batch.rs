@@ -107,10 +107,11 @@ impl GlobalBucket {
         {
             return Ok(ExactOutcome::Moved);
         }
-        let mut s = self
-            .state
-            .take()
-            .unwrap_or_else(|| BucketState::fresh(p, server_now_us));
+        // A new key is stored compact; a compact key stays so, a hash stays a hash.
+        let mut s = self.state.take().unwrap_or_else(|| BucketState {
+            compact: true,
+            ..BucketState::fresh(p, server_now_us)
+        });
         let now = server_now_us.max(s.updated_us);
         s.advance(p, now);
         // Agents lease this key: say so, with their proportional scale (at least 1).

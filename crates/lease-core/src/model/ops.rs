@@ -205,6 +205,7 @@ impl Call {
         mut reply: Reply,
     ) -> (BucketState, Reply) {
         let Self { mut s, now, .. } = self;
+        s.compact = false;
         reply.split = s.split;
         reply.remaining = s.level.tokens;
         let record = AgentRecord {

@@ -55,6 +55,10 @@ pub struct BucketState {
     pub part: Option<PartTerm>,
     /// Redis key expiry, ms (PEXPIREAT).
     pub expire_at_ms: u64,
+    /// Stored compact, as the string `tok,car,ts,p` instead of the hash: made so by
+    /// `lh_exact_many` for a new key and kept while only it writes the key (such a key has
+    /// no records, demand or split); any other operation stores the hash.
+    pub compact: bool,
 }
 
 /// What a bucket would hold at some time, without anything being sent to it.
@@ -93,6 +97,7 @@ impl BucketState {
             last_split_us: 0,
             part: None,
             expire_at_ms: 0,
+            compact: false,
         }
     }
 

@@ -94,7 +94,10 @@ fn check_same(server: &RedisServer, key: &BucketKey, model: &GlobalBucket, ctx: 
         leasehold_store::wire::hash_fields(model.state()),
         "hash differs {ctx}"
     );
-    for name in redis.keys().filter(|n| *n != leasehold_store::wire::COMPACT) {
+    for name in redis
+        .keys()
+        .filter(|n| *n != leasehold_store::wire::COMPACT)
+    {
         assert!(
             leasehold_core::schema::describe(name).is_some(),
             "hash field {name} is missing from leasehold_core::schema {ctx}"

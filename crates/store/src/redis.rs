@@ -967,7 +967,9 @@ impl RedisStore {
                 Some(v) => crate::wire::compact_fields(&v)
                     .map(|f| f.into_iter().collect())
                     .ok_or_else(|| {
-                        StoreError::Misconfigured(format!("{key} holds a string that is not a bucket"))
+                        StoreError::Misconfigured(format!(
+                            "{key} holds a string that is not a bucket"
+                        ))
                     })?,
             }
         } else {

@@ -250,7 +250,12 @@ pub fn compact_fields(v: &str) -> Option<BTreeMap<String, String>> {
         return None;
     };
     let mut f = BTreeMap::new();
-    for (k, v) in [(h::TOKENS, tok), (h::CARRY, car), (h::UPDATED, ts), (h::PERIOD, p)] {
+    for (k, v) in [
+        (h::TOKENS, tok),
+        (h::CARRY, car),
+        (h::UPDATED, ts),
+        (h::PERIOD, p),
+    ] {
         if v.is_empty() || v.len() > 16 || !v.bytes().all(|b| b.is_ascii_digit()) {
             return None;
         }

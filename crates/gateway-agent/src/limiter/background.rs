@@ -193,31 +193,46 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
     ks.prefetching.store(false, Ordering::Release);
 }
 
+/// How often the sweep passes over the whole key map (forgetting idle cold keys, making
+/// room), at most: `forget_after` divided by this, and never more often than it visits
+/// the keys that lease.
+const FULL_SWEEPS_PER_FORGET: u32 = 30;
+
 impl Limiter {
+    /// Puts `ks` (a key that leases or holds tokens) among the keys the sweep visits
+    /// every tick, once.
+    pub(super) fn track(&self, ks: &Arc<KeyState>) {
+        if !ks.in_sweep.swap(true, Ordering::SeqCst) {
+            self.inner.swept.lock().push(ks.clone());
+        }
+    }
+
     /// Returns the tokens of idle leases and demotes their keys, renews live leases close
-    /// to expiry, and forgets cold keys idle for long.
+    /// to expiry; about once a second, forgets cold keys idle for long.
     pub(super) fn sweep(&self) {
         let inner = &self.inner;
         let now = self.now_ns();
         let rules = inner.rules.load_full();
-        let guard = inner.keys.guard();
-        let mut forget = Vec::new();
-        let forget_after = inner.config.forget_after.as_nanos() as u64;
-        for (id, ks) in inner.keys.iter(&guard) {
-            // Most keys are cold and hold nothing: all they need is to be forgotten once
-            // idle for long, checked without a lock or a rule lookup.
-            if !ks.hot.load(Ordering::Acquire) && ks.lease.held() == 0 {
-                if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
-                    && ks.waiters.load(Ordering::Acquire) == 0
+        let swept = std::mem::take(&mut *inner.swept.lock());
+        let mut keep = Vec::with_capacity(swept.len());
+        for ks in swept {
+            if !ks.hot.load(Ordering::SeqCst) && ks.lease.held() == 0 {
+                // Cold again and holding nothing: it leaves the list, unless it turned
+                // hot meanwhile (then whichever of this and `track` sets the flag second
+                // sees the other, and the key stays listed once).
+                ks.in_sweep.store(false, Ordering::SeqCst);
+                if !(ks.hot.load(Ordering::SeqCst) || ks.lease.held() > 0)
+                    || ks.in_sweep.swap(true, Ordering::SeqCst)
                 {
-                    forget.push(id.clone());
+                    continue;
                 }
-                continue;
             }
             if rules.get(&ks.rule).is_err() {
-                forget.push(id.clone());
+                // The rule is gone: the pass over the map forgets the key.
+                ks.in_sweep.store(false, Ordering::SeqCst);
                 continue;
             }
+            keep.push(ks.clone());
             let entry = ks.entry.load_full();
             let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
@@ -231,7 +246,7 @@ impl Limiter {
                 ks.denied_tokens.load(Ordering::Relaxed),
                 ks.last_io_ns.load(Ordering::Relaxed),
             );
-            let (this, ks) = (self.clone(), ks.clone());
+            let this = self.clone();
             match action {
                 SweepAction::Keep => {}
                 SweepAction::Idle => {
@@ -264,6 +279,44 @@ impl Limiter {
                         }
                     });
                 }
+            }
+        }
+        inner.swept.lock().extend(keep);
+        if now >= inner.full_sweep_ns.load(Ordering::Relaxed) {
+            let every =
+                (inner.config.forget_after / FULL_SWEEPS_PER_FORGET).max(inner.config.sweep_every);
+            inner
+                .full_sweep_ns
+                .store(now + every.as_nanos() as u64, Ordering::Relaxed);
+            self.sweep_all(now, &rules);
+        }
+    }
+
+    /// The pass over the whole map: forgets cold keys idle for `forget_after` and keys
+    /// whose rule is gone, makes room above 90% of `max_keys`, and lists any key that
+    /// leases and is not listed yet.
+    fn sweep_all(&self, now: u64, rules: &RuleTable) {
+        let inner = &self.inner;
+        let guard = inner.keys.guard();
+        let mut forget = Vec::new();
+        let forget_after = inner.config.forget_after.as_nanos() as u64;
+        for (id, ks) in inner.keys.iter(&guard) {
+            // Most keys are cold and hold nothing: all they need is to be forgotten once
+            // idle for long, checked without a lock or a rule lookup.
+            if !ks.hot.load(Ordering::Acquire) && ks.lease.held() == 0 {
+                if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
+                    && ks.waiters.load(Ordering::Acquire) == 0
+                {
+                    forget.push(id.clone());
+                }
+                continue;
+            }
+            if rules.get(&ks.rule).is_err() {
+                forget.push(id.clone());
+                continue;
+            }
+            if !ks.in_sweep.load(Ordering::SeqCst) {
+                self.track(ks);
             }
         }
         for id in forget {

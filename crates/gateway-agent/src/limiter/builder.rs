@@ -264,6 +264,8 @@ impl LimiterBuilder {
             stop: Arc::new(tokio::sync::Notify::new()),
             keys_evicted: AtomicU64::new(0),
             prefetch: tx,
+            swept: parking_lot::Mutex::new(Vec::new()),
+            full_sweep_ns: AtomicU64::new(0),
             policy: self.config.policy(),
             config: self.config,
         });

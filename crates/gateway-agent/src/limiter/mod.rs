@@ -354,6 +354,8 @@ struct KeyState {
     entry: ArcSwap<RuleEntry>,
     /// Exact decisions take the per-key path until then (the key was found split).
     batch_after_ns: AtomicU64,
+    /// In [`Inner::swept`], the keys the sweep visits every tick.
+    in_sweep: AtomicBool,
 }
 
 impl KeyState {
@@ -388,6 +390,7 @@ impl KeyState {
             transient,
             entry: ArcSwap::new(entry.clone()),
             batch_after_ns: AtomicU64::new(0),
+            in_sweep: AtomicBool::new(false),
         }
     }
 }
@@ -415,6 +418,13 @@ struct Inner {
     stop: Arc<tokio::sync::Notify>,
     keys_evicted: AtomicU64,
     prefetch: mpsc::Sender<Arc<KeyState>>,
+    /// The keys that lease or hold tokens: what the sweep visits every tick (renewal,
+    /// reclaim, demotion). Cold keys only need forgetting, in a pass over the whole map
+    /// once a second (see `background.rs`): visiting 50 000 cold keys ten times a second
+    /// was most of an agent's CPU under a long tail of keys.
+    swept: parking_lot::Mutex<Vec<Arc<KeyState>>>,
+    /// When the next pass over the whole map is due (agent clock, ns).
+    full_sweep_ns: AtomicU64,
     config: LimiterConfig,
     /// The part of `config` the lease-core policy reads.
     policy: PolicyConfig,
@@ -863,6 +873,11 @@ impl Limiter {
         entry: Arc<RuleEntry>,
         cost: u64,
     ) -> Decision {
+        // A key that leases reaches the store before its first lease: from here on the
+        // sweep visits it every tick.
+        if ks.hot.load(Ordering::Relaxed) && !ks.in_sweep.load(Ordering::Relaxed) {
+            self.track(&ks);
+        }
         let d = self.consult_store(ks, entry.clone(), cost).await;
         entry.enforce(d)
     }

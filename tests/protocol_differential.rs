@@ -705,3 +705,131 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
         }
     }
 }
+
+/// A bucket key that holds something else (a string that is not a compact bucket, a
+/// list) is refused by the batch before anything is written, and by a single call, and
+/// the value is left as it was.
+#[test]
+fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
+    let server = server();
+    runtime().block_on(async {
+        let _store = store(&server.url()).await;
+    });
+    let mut conn = server.connection().expect("connection");
+    let _: () = server.cmd(&["SET", "lh:{t|s}", "hello"]).expect("SET");
+    let _: i64 = server.cmd(&["RPUSH", "lh:{t|l}", "x"]).expect("RPUSH");
+    for (foreign, want) in [
+        (
+            "lh:{t|s}",
+            "LH_ARG not a bucket: lh:{t|s} holds another string",
+        ),
+        ("lh:{t|l}", "LH_ARG not a bucket: lh:{t|l} holds a list"),
+    ] {
+        // The foreign key second: the first key must not be written either.
+        let err = redis::cmd("FCALL")
+            .arg("lh_exact_many")
+            .arg(3)
+            .arg("lh:{t|a}:b:00ab:1")
+            .arg("lh:{t|a}")
+            .arg(foreign)
+            .arg(&["00ab", "1", "1", "10", "1", "1000000", "100000", "0"])
+            .arg(&["1", "1", "1", "1", "1", "1"])
+            .query::<redis::Value>(&mut conn)
+            .expect_err("a batch over a foreign value must be refused");
+        let text = refusal(&err);
+        assert!(
+            text.starts_with(want),
+            "{foreign}: got {text:?}, want {want:?}"
+        );
+        for k in ["lh:{t|a}", "lh:{t|a}:b:00ab:1"] {
+            let exists: i64 = server.cmd(&["EXISTS", k]).expect("EXISTS");
+            assert_eq!(exists, 0, "a refused batch wrote {k}");
+        }
+        // A single call (here lh_exact) is refused too.
+        let err = redis::cmd("FCALL")
+            .arg("lh_exact")
+            .arg(1)
+            .arg(foreign)
+            .arg(&["10", "1", "1000000", "0", "100000", "0", "00ab", "1"])
+            .arg(&["0", "0", "0", "0", "0", "1"])
+            .query::<redis::Value>(&mut conn)
+            .expect_err("a call on a foreign value must be refused");
+        let text = refusal(&err);
+        assert!(
+            text.starts_with("LH_ARG not a bucket") || text.starts_with("WRONGTYPE"),
+            "{foreign}: got {text:?}"
+        );
+    }
+    let s: String = server.cmd(&["GET", "lh:{t|s}"]).expect("GET");
+    assert_eq!(s, "hello");
+    let l: Vec<String> = server
+        .cmd(&["LRANGE", "lh:{t|l}", "0", "-1"])
+        .expect("LRANGE");
+    assert_eq!(l, ["x"]);
+}
+
+/// A new key decided in a batch is stored compact; a lease on it turns it into the hash,
+/// with the tokens the batch left (one token per 1 000 s: no refill between the calls).
+#[test]
+fn a_compact_bucket_becomes_the_hash_when_leased() {
+    let server = server();
+    runtime().block_on(async {
+        let _store = store(&server.url()).await;
+    });
+    let mut conn = server.connection().expect("connection");
+    let key = "lh:{t|c}";
+    let _: redis::Value = redis::cmd("FCALL")
+        .arg("lh_exact_many")
+        .arg(2)
+        .arg(format!("{key}:b:00ab:1"))
+        .arg(key)
+        .arg(&[
+            "00ab",
+            "1",
+            "1",
+            "10",
+            "1",
+            "1000000000",
+            "100000",
+            "0",
+            "1",
+            "1",
+            "3",
+        ])
+        .query(&mut conn)
+        .expect("batch");
+    let ty: String = server.cmd(&["TYPE", key]).expect("TYPE");
+    assert_eq!(ty, "string");
+    let v: String = server.cmd(&["GET", key]).expect("GET");
+    let f = leasehold_store::wire::compact_fields(&v).expect("a compact bucket");
+    assert_eq!(
+        (f["tok"].as_str(), f["p"].as_str()),
+        ("7", "1000000000"),
+        "{v}"
+    );
+    let reply: Vec<i64> = redis::cmd("FCALL")
+        .arg("lh_acquire")
+        .arg(1)
+        .arg(key)
+        .arg(&[
+            "10",
+            "1",
+            "1000000000",
+            "1000000",
+            "100000",
+            "0",
+            "00ab",
+            "2",
+        ])
+        .arg(&["0", "0", "0", "0", "0", "0", "5", "1", "0"])
+        .query(&mut conn)
+        .expect("acquire");
+    let granted = reply[0];
+    assert!((1..=5).contains(&granted), "granted {granted}");
+    let ty: String = server.cmd(&["TYPE", key]).expect("TYPE");
+    assert_eq!(ty, "hash");
+    let h = support::hash(&server, key);
+    assert_eq!(h["tok"], (7 - granted).to_string(), "{h:?}");
+    assert_eq!(h["out"], granted.to_string(), "{h:?}");
+    assert_eq!(h["00ab:h"], granted.to_string(), "{h:?}");
+}

@@ -660,26 +660,14 @@ local function exact_full(key, p, cost, first, count, server_now, out)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
 end
 
--- One hash key: its costs are cost[first .. first + count - 1]. The common case (a live
--- key with no lease record, no demand, no split, the same period) runs on locals.
-local function exact_one(key, p, cost, first, count, server_now, out)
-  local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt')
-  local n = #out
-  if g[7] or g[8] then
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, 0, 0
-    for i = 1, count do out[n + 4 + i] = 0 end
-    return
-  end
-  -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
-  if not g[1] or g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
-    return exact_full(key, p, cost, first, count, server_now, out)
-  end
+-- A cold bucket's decisions (no lease record, demand or split): Level::refill from ts to
+-- now, then the costs cost[first .. first + count - 1] in order, answered in out. Returns
+-- the level, the time used and the key's expiry in ms (I6: full again, and a grace after
+-- the call).
+local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
   local per, rate, cap = p.per, p.n, p.cap
-  local ts = tonumber(g[4])
   local now = server_now
   if ts > now then now = ts end
-  local tok, car = tonumber(g[1]), tonumber(g[2])
-  -- Level::refill to now.
   if tok >= cap then
     tok, car = cap, 0
   elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
@@ -688,51 +676,51 @@ local function exact_one(key, p, cost, first, count, server_now, out)
     local q, r = divmod(car + rate * (now - ts), per)
     tok, car = tok + q, r
   end
+  local n = #out
   for i = 1, count do
     local c, retry = cost[first + i - 1], 0
     if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
     out[n + 4 + i] = retry
   end
   out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
-  redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
-  -- I6: full again (there is no lease record), and a grace after the call.
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  redis.call('PEXPIREAT', key, fmt(divmod(now + p.grace + full, 1000) + 1))
+  return tok, car, now, divmod(now + p.grace + full, 1000) + 1
 end
 
--- One compact key (c: its parsed value), or a new one (c false): read, decide and write
+-- One hash key. The common case (a live key with no lease record, no demand, no split,
+-- the same period) runs on locals; the rest through exact_full.
+local function exact_one(key, p, cost, first, count, server_now, out)
+  local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt')
+  if g[7] or g[8] then
+    local n = #out
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, 0, 0
+    for i = 1, count do out[n + 4 + i] = 0 end
+    return
+  end
+  -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
+  if not g[1] or g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
+    return exact_full(key, p, cost, first, count, server_now, out)
+  end
+  local tok, car, now, at = decide_cold(p, tonumber(g[1]), tonumber(g[2]), tonumber(g[4]),
+    server_now, cost, first, count, out)
+  redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
+  redis.call('PEXPIREAT', key, fmt(at))
+end
+
+-- One compact key (c: its parsed value), or a new one (c false): decided, then written
 -- back with its expiry in one SET.
 local function exact_compact(key, p, cost, first, count, server_now, out, c)
-  local per, rate, cap = p.per, p.n, p.cap
-  local tok, car, now = cap, 0, server_now
+  local tok, car, ts = p.cap, 0, server_now
   if c then
-    local ts = c[3]
-    tok, car = c[1], c[2]
+    tok, car, ts = c[1], c[2], c[3]
     -- Advance: a rule with another period restarts the carry.
     if c[4] ~= p.pers then car = 0 end
-    if ts > now then now = ts end
-    if tok >= cap then
-      tok, car = cap, 0
-    elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
-      tok, car = cap, 0
-    else
-      local q, r = divmod(car + rate * (now - ts), per)
-      tok, car = tok + q, r
-    end
   end
-  local n = #out
-  for i = 1, count do
-    local v, retry = cost[first + i - 1], 0
-    if tok >= v then tok = tok - v else retry = ceil_div((v - tok) * per - car, rate) end
-    out[n + 4 + i] = retry
-  end
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
-  -- I6: full again, and a grace after the call.
-  local full = 0
-  if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
+  local now, at
+  tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
   redis.call('SET', key, fmt(tok) .. ',' .. fmt(car) .. ',' .. fmt(now) .. ',' .. p.pers,
-    'PXAT', fmt(divmod(now + p.grace + full, 1000) + 1))
+    'PXAT', fmt(at))
 end
 
 -- A decimal integer argument of a batch (digits only were checked for all at once).

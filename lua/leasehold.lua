@@ -632,13 +632,15 @@ end
 local MAX_BATCH_COSTS = 4096
 local NO_SPLIT = no_split()
 
--- One key in general (lease records due to drop, stale demand, a new period): the state
--- as a table and the shared advance.
-local function exact_full(key, p, cost, first, count, server_now, out)
-  local f = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds', 'dx')
-  local s = {tok = tonumber(f[1]) or p.cap, car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
-    ts = tonumber(f[4] or 0), out = tonumber(f[5] or 0), nexp = tonumber(f[6] or 0),
-    mx = tonumber(f[7] or 0), ds = tonumber(f[8] or 0), dx = tonumber(f[9] or 0),
+-- The fields exact_one reads of a hash key: tok car p ts nexp dx sp pt out mx ds.
+local HASH_FIELDS = {'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt', 'out', 'mx', 'ds'}
+
+-- One key in general (lease records due to drop, stale demand, a new period), from the
+-- fields exact_one read (g): the state as a table and the shared advance.
+local function exact_full(key, p, cost, first, count, server_now, out, g)
+  local s = {tok = tonumber(g[1]) or p.cap, car = tonumber(g[2] or 0), p = tonumber(g[3] or 0),
+    ts = tonumber(g[4] or 0), out = tonumber(g[9] or 0), nexp = tonumber(g[5] or 0),
+    mx = tonumber(g[10] or 0), ds = tonumber(g[11] or 0), dx = tonumber(g[6] or 0),
     pg = 0, pu = 0, split = NO_SPLIT}
   local now = math.max(server_now, s.ts)
   advance(key, s, p, now, nil)
@@ -691,7 +693,7 @@ end
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
 -- the same period) runs on locals; the rest through exact_full.
 local function exact_one(key, p, cost, first, count, server_now, out)
-  local g = redis.call('HMGET', key, 'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt')
+  local g = redis.call('HMGET', key, unpack(HASH_FIELDS))
   if g[7] or g[8] then
     local n = #out
     out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, 0, 0
@@ -700,7 +702,7 @@ local function exact_one(key, p, cost, first, count, server_now, out)
   end
   -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
   if not g[1] or g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
-    return exact_full(key, p, cost, first, count, server_now, out)
+    return exact_full(key, p, cost, first, count, server_now, out, g)
   end
   local tok, car, now, at = decide_cold(p, tonumber(g[1]), tonumber(g[2]), tonumber(g[4]),
     server_now, cost, first, count, out)

@@ -526,15 +526,21 @@ fn refusal(err: &redis::RedisError) -> String {
     )
 }
 
+/// A server with the function library loaded (by a store connecting to it), for tests
+/// that call the functions directly.
+fn server_with_library() -> RedisServer {
+    let server = server();
+    runtime().block_on(async {
+        let _store = store(&server.url()).await;
+    });
+    server
+}
+
 /// The Lua refuses bad arguments itself, not only the Rust client: a misconfigured or
 /// foreign caller gets an error that names the argument, and nothing is written.
 #[test]
 fn lua_refuses_bad_arguments_and_writes_nothing() {
-    let server = server();
-    runtime().block_on(async {
-        // Loads the library.
-        let _store = store(&server.url()).await;
-    });
+    let server = server_with_library();
     let base = ["10", "1", "1000000", "1000000", "100000", "0"];
     let cases: &[(&str, &[&str], &str)] = &[
         (
@@ -631,10 +637,7 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
 /// in the batch leaves the good keys before it untouched.
 #[test]
 fn lua_refuses_bad_batches_and_writes_nothing() {
-    let server = server();
-    runtime().block_on(async {
-        let _store = store(&server.url()).await;
-    });
+    let server = server_with_library();
     let rule = ["10", "1", "1000000", "100000", "0"];
     let cases: &[(&[&str], &[&str], &str)] = &[
         (
@@ -711,10 +714,7 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
 /// the value is left as it was.
 #[test]
 fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
-    let server = server();
-    runtime().block_on(async {
-        let _store = store(&server.url()).await;
-    });
+    let server = server_with_library();
     let mut conn = server.connection().expect("connection");
     let _: () = server.cmd(&["SET", "lh:{t|s}", "hello"]).expect("SET");
     let _: i64 = server.cmd(&["RPUSH", "lh:{t|l}", "x"]).expect("RPUSH");
@@ -772,10 +772,7 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
 /// with the tokens the batch left (one token per 1 000 s: no refill between the calls).
 #[test]
 fn a_compact_bucket_becomes_the_hash_when_leased() {
-    let server = server();
-    runtime().block_on(async {
-        let _store = store(&server.url()).await;
-    });
+    let server = server_with_library();
     let mut conn = server.connection().expect("connection");
     let key = "lh:{t|c}";
     let _: redis::Value = redis::cmd("FCALL")

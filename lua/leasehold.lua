@@ -183,11 +183,12 @@ end
 
 -- A compact bucket: the string 'tok,car,ts,p' that lh_exact_many keeps for a key with no
 -- lease record, demand or split (the fields of the same names, every other field 0).
+-- Returns its four decimal strings.
 local function compact_of(key, v)
   local a, b, c, d = nil, nil, nil, nil
   if #v <= 80 then a, b, c, d = string.match(v, '^(%d+),(%d+),(%d+),(%d+)$') end
   if not a then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds another string') end
-  return {tonumber(a), tonumber(b), tonumber(c), d}
+  return {a, b, c, d}
 end
 
 local function fresh(p, now)
@@ -207,7 +208,7 @@ local function begin(key, p)
     -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
     -- a hash when this call writes it.
     local c = compact_of(key, redis.call('GET', key))
-    f = {fmt(c[1]), fmt(c[2]), c[4], fmt(c[3])}
+    f = {c[1], c[2], c[4], c[3]}
     compact = true
   end
   local s
@@ -715,7 +716,7 @@ end
 local function exact_compact(key, p, cost, first, count, server_now, out, c)
   local tok, car, ts = p.cap, 0, server_now
   if c then
-    tok, car, ts = c[1], c[2], c[3]
+    tok, car, ts = tonumber(c[1]), tonumber(c[2]), tonumber(c[3])
     -- Advance: a rule with another period restarts the carry.
     if c[4] ~= p.pers then car = 0 end
   end

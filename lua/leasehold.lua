@@ -15,10 +15,14 @@
 --
 -- ARGV: capacity, rate_tokens, rate_period_us, lease_ttl_us, grace_us, max_outstanding
 --       (0 = strict), agent (hex), seq, part_gen, part_until, part_tokens,
---       part_outstanding, part_drop (all 0 unless the key is a part of a split bucket),
---       then per function:
+--       part_outstanding, part_drop (all 0 unless the key is a part of a split bucket; on
+--       a region's bucket, lh:{RULE|SUBJECT|region}: floor_tokens, floor_period_us,
+--       floor_burst, 0, 0, all 0 for no floor), then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
---   lh_split: parts, salt, until_us
+--   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us
+-- A region's bucket (model/region.rs) starts empty and refills nothing during its term
+-- (ru): its broker's deposits feed it, once per seq (rq, the grant's global time); at the
+-- term's end what is left is void, and then it refills at its floor only.
 -- Reply: {granted, ttl_us, remaining, retry_us, now_us, scale_ppm, moved,
 --         split_parts, split_salt, split_gen, split_until, split_tokens,
 --         split_outstanding, split_drop}
@@ -100,15 +104,32 @@ local function params(args)
 end
 
 -- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
--- or a split part's, lh:{RULE|SUBJECT|SALT.PART}. Part arguments come with a part key and
--- only with one. Checked before anything is read or written, so a foreign key (an
+-- a split part's, lh:{RULE|SUBJECT|SALT.PART}, or a region's, lh:{RULE|SUBJECT|region}.
+-- Part arguments come with a part key and only with one; a region's key takes its floor
+-- there instead. Checked before anything is read or written, so a foreign key (an
 -- application's hash, say) is never touched.
 local function the_key(keys, p)
   if #keys ~= 1 then fail('LH_ARG exactly one key expected, got ' .. #keys) end
   local key = keys[1]
   local part = #key <= 512 and string.match(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
-  if not part and (#key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
+  local region = #key <= 512 and string.match(key, '^lh:{[%w%._%-]+|[^{}|]+|region}$') ~= nil
+  if not part and not region and
+      (#key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
     fail('LH_ARG not a bucket key: ' .. clip(key))
+  end
+  if region then
+    -- The floor: tokens per period and its burst, or nothing.
+    local fn, fper, fb = p.pgen, p.puntil, p.ptok
+    local none = fn == 0 and fper == 0 and fb == 0
+    if p.pout ~= 0 or p.pdrop ~= 0 or not (none or (fn >= 1 and fper >= 1 and fb >= 1 and
+        fb * fper + fn <= MAX_UNITS)) then
+      fail('LH_ARG invalid floor of a region\'s bucket: ' .. fmt(fn) .. '/' .. fmt(fper) ..
+        'us, burst ' .. fmt(fb))
+    end
+    p.region = true
+    if not none then p.fn, p.fper, p.fb = fn, fper, fb end
+    p.pgen, p.puntil, p.ptok = 0, 0, 0
+    return key
   end
   local seeded = p.pgen ~= 0 or p.puntil ~= 0 or p.ptok ~= 0 or p.pout ~= 0 or p.pdrop ~= 0
   if part and not seeded then
@@ -119,39 +140,97 @@ local function the_key(keys, p)
   return key
 end
 
-local function cap_of(p, out)
-  if p.maxout == 0 then return math.max(p.cap - out, 0) end
-  return p.cap
+local function capped(c, p, out)
+  if p.maxout == 0 then return math.max(c - out, 0) end
+  return c
 end
 
--- Level::refill
-local function refill(s, p, cap, dt)
+local function cap_of(p, out)
+  return capped(p.cap, p, out)
+end
+
+-- Level::refill at n tokens per `per` µs.
+local function refill_at(s, n, per, cap, dt)
   if s.tok >= cap then
     s.tok, s.car = cap, 0
     return
   end
-  local need = (cap - s.tok) * p.per - s.car
-  if dt >= ceil_div(need, p.n) then
+  local need = (cap - s.tok) * per - s.car
+  if dt >= ceil_div(need, n) then
     s.tok, s.car = cap, 0
     return
   end
-  local q, r = divmod(s.car + p.n * dt, p.per)
+  local q, r = divmod(s.car + n * dt, per)
   s.tok, s.car = s.tok + q, r
 end
 
+local function refill(s, p, cap, dt)
+  refill_at(s, p.n, p.per, cap, dt)
+end
+
+-- Whether a region's bucket is within its term (brought up to date).
+local function in_term(s)
+  return s.ts < s.ru
+end
+
+-- A region's bucket refills nothing during its term; at its end what is left is void, and
+-- from then it refills at its floor (state.rs, refill_to).
 local function refill_to(s, p, t)
-  refill(s, p, cap_of(p, s.out), math.max(t - s.ts, 0))
+  if not p.region then
+    refill(s, p, cap_of(p, s.out), math.max(t - s.ts, 0))
+    s.ts = math.max(s.ts, t)
+    return
+  end
+  if s.ts < s.ru then
+    if t < s.ru then
+      s.ts = t
+      return
+    end
+    s.tok, s.car = 0, 0
+    s.ts = s.ru
+  end
+  if p.fn then refill_at(s, p.fn, p.fper, capped(p.fb, p, s.out), math.max(t - s.ts, 0)) end
   s.ts = math.max(s.ts, t)
 end
 
 local function clamp(s, p)
-  refill(s, p, cap_of(p, s.out), 0)
+  local cap
+  if p.region and not in_term(s) then cap = capped(p.fb or 0, p, s.out) else cap = cap_of(p, s.out) end
+  if s.tok >= cap then s.tok, s.car = cap, 0 end
 end
 
 -- Level::time_until
 local function time_until(s, k, p)
   if s.tok >= k then return 0 end
   return ceil_div((k - s.tok) * p.per - s.car, p.n)
+end
+
+-- What a region's bucket tells a denial to wait when only a deposit can help (µs).
+local REGION_WAIT = 10000
+
+-- BucketState::wait_for: a denial's retry time.
+local function wait_for(s, p, k)
+  if not p.region then return time_until(s, k, p) end
+  if s.tok >= k then return 0 end
+  if p.fn and not in_term(s) and k <= p.fb then
+    return math.min(ceil_div((k - s.tok) * p.fper - s.car, p.fn), REGION_WAIT)
+  end
+  return REGION_WAIT
+end
+
+-- BucketState::time_to_rest: until the bucket holds what an absent key does.
+local function time_to_rest(s, p)
+  if not p.region then return time_until(s, p.cap, p) end
+  if not p.fn then return 0 end
+  local tok, car = s.tok, s.car
+  if in_term(s) then tok, car = 0, 0 end
+  if tok >= p.fb then return 0 end
+  return ceil_div((p.fb - tok) * p.fper - car, p.fn)
+end
+
+-- The period a bucket's carry is counted in.
+local function carry_period(p)
+  return p.fper or p.per
 end
 
 local function decode(text)
@@ -192,17 +271,21 @@ local function compact_of(key, v)
 end
 
 local function fresh(p, now)
-  return {tok = p.cap, car = 0, p = p.per, ts = now, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
-          dx = 0, pg = 0, pu = 0, split = no_split()}
+  local tok = p.cap
+  if p.region then tok = 0 end
+  return {tok = tok, car = 0, p = carry_period(p), ts = now, out = 0, nexp = 0, mx = 0, ds = 0,
+          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, split = no_split()}
 end
 
--- Loads the bucket and the agent's record; returns (state, record, now, replay).
-local function begin(key, p)
+-- Loads the bucket and the agent's record (none for a deposit, which has no record);
+-- returns (state, record, now, replay).
+local function begin(key, p, norecord)
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local id = p.id
   local f = redis.pcall('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
-    'sg', 'sp', 'pt', 'dx', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c')
+    'sg', 'sp', 'pt', 'dx', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c',
+    'ru', 'rq')
   local compact = false
   if f.err then
     -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
@@ -215,7 +298,8 @@ local function begin(key, p)
   if f[1] then
     local function num(i) return tonumber(f[i] or '0') end
     s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
-         mx = num(7), ds = num(8), sg = num(9), dx = num(12), pg = 0, pu = 0, split = no_split()}
+         mx = num(7), ds = num(8), sg = num(9), dx = num(12), pg = 0, pu = 0, ru = num(19),
+         rq = num(20), split = no_split()}
     if f[10] then
       -- sp: parts, salt, until, tokens, outstanding, drop of the split in force.
       local a = decode(f[10])
@@ -235,7 +319,7 @@ local function begin(key, p)
   end
   local now = math.max(server_now, s.ts)
   local rec = nil
-  if f[1] and f[13] then
+  if f[1] and f[13] and not norecord then
     rec = {held = tonumber(f[13]), x = tonumber(f[14]), seq = tonumber(f[15]), reply = f[16],
            demand = tonumber(f[17]), credit = tonumber(f[18] or '0')}
     if rec.x > now then
@@ -254,8 +338,8 @@ end
 -- Refills to now, dropping expired agent records in time order; returns the agent's
 -- record if it is still there.
 local function advance(key, s, p, now, rec)
-  if s.p ~= p.per then
-    s.car, s.p = 0, p.per
+  if s.p ~= carry_period(p) then
+    s.car, s.p = 0, carry_period(p)
   end
   -- A split parent refills nothing during the term: its rate belongs to the parts.
   if s.split.parts ~= 0 then
@@ -333,23 +417,33 @@ end
 local function finish(key, s, p, now, rec, reply)
   reply[8], reply[9], reply[10], reply[11] = s.split.parts, s.split.salt, s.split.gen, s.split.untl
   reply[12], reply[13], reply[14] = s.split.tok, s.split.out, s.split.drop
-  reply[3] = s.tok
-  local x = rec.x
-  if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
-  s.mx = math.max(s.mx, x)
-  if rec.demand > 0 then
-    local t = now + DEMAND_TTL
-    if s.dx == 0 then s.dx = t else s.dx = math.min(s.dx, t) end
+  if rec then
+    reply[3] = s.tok
+    local x = rec.x
+    if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
+    s.mx = math.max(s.mx, x)
+    if rec.demand > 0 then
+      local t = now + DEMAND_TTL
+      if s.dx == 0 then s.dx = t else s.dx = math.min(s.dx, t) end
+    end
   end
-  local id = p.id
   local args = {'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
-    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx),
-    id .. ':h', fmt(rec.held), id .. ':x', fmt(x), id .. ':s', fmt(p.seq),
-    id .. ':r', encode_reply(reply), id .. ':d', fmt(rec.demand), id .. ':c', fmt(rec.credit)}
+    'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx)}
   local function add(k, v)
     args[#args + 1] = k
     args[#args + 1] = v
   end
+  if rec then
+    local id = p.id
+    add(id .. ':h', fmt(rec.held))
+    add(id .. ':x', fmt(rec.x))
+    add(id .. ':s', fmt(p.seq))
+    add(id .. ':r', encode_reply(reply))
+    add(id .. ':d', fmt(rec.demand))
+    add(id .. ':c', fmt(rec.credit))
+  end
+  if s.ru ~= 0 then add('ru', fmt(s.ru)) end
+  if s.rq ~= 0 then add('rq', fmt(s.rq)) end
   if s.sg ~= 0 then add('sg', fmt(s.sg)) end
   local sp = s.split
   if sp.parts ~= 0 then
@@ -364,8 +458,10 @@ local function finish(key, s, p, now, rec, reply)
     redis.call('DEL', key)
   end
   redis.call('HSET', key, unpack(args))
-  local busy = math.max(s.mx, sp.untl)
-  local life = math.max(busy - now, 0) + time_until(s, p.cap, p)
+  local busy = math.max(s.mx, sp.untl, s.ru)
+  -- A deposit leaves no record; the key stays a grace after it as after any call.
+  if not rec then busy = math.max(busy, now + p.grace) end
+  local life = math.max(busy - now, 0) + time_to_rest(s, p)
   local at_ms = divmod(now + life, 1000) + 1
   redis.call('PEXPIREAT', key, fmt(at_ms))
   return reply
@@ -395,8 +491,8 @@ local function seed_part(key, s, p, now, rec)
 end
 
 -- Common start of every operation: returns (state, record, now, moved, ttl) or a replay.
-local function open(key, p)
-  local s, rec, now, replay = begin(key, p)
+local function open(key, p, norecord)
+  local s, rec, now, replay = begin(key, p, norecord)
   if replay then return nil, nil, now, replay end
   s, rec = seed_part(key, s, p, now, rec)
   rec = advance(key, s, p, now, rec)
@@ -406,7 +502,12 @@ end
 local function where(s, p, now)
   local moved = s.split.parts ~= 0 or (s.pg ~= 0 and now >= s.pu)
   local ttl = p.ttl
-  if s.pg ~= 0 then ttl = math.min(ttl, math.max(s.pu - (now + p.grace), 0)) end
+  if s.pg ~= 0 then
+    ttl = math.min(ttl, math.max(s.pu - (now + p.grace), 0))
+  elseif p.region and in_term(s) then
+    -- A lease from a region's bucket ends with its term.
+    ttl = math.min(ttl, math.max(s.ru - (now + p.grace), 0))
+  end
   return moved, ttl
 end
 
@@ -511,6 +612,8 @@ local function acquire(keys, args)
   if g == 0 then
     if moved then
       reply[4] = 1
+    elseif ttl == 0 and p.region then
+      reply[4] = REGION_WAIT
     elseif ttl == 0 then
       reply[4] = math.max(s.pu - now, 1)
     else
@@ -523,9 +626,9 @@ local function acquire(keys, args)
         -- or when tokens pile up to plenty, whichever is first.
         local need = min * 1000 - a.credit
         if need <= 0 then need = min * 1000 end
-        turn = math.min(math.ceil(need / a.per_us), time_until(s, plenty_level(p), p))
+        turn = math.min(math.ceil(need / a.per_us), wait_for(s, p, plenty_level(p)))
       end
-      reply[4] = math.max(time_until(s, min, p), blocked, turn, 1)
+      reply[4] = math.max(wait_for(s, p, min), blocked, turn, 1)
     end
   end
   reply[1], reply[2], reply[6] = g, ttl, scale
@@ -578,7 +681,7 @@ local function exact(keys, args)
   elseif s.tok >= cost then
     s.tok, reply[1] = s.tok - cost, cost
   else
-    reply[4] = time_until(s, cost, p)
+    reply[4] = wait_for(s, p, cost)
   end
   -- Other agents lease this key: say so (model/ops.rs, exact).
   local own = 0
@@ -596,6 +699,7 @@ local function split(keys, args)
   local salt = int(args[15], 'salt', MAX)
   local untl = int(args[16], 'until', MAX)
   local key = the_key(keys, p)
+  if p.region then fail('LH_ARG invalid argument parts = ' .. fmt(parts)) end
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)
@@ -610,6 +714,35 @@ local function split(keys, args)
     s.split.untl = math.max(s.split.untl, untl)
   end
   return finish(key, s, p, now, kept(rec, p, now), new_reply(now, moved))
+end
+
+-- lh_deposit: the broker of a region puts the tokens the global bucket granted it into the
+-- region's bucket, good until until_us (this server's time), once per seq (the grant's
+-- time on the global bucket; seq 0 reads). No agent record (ops.rs, deposit).
+-- Reply: {deposited, term left (us), tokens + outstanding, 0, now_us, demand sum, 0, ...}
+local function deposit(keys, args)
+  local p = params(args)
+  local tokens = int(args[14], 'tokens', MAX_HELD)
+  local untl = int(args[15], 'until', MAX)
+  local key = the_key(keys, p)
+  if not p.region then fail('LH_ARG invalid argument region = 0') end
+  local s, rec, now = open(key, p, true)
+  local reply = new_reply(now, false)
+  if p.seq > s.rq then
+    s.rq = p.seq
+    if untl > now then
+      if not in_term(s) then s.tok, s.car = 0, 0 end
+      s.ru = math.max(s.ru, untl)
+      local before = s.tok
+      s.tok = s.tok + tokens
+      clamp(s, p)
+      reply[1] = math.max(s.tok - before, 0)
+    end
+  end
+  reply[2] = math.max(s.ru - now, 0)
+  reply[3] = s.tok + s.out
+  reply[6] = s.ds
+  return finish(key, s, p, now, nil, reply)
 end
 
 -- lh_exact_many: the exact decisions of one agent on many cold keys in one call (the
@@ -834,5 +967,6 @@ redis.register_function('lh_acquire', acquire)
 redis.register_function('lh_release', release)
 redis.register_function('lh_exact', exact)
 redis.register_function('lh_split', split)
+redis.register_function('lh_deposit', deposit)
 redis.register_function{function_name = 'lh_exact_many', callback = exact_many,
   flags = {'allow-cross-slot-keys'}}

@@ -17,7 +17,7 @@ use leasehold_core::key::BucketKey;
 use leasehold_core::model::{
     AgentId, BatchLog, ExactOutcome, GlobalBucket, Op, ProtocolError, Request, Split,
 };
-use leasehold_core::rule::{BucketParams, RuleName};
+use leasehold_core::rule::{BucketParams, RuleName, RuleSpec};
 use leasehold_redis_harness::RedisServer;
 use leasehold_store::ExactItem;
 use rand::rngs::StdRng;
@@ -513,6 +513,206 @@ fn differential_lua_matches_model() {
     runtime().block_on(async {
         for case in &cases {
             run_case(&server, case, &mut rng).await;
+        }
+    });
+}
+
+/// Sends `req` to Redis and applies it to `model` at the server time the reply reports:
+/// the replies must be the same, then the hash and its expiry (a key that expired in the
+/// gap between the command's start and the function's `TIME` may be read either way).
+async fn call_same(
+    server: &RedisServer,
+    st: &leasehold_agent::RedisStore,
+    key: &BucketKey,
+    model: &mut GlobalBucket,
+    p: &BucketParams,
+    req: &Request,
+    ctx: &str,
+) -> Result<leasehold_core::model::Reply, StoreError> {
+    let reply = st.call(key, p, req).await?;
+    let before = model.clone();
+    let mut expected = model
+        .apply(p, reply.now_us, req)
+        .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
+    let now_ms = reply.now_us / 1000;
+    if let Some(at) = before.state().map(|s| s.expire_at_ms)
+        && at < now_ms
+        && now_ms - at <= EXPIRY_CLOCK_GAP_MS
+    {
+        let mut alive = before.alive_until(now_ms);
+        if let Ok(r) = alive.apply(p, reply.now_us, req)
+            && r == reply
+        {
+            let (redis, _, _) = read(server, key);
+            let fits = |m: &GlobalBucket| redis == leasehold_store::wire::hash_fields(m.state());
+            if (reply != expected || !fits(model)) && fits(&alive) {
+                *model = alive;
+                expected = r;
+            }
+        }
+    }
+    assert_eq!(reply, expected, "reply differs {ctx}");
+    check_same(server, key, model, ctx);
+    Ok(reply)
+}
+
+/// A region's bucket (`lh:{RULE|SUBJECT|region}`): agents acquire, release and decide
+/// while its broker deposits (new grants, repeats, older ones, terms already over, reads)
+/// and pauses let terms end, floors refill and keys expire. Replies, hashes and expiry
+/// times must equal the model's.
+#[test]
+fn differential_region_bucket_matches_model() {
+    let mut rng = StdRng::seed_from_u64(seed());
+    let server = server();
+    let floor = |text: &str| {
+        let spec = RuleSpec::new(1, text);
+        Some(
+            leasehold_core::rule::Rule::from_spec("f", &spec)
+                .expect("floor")
+                .bucket_params()
+                .rate,
+        )
+    };
+    let cases: Vec<(&str, Vec<BucketParams>, u64)> = vec![
+        (
+            "region-strict",
+            vec![params(20, "100/s", "200ms", "20ms", None)],
+            150,
+        ),
+        (
+            "region-floor",
+            vec![params(30, "50/s", "150ms", "20ms", None)],
+            200,
+        ),
+        (
+            "region-rule-changes",
+            vec![
+                params(30, "10/s", "80ms", "20ms", None),
+                params(12, "1/7ms", "40ms", "5ms", Some(6)),
+            ],
+            120,
+        ),
+    ];
+    runtime().block_on(async {
+        let st = store(&server.url()).await;
+        for (ci, (name, plist, max_pause)) in cases.into_iter().enumerate() {
+            let rule = RuleName::new(name).expect("rule name");
+            let key = BucketKey::new(&rule, format!("s-{}", rng.random::<u32>()))
+                .expect("key")
+                .region_of();
+            let floors = [None, floor("40/s"), floor("3/100ms")];
+            let mut model = GlobalBucket::new();
+            let agents: Vec<AgentId> = (0..3).map(|_| AgentId(rng.random())).collect();
+            let broker = AgentId(rng.random());
+            let mut seqs = [0u64; 3];
+            let mut last: [Option<(Request, BucketParams)>; 3] = [None; 3];
+            let mut dseq = 1u64;
+            let mut last_now = 0u64;
+            let (mut deposits, mut denials, mut replays, mut fed, mut past_term) = (0, 0, 0, 0, 0);
+            for step in 0..steps() {
+                let mut p = plist[rng.random_range(0..plist.len())];
+                // Case 0 never has a floor, case 1 always (one of two, drawn per call),
+                // case 2 draws any.
+                let fl = match ci {
+                    0 => None,
+                    1 => floors[rng.random_range(1..floors.len())],
+                    _ => floors[rng.random_range(0..floors.len())],
+                };
+                p.region = Some(leasehold_core::rule::RegionParams::new(fl));
+                let cap = p.capacity;
+                let i = rng.random_range(0..3);
+                let req = if rng.random_range(0..10) < 3 {
+                    deposits += 1;
+                    let seq = match rng.random_range(0..10) {
+                        0 => 0,
+                        1 => dseq.saturating_sub(rng.random_range(0..3)),
+                        _ => {
+                            dseq += rng.random_range(1..1000);
+                            dseq
+                        }
+                    };
+                    let until_us = (last_now + rng.random_range(0..400_000))
+                        .saturating_sub(rng.random_range(0..60_000));
+                    Request {
+                        agent: broker,
+                        seq,
+                        op: Op::Deposit { tokens: rng.random_range(0..=cap), until_us },
+                    }
+                } else if let (0, Some((prev, prev_p))) = (rng.random_range(0..8), last[i]) {
+                    // A retry: the same request with the same parameters.
+                    replays += 1;
+                    p = prev_p;
+                    prev
+                } else {
+                    seqs[i] += 1;
+                    let op = match rng.random_range(0..10) {
+                        0..5 => {
+                            let want = rng.random_range(1..=cap);
+                            Op::Acquire {
+                                held: rng.random_range(0..=cap / 2 + 2),
+                                want,
+                                min: rng.random_range(1..=want),
+                                demand: rng.random_range(0..1_000_000),
+                            }
+                        }
+                        5..7 => Op::Release { returned: rng.random_range(0..=cap) },
+                        _ => Op::Exact { cost: rng.random_range(1..=cap.min(10)) },
+                    };
+                    let req = Request { agent: agents[i], seq: seqs[i], op };
+                    last[i] = Some((req, p));
+                    req
+                };
+                let ctx = format!("in case {name} step {step}: {req:?} with {p:?}");
+                match call_same(&server, &st, &key, &mut model, &p, &req, &ctx).await {
+                    Ok(reply) => {
+                        last_now = last_now.max(reply.now_us);
+                        let state = model.state();
+                        if state.is_some_and(|s| s.term_until_us != 0 && s.term_until_us <= reply.now_us) {
+                            past_term += 1;
+                        }
+                        if matches!(req.op, Op::Deposit { .. }) && reply.granted > 0 {
+                            fed += 1;
+                        }
+                        if !matches!(req.op, Op::Deposit { .. } | Op::Release { .. })
+                            && reply.granted == 0
+                        {
+                            denials += 1;
+                            assert!(reply.retry_us > 0, "denial without retry time {ctx}");
+                        }
+                    }
+                    // A replayed request whose record changed since: the model must agree.
+                    Err(StoreError::Refused { code, message }) => {
+                        assert_eq!(code, "LH_STALE", "{message} {ctx}");
+                        let says = model.apply(&p, last_now, &req);
+                        assert!(
+                            matches!(says, Err(ProtocolError::StaleSequence { .. })),
+                            "Redis said stale, model said {says:?} {ctx}"
+                        );
+                    }
+                    Err(e) => panic!("store error {e} {ctx}"),
+                }
+                if rng.random_range(0..10) == 0 {
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..=max_pause))).await;
+                } else if step % 40 == 39
+                    && let Some(s) = model.state()
+                {
+                    // Past the term's end: what is left is void, the floor refills.
+                    let left_ms = s.term_until_us.saturating_sub(last_now) / 1000;
+                    // Just past it (within the key's grace), or well past it.
+                    let extra = if step % 80 == 39 { rng.random_range(1..=10) } else { max_pause };
+                    let ms = left_ms.min(400) + extra;
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
+            }
+            println!(
+                "case {name}: {} steps, {deposits} deposits ({fed} added tokens), {denials} denials, \
+                 {replays} replays, {past_term} calls past a term",
+                steps()
+            );
+            // Without a floor a key past its term expires (absent is the same empty
+            // bucket); with one it stays and refills there.
+            assert!(fed > 0, "case {name} never fed the bucket");
+            assert!(ci != 1 || past_term > 0, "case {name} never saw a term end");
         }
     });
 }

@@ -71,6 +71,14 @@ impl BucketKey {
         Self(format!("{}|{salt}.{part}}}", &self.0[..tag_end]))
     }
 
+    /// The key of this bucket's share in a region's own store, for a rule of global scope
+    /// (see [`crate::model::region`]): the hash tag plus `|region`. A different key from
+    /// the bucket's own, so a region's store never mixes the two kinds.
+    pub fn region_of(&self) -> Self {
+        let tag_end = self.0.len() - 1;
+        Self(format!("{}|region}}", &self.0[..tag_end]))
+    }
+
     /// A key as stored (in an agent's report, say), with its rule; `None` unless it has
     /// the shape [`BucketKey::new`] gives (parts of split buckets are not accepted).
     pub fn parse(text: &str) -> Option<(Self, RuleName)> {

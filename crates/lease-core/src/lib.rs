@@ -38,7 +38,7 @@ pub use policy::{
 };
 pub use rate::{MAX_EXACT, Rate, RateError};
 pub use rule::{
-    BucketParams, FailurePolicy, Leasing, Mode, OverrideSpec, PartSeed, Rule, RuleError, RuleName,
-    RuleSpec,
+    BucketParams, FailurePolicy, Leasing, Mode, OverrideSpec, PartSeed, RegionParams, Rule,
+    RuleError, RuleName, RuleSpec,
 };
 pub use sizing::{LeaseRequest, Reclaim, lease_request, reclaim, scaled};

@@ -346,6 +346,31 @@ pub struct BucketParams {
     pub mode: Mode,
     /// Set when the bucket is one part of a split bucket (see [`crate::model::Split`]).
     pub part: Option<PartSeed>,
+    /// Set when the bucket is a region's share of a global bucket (see
+    /// [`crate::model::region`]): fed by its broker's deposits, never refilled at the rule's
+    /// rate.
+    pub region: Option<RegionParams>,
+}
+
+/// What a region's bucket of a global rule needs besides the rule: the rate it may admit
+/// at, on its own, once its term is over and no deposit renewed it (`partition_floor`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionParams {
+    /// The floor's rate. `None`: nothing (strict).
+    pub floor: Option<Rate>,
+    /// The floor's burst: a second of it, at least one token (0 without a floor).
+    pub floor_burst: u64,
+}
+
+impl RegionParams {
+    /// A region's bucket with `floor` (`None`: strict, nothing past the term).
+    pub fn new(floor: Option<Rate>) -> Self {
+        let floor_burst = floor.map_or(0, |f| {
+            let per_sec = u128::from(f.tokens()) * 1_000_000 / u128::from(f.period_us());
+            u64::try_from(per_sec).unwrap_or(u64::MAX).max(1)
+        });
+        Self { floor, floor_burst }
+    }
 }
 
 /// What a part of a split bucket starts from, carried by every call to it so the part
@@ -685,6 +710,7 @@ impl Rule {
             grace_us: self.grace.as_micros() as u64,
             mode: self.mode,
             part: None,
+            region: None,
         }
     }
 }

@@ -29,6 +29,10 @@ pub const SPLIT_GEN: &str = "sg";
 pub const SPLIT: &str = "sp";
 /// On a part of a split bucket: `generation,until` of the split it serves.
 pub const PART: &str = "pt";
+/// On a region's bucket: when the term its deposits serve ends (absent: never fed).
+pub const TERM_UNTIL: &str = "ru";
+/// On a region's bucket: the last deposit applied, by its grant's global time.
+pub const DEPOSIT_SEQ: &str = "rq";
 
 /// Per agent (`ID` = 16 hex digits), what it holds from this bucket.
 pub const AGENT_HELD: &str = ":h";
@@ -71,6 +75,11 @@ pub const FIELDS: &[(&str, &str)] = &[
         "split in force: parts,salt,until,tokens,outstanding,drop",
     ),
     (PART, "on a part: generation,until of its split"),
+    (TERM_UNTIL, "on a region's bucket: when its term ends"),
+    (
+        DEPOSIT_SEQ,
+        "on a region's bucket: the last deposit applied",
+    ),
     (AGENT_HELD, "per agent: tokens it holds"),
     (AGENT_DROP, "per agent: when its record drops"),
     (AGENT_SEQ, "per agent: sequence number of its last request"),

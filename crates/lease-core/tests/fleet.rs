@@ -47,6 +47,7 @@ fn setup(agents: usize, load: f64, split: &Split, secs: u64) -> Setup {
         rtt_us: 300,
         lose: 0.0,
         seed: 1,
+        regions: None,
     }
 }
 

@@ -57,6 +57,7 @@ fn run(
         rtt_us: 0,
         lose: 0.0,
         seed: 1,
+        regions: None,
     });
     let recovery = shifts
         .iter()

@@ -5,7 +5,9 @@
 //! - Call: `FCALL lh_<op> 1 KEY` then 13 common arguments (capacity, rate tokens, rate
 //!   period µs, lease TTL µs, grace µs, max outstanding or 0 in strict mode, agent id,
 //!   seq, and the part seed: generation, until, tokens, outstanding, drop; all zero for a
-//!   bucket that is not a part), then the operation's own.
+//!   bucket that is not a part; a region's bucket has its floor there: tokens, period µs,
+//!   burst, 0, 0), then the operation's own. `lh_deposit`'s reply carries a region's
+//!   state ([`leasehold_core::model::region::RegionState`]).
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
 //!   drop; zeros when none).
@@ -36,6 +38,7 @@ pub fn function(op: &Op) -> &'static str {
         Op::Release { .. } => "lh_release",
         Op::Exact { .. } => "lh_exact",
         Op::Split { .. } => "lh_split",
+        Op::Deposit { .. } => "lh_deposit",
     }
 }
 
@@ -59,13 +62,18 @@ pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
         p.grace_us,
         max_outstanding,
     ];
-    let seed = p.part.unwrap_or(PartSeed {
+    let mut seed = p.part.unwrap_or(PartSeed {
         gen_us: 0,
         until_us: 0,
         tokens: 0,
         outstanding: 0,
         drop_us: 0,
     });
+    if let Some(r) = &p.region
+        && let Some(f) = r.floor
+    {
+        (seed.gen_us, seed.until_us, seed.tokens) = (f.tokens(), f.period_us(), r.floor_burst);
+    }
     let mut rest = vec![
         req.seq,
         seed.gen_us,
@@ -88,6 +96,7 @@ pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
             salt,
             until_us,
         } => rest.extend([parts, salt, until_us]),
+        Op::Deposit { tokens, until_us } => rest.extend([tokens, until_us]),
     }
     (common, rest)
 }
@@ -227,6 +236,12 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     }
     if let Some(t) = &s.part {
         f.insert(h::PART.to_owned(), join(&[t.gen_us, t.until_us]));
+    }
+    if s.term_until_us != 0 {
+        f.insert(h::TERM_UNTIL.to_owned(), s.term_until_us.to_string());
+    }
+    if s.deposit_seq != 0 {
+        f.insert(h::DEPOSIT_SEQ.to_owned(), s.deposit_seq.to_string());
     }
     for (id, r) in &s.agents {
         f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());

@@ -1278,6 +1278,7 @@ impl Limiter {
                 Op::Release { .. } => "release",
                 Op::Exact { .. } => "exact",
                 Op::Split { .. } => "split",
+                Op::Deposit { .. } => "deposit",
             },
             started: first,
         };

@@ -60,6 +60,13 @@ pub fn validate_exact(p: &BucketParams, seq: u64, costs: &[u64]) -> Result<(), P
             value: seed.gen_us,
         });
     }
+    // A region's bucket is decided by lh_exact (a batch key is a plain bucket's).
+    if p.region.is_some() {
+        return Err(ProtocolError::InvalidArgument {
+            what: "region",
+            value: 0,
+        });
+    }
     if costs.is_empty() || costs.len() > MAX_BATCH_COSTS {
         return Err(ProtocolError::InvalidArgument {
             what: "count",

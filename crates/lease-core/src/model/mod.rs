@@ -31,6 +31,7 @@
 
 mod batch;
 mod ops;
+pub mod region;
 mod share;
 mod split;
 mod state;
@@ -100,6 +101,16 @@ pub enum Op {
         /// Chooses the parts' keys (and so their slots).
         salt: u64,
         /// The end of the split's term, server µs.
+        until_us: u64,
+    },
+    /// On a region's bucket: the broker deposits `tokens` its region was granted by the
+    /// global bucket, good until `until_us` (this store's server time). The request's
+    /// `seq` is the grant's time on the global bucket; a deposit whose `seq` is not above
+    /// the last one applied changes nothing (`seq` 0: a read). See [`region`].
+    Deposit {
+        /// Tokens granted.
+        tokens: u64,
+        /// The end of the term they serve, this store's server µs.
         until_us: u64,
     },
 }
@@ -214,8 +225,14 @@ impl GlobalBucket {
                 salt,
                 until_us,
             } => ops::split(&mut call, p, parts, salt, until_us),
+            Op::Deposit { tokens, until_us } => {
+                let reply = ops::deposit(&mut call, p, req.seq, tokens, until_us);
+                let (state, reply) = call.finish(p, req, None, reply);
+                self.state = Some(state);
+                return Ok(reply);
+            }
         };
-        let (state, reply) = call.finish(p, req, record, reply);
+        let (state, reply) = call.finish(p, req, Some(record), reply);
         self.state = Some(state);
         Ok(reply)
     }

@@ -35,6 +35,9 @@ fn check_amount(what: &'static str, value: u64, capacity: u64) -> Result<(), Pro
 /// Validates what the Lua validates, in the same order.
 pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
     check("seq", req.seq, MAX_EXACT)?;
+    if let Some(region) = &p.region {
+        super::region::validate(p, region)?;
+    }
     if let Some(seed) = &p.part {
         if seed.gen_us == 0 {
             // On the wire a zero generation means "not a part".
@@ -68,12 +71,26 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
         Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
+        Op::Deposit { tokens, until_us } => {
+            if p.region.is_none() {
+                return Err(ProtocolError::InvalidArgument {
+                    what: "region",
+                    value: 0,
+                });
+            }
+            check("tokens", tokens, MAX_HELD)?;
+            check("until", until_us, MAX_EXACT)?;
+        }
         Op::Split {
             parts,
             salt,
             until_us,
         } => {
-            if !(2..=MAX_PARTS).contains(&parts) || parts > p.capacity || p.part.is_some() {
+            if !(2..=MAX_PARTS).contains(&parts)
+                || parts > p.capacity
+                || p.part.is_some()
+                || p.region.is_some()
+            {
                 return Err(ProtocolError::InvalidArgument {
                     what: "parts",
                     value: parts,
@@ -128,7 +145,9 @@ impl Call {
         {
             *state = None;
         }
+        // A deposit has no record: its sequence is checked against the bucket's.
         if let Some(s) = state.as_ref()
+            && !matches!(req.op, Op::Deposit { .. })
             && let Some(r) = s.live(req.agent, server_now_us.max(s.updated_us))
             && req.seq <= r.seq
         {
@@ -194,43 +213,56 @@ impl Call {
         }
     }
 
-    /// Stores the agent's record with its reply, and sets the key to expire only once
-    /// every record is dropped, the split's term is over, and the bucket would be full
-    /// again (I6).
+    /// Stores the agent's record with its reply (a deposit leaves none), and sets the key
+    /// to expire only once every record is dropped, the split's or the region's term is
+    /// over, and the bucket would be back to what an absent key holds (I6).
     pub(super) fn finish(
         self,
         p: &BucketParams,
         req: &Request,
-        record: AgentRecord,
+        record: Option<AgentRecord>,
         mut reply: Reply,
     ) -> (BucketState, Reply) {
         let Self { mut s, now, .. } = self;
         s.compact = false;
         reply.split = s.split;
-        reply.remaining = s.level.tokens;
-        let record = AgentRecord {
-            seq: req.seq,
-            reply,
-            ..record
-        };
-        let x = record.drop_us;
-        s.next_drop_us = if s.next_drop_us == 0 {
-            x
-        } else {
-            s.next_drop_us.min(x)
-        };
-        s.last_drop_us = s.last_drop_us.max(x);
-        if record.demand > 0 {
-            let stale = now + DEMAND_TTL_US;
-            s.next_stale_us = if s.next_stale_us == 0 {
-                stale
-            } else {
-                s.next_stale_us.min(stale)
-            };
+        if !matches!(req.op, Op::Deposit { .. }) {
+            reply.remaining = s.level.tokens;
         }
-        s.agents.insert(req.agent, record);
-        let busy_until = s.last_drop_us.max(s.split.map_or(0, |sp| sp.until_us));
-        let life = busy_until.saturating_sub(now) + s.level.time_until(p.capacity, p.rate);
+        if let Some(record) = record {
+            let record = AgentRecord {
+                seq: req.seq,
+                reply,
+                ..record
+            };
+            let x = record.drop_us;
+            s.next_drop_us = if s.next_drop_us == 0 {
+                x
+            } else {
+                s.next_drop_us.min(x)
+            };
+            s.last_drop_us = s.last_drop_us.max(x);
+            if record.demand > 0 {
+                let stale = now + DEMAND_TTL_US;
+                s.next_stale_us = if s.next_stale_us == 0 {
+                    stale
+                } else {
+                    s.next_stale_us.min(stale)
+                };
+            }
+            s.agents.insert(req.agent, record);
+        }
+        // A deposit leaves no record; the key stays a grace after it as after any call.
+        let busy_until = s
+            .last_drop_us
+            .max(s.split.map_or(0, |sp| sp.until_us))
+            .max(s.term_until_us)
+            .max(if matches!(req.op, Op::Deposit { .. }) {
+                now + p.grace_us
+            } else {
+                0
+            });
+        let life = busy_until.saturating_sub(now) + s.time_to_rest(p);
         s.expire_at_ms = (now + life) / 1000 + 1;
         (s, reply)
     }
@@ -300,6 +332,9 @@ pub(super) fn acquire(
         0
     } else if moved {
         1
+    } else if ttl_us == 0 && p.region.is_some() {
+        // The term ends within the grace: the next deposit renews it.
+        super::region::REGION_WAIT_US
     } else if ttl_us == 0 {
         let until = s.part.map_or(0, |t| t.until_us);
         until.saturating_sub(now).max(1)
@@ -312,13 +347,9 @@ pub(super) fn acquire(
         };
         // An agent's turn comes when its share has earned `min` (see `wait_us`), or when
         // tokens pile up to plenty, whichever is first.
-        let plenty_in = s.level.time_until(plenty_level(p), p.rate);
+        let plenty_in = s.wait_for(p, plenty_level(p));
         let turn = share.as_ref().map_or(0, |a| a.wait_us(min).min(plenty_in));
-        s.level
-            .time_until(min, p.rate)
-            .max(blocked)
-            .max(turn)
-            .max(1)
+        s.wait_for(p, min).max(blocked).max(turn).max(1)
     };
     reply.granted = g;
     reply.ttl_us = ttl_us;
@@ -368,7 +399,7 @@ pub(super) fn exact(c: &mut Call, p: &BucketParams, cost: u64) -> (AgentRecord, 
         s.level = s.level.take(cost);
         reply.granted = cost;
     } else {
-        reply.retry_us = s.level.time_until(cost, p.rate);
+        reply.retry_us = s.wait_for(p, cost);
     }
     // Other agents lease this key: say so (their proportional scale, at least 1), so an
     // agent that sees it cold starts leasing at once.
@@ -412,4 +443,38 @@ pub(super) fn split(
         _ => {}
     }
     (c.kept(p), reply)
+}
+
+/// `lh_deposit`: the broker puts `tokens` its region was granted by the global bucket into
+/// the region's bucket, good until `until_us` (this store's server time), once per `seq`.
+/// See [`super::region`] for the reply.
+pub(super) fn deposit(
+    c: &mut Call,
+    p: &BucketParams,
+    seq: u64,
+    tokens: u64,
+    until_us: u64,
+) -> Reply {
+    let now = c.now;
+    let mut reply = c.reply();
+    let s = &mut c.s;
+    if seq > s.deposit_seq {
+        s.deposit_seq = seq;
+        if until_us > now {
+            if !s.in_term() {
+                // Tokens the floor made are not the global bucket's; the held the broker
+                // reported counted them, which only over-counts.
+                s.level = Level::default();
+            }
+            s.term_until_us = s.term_until_us.max(until_us);
+            let before = s.level.tokens;
+            s.level.tokens += tokens;
+            s.clamp(p);
+            reply.granted = s.level.tokens.saturating_sub(before);
+        }
+    }
+    reply.remaining = s.level.tokens + s.outstanding;
+    reply.ttl_us = s.term_until_us.saturating_sub(now);
+    reply.scale_ppm = s.demand_sum;
+    reply
 }

@@ -55,6 +55,12 @@ pub struct BucketState {
     pub part: Option<PartTerm>,
     /// Redis key expiry, ms (PEXPIREAT).
     pub expire_at_ms: u64,
+    /// On a region's bucket: when the term its deposits serve ends (the region's server
+    /// µs; 0: never fed). What is left at that moment is void (see [`super::region`]).
+    pub term_until_us: u64,
+    /// On a region's bucket: the last deposit applied (its grant's time on the global
+    /// bucket, which only grows); a deposit not above it changes nothing.
+    pub deposit_seq: u64,
     /// Stored compact, as the string `tok,car,ts,p` instead of the hash: made so by
     /// `lh_exact_many` for a new key and kept while only it writes the key (such a key has
     /// no records, demand or split); any other operation stores the hash.
@@ -74,18 +80,36 @@ pub struct View {
 
 /// The level refill may reach: `B - outstanding` in strict mode (I1), `B` in relaxed.
 fn cap(p: &BucketParams, outstanding: u64) -> u64 {
+    capped(p.capacity, p, outstanding)
+}
+
+/// `capacity` less what is outstanding in strict mode.
+fn capped(capacity: u64, p: &BucketParams, outstanding: u64) -> u64 {
     match p.mode {
-        Mode::Strict => p.capacity.saturating_sub(outstanding),
-        Mode::Relaxed { .. } => p.capacity,
+        Mode::Strict => capacity.saturating_sub(outstanding),
+        Mode::Relaxed { .. } => capacity,
+    }
+}
+
+/// The period a bucket's carry is counted in: its refill rate's (a region's floor's).
+pub(super) fn carry_period(p: &BucketParams) -> u64 {
+    match p.region.and_then(|r| r.floor) {
+        Some(f) => f.period_us(),
+        None => p.rate.period_us(),
     }
 }
 
 impl BucketState {
     /// A key that does not exist: a full bucket.
+    /// A region's bucket starts empty: its tokens come from deposits.
     pub(super) fn fresh(p: &BucketParams, now_us: u64) -> Self {
         Self {
-            level: Level::full(p.capacity),
-            period_us: p.rate.period_us(),
+            level: if p.region.is_some() {
+                Level::default()
+            } else {
+                Level::full(p.capacity)
+            },
+            period_us: carry_period(p),
             updated_us: now_us,
             outstanding: 0,
             next_drop_us: 0,
@@ -97,6 +121,8 @@ impl BucketState {
             last_split_us: 0,
             part: None,
             expire_at_ms: 0,
+            term_until_us: 0,
+            deposit_seq: 0,
             compact: false,
         }
     }
@@ -150,22 +176,89 @@ impl BucketState {
     }
 
     fn refill_to(&mut self, p: &BucketParams, t: u64) {
-        let dt = t.saturating_sub(self.updated_us);
-        self.level = self.level.refill(cap(p, self.outstanding), p.rate, dt);
+        let Some(region) = p.region else {
+            let dt = t.saturating_sub(self.updated_us);
+            self.level = self.level.refill(cap(p, self.outstanding), p.rate, dt);
+            self.updated_us = self.updated_us.max(t);
+            return;
+        };
+        // A region's bucket refills nothing during its term: deposits feed it.
+        let term = self.term_until_us;
+        if self.updated_us < term {
+            if t < term {
+                self.updated_us = t;
+                return;
+            }
+            // The term is over: what is left of it is void.
+            self.level = Level::default();
+            self.updated_us = term;
+        }
+        if let Some(floor) = region.floor {
+            let dt = t.saturating_sub(self.updated_us);
+            let cap = capped(region.floor_burst, p, self.outstanding);
+            self.level = self.level.refill(cap, floor, dt);
+        }
         self.updated_us = self.updated_us.max(t);
     }
 
-    /// Brings the level under its cap after `outstanding` grew.
+    /// Whether a region's bucket is within its term (brought up to date).
+    pub(super) fn in_term(&self) -> bool {
+        self.updated_us < self.term_until_us
+    }
+
+    /// Brings the level under its cap after `outstanding` grew (a region's bucket past its
+    /// term: under its floor's burst).
     pub(super) fn clamp(&mut self, p: &BucketParams) {
-        self.level = self.level.refill(cap(p, self.outstanding), p.rate, 0);
+        let cap = match p.region {
+            Some(r) if !self.in_term() => capped(r.floor_burst, p, self.outstanding),
+            _ => cap(p, self.outstanding),
+        };
+        if self.level.tokens >= cap {
+            self.level = Level::full(cap);
+        }
+    }
+
+    /// Microseconds until `k` tokens could be there, for a denial's retry time; never 0
+    /// when they are not. A region's bucket within its term waits for its broker's next
+    /// deposit ([`super::region::REGION_WAIT_US`]); past it, for its floor, but no longer.
+    pub(super) fn wait_for(&self, p: &BucketParams, k: u64) -> u64 {
+        let Some(region) = p.region else {
+            return self.level.time_until(k, p.rate);
+        };
+        let wait = super::region::REGION_WAIT_US;
+        match region.floor {
+            _ if self.level.tokens >= k => 0,
+            Some(f) if !self.in_term() && k <= region.floor_burst => {
+                self.level.time_until(k, f).min(wait)
+            }
+            _ => wait,
+        }
+    }
+
+    /// Microseconds until the bucket would be back to what an absent key holds: full for a
+    /// bucket; for a region's, its floor's burst, from empty if the term still runs (an
+    /// absent region's bucket is empty, so expiring early only loses tokens, but the
+    /// floor then starts again from the next call).
+    pub(super) fn time_to_rest(&self, p: &BucketParams) -> u64 {
+        match p.region {
+            None => self.level.time_until(p.capacity, p.rate),
+            Some(r) => r.floor.map_or(0, |f| {
+                let from = if self.in_term() {
+                    Level::default()
+                } else {
+                    self.level
+                };
+                from.time_until(r.floor_burst, f)
+            }),
+        }
     }
 
     /// Refill to `now`, dropping expired records at their drop times on the way, so the
     /// refill between two drops uses the cap in force then.
     pub(super) fn advance(&mut self, p: &BucketParams, now: u64) {
-        if self.period_us != p.rate.period_us() {
+        if self.period_us != carry_period(p) {
             self.level.carry = 0;
-            self.period_us = p.rate.period_us();
+            self.period_us = carry_period(p);
         }
         // A split parent refills nothing during the term: its rate belongs to the parts.
         if let Some(split) = self.split {
@@ -225,12 +318,13 @@ impl BucketState {
     }
 
     /// The lease a grant gets now: the rule's, ending with the part's term on a part.
+    /// On a region's bucket within its term, ending with the term.
     pub(super) fn lease_ttl(&self, p: &BucketParams, now: u64) -> u64 {
-        match self.part {
-            Some(t) => p
-                .lease_ttl_us
-                .min(t.until_us.saturating_sub(now + p.grace_us)),
-            None => p.lease_ttl_us,
-        }
+        let end = match self.part {
+            Some(t) => t.until_us,
+            None if p.region.is_some() && self.in_term() => self.term_until_us,
+            None => return p.lease_ttl_us,
+        };
+        p.lease_ttl_us.min(end.saturating_sub(now + p.grace_us))
     }
 }

@@ -358,3 +358,127 @@ fn an_exact_batch_leaves_a_split_key_alone() {
         Err(ProtocolError::CapacityExceeded { requested: 11, .. })
     ));
 }
+
+fn region(capacity: u64, rate: &str, floor: Option<&str>) -> BucketParams {
+    let floor = floor.map(|f| params(1, f).rate);
+    BucketParams {
+        region: Some(crate::rule::RegionParams::new(floor)),
+        ..params(capacity, rate)
+    }
+}
+
+fn deposit(seq: u64, tokens: u64, until_us: u64) -> Request {
+    Request {
+        agent: AgentId(99),
+        seq,
+        op: Op::Deposit { tokens, until_us },
+    }
+}
+
+fn exact(agent: u64, seq: u64, cost: u64) -> Request {
+    Request {
+        agent: AgentId(agent),
+        seq,
+        op: Op::Exact { cost },
+    }
+}
+
+#[test]
+fn a_region_bucket_starts_empty_and_holds_only_what_is_deposited() {
+    let p = region(100, "100/s", None);
+    let mut b = GlobalBucket::new();
+    let r = b.apply(&p, T0, &exact(1, 1, 1)).unwrap();
+    assert_eq!((r.granted, r.retry_us), (0, region::REGION_WAIT_US));
+    // No refill at the rule's rate, however long it waits.
+    let r = b.apply(&p, T0 + 5_000_000, &exact(1, 2, 1)).unwrap();
+    assert_eq!(r.granted, 0);
+    let r = b
+        .apply(&p, T0 + 5_000_000, &deposit(7, 3, T0 + 6_000_000))
+        .unwrap();
+    let st = region::RegionState::from_reply(&r);
+    assert_eq!((st.deposited, st.held, st.term_left_us), (3, 3, 1_000_000));
+    for seq in 3..6 {
+        assert_eq!(
+            b.apply(&p, T0 + 5_100_000, &exact(1, seq, 1))
+                .unwrap()
+                .granted,
+            1
+        );
+    }
+    assert_eq!(
+        b.apply(&p, T0 + 5_100_000, &exact(1, 6, 1))
+            .unwrap()
+            .granted,
+        0
+    );
+}
+
+#[test]
+fn a_deposit_applies_once_and_never_out_of_order() {
+    let p = region(100, "100/s", None);
+    let mut b = GlobalBucket::new();
+    let until = T0 + 1_000_000;
+    b.apply(&p, T0, &deposit(10, 5, until)).unwrap();
+    // A retry (the same seq) and an older grant arriving late change nothing.
+    let r = b.apply(&p, T0 + 10, &deposit(10, 5, until)).unwrap();
+    assert_eq!((r.granted, r.remaining), (0, 5));
+    let r = b.apply(&p, T0 + 20, &deposit(9, 50, until)).unwrap();
+    assert_eq!((r.granted, r.remaining), (0, 5));
+    // A read (seq 0) neither.
+    let r = b.apply(&p, T0 + 30, &deposit(0, 50, until)).unwrap();
+    assert_eq!((r.granted, r.remaining), (0, 5));
+    let r = b.apply(&p, T0 + 40, &deposit(11, 2, until)).unwrap();
+    assert_eq!((r.granted, r.remaining), (2, 7));
+}
+
+#[test]
+fn what_is_left_at_the_end_of_the_term_is_void_then_the_floor_refills_from_empty() {
+    let p = region(100, "100/s", Some("10/s"));
+    let mut b = GlobalBucket::new();
+    b.apply(&p, T0, &deposit(1, 50, T0 + 1_000_000)).unwrap();
+    // A lease ends with the term: 1 s less the grace (100 ms), from 0.5 s in.
+    let r = b.apply(&p, T0 + 500_000, &acquire(1, 1, 0, 10)).unwrap();
+    assert_eq!((r.granted, r.ttl_us), (10, 400_000));
+    // Past the term: the 40 tokens left are gone; the floor adds 10/s from the term's end.
+    let r = b.apply(&p, T0 + 1_300_000, &exact(2, 1, 1)).unwrap();
+    assert_eq!((r.granted, r.remaining), (1, 2));
+    // Its burst is a second of it.
+    let r = b.apply(&p, T0 + 2_000_000, &exact(2, 2, 1)).unwrap();
+    assert_eq!((r.granted, r.remaining), (1, 8));
+    // A deposit whose term is already over adds nothing; a new one drops what the floor
+    // made.
+    let r = b
+        .apply(&p, T0 + 2_000_000, &deposit(2, 40, T0 + 1_500_000))
+        .unwrap();
+    assert_eq!((r.granted, r.remaining), (0, 8));
+    let r = b
+        .apply(&p, T0 + 2_000_000, &deposit(3, 4, T0 + 4_000_000))
+        .unwrap();
+    assert_eq!((r.granted, r.remaining), (4, 4));
+    // A region's bucket with no term yet serves its floor from its first call.
+    let mut b2 = GlobalBucket::new();
+    b2.apply(&p, T0, &exact(2, 1, 1)).unwrap();
+    let r = b2.apply(&p, T0 + 900_000, &exact(2, 2, 1)).unwrap();
+    assert_eq!((r.granted, r.remaining), (1, 8));
+}
+
+#[test]
+fn a_region_bucket_is_never_split_or_batched_and_deposits_need_one() {
+    let p = region(100, "100/s", None);
+    let mut b = GlobalBucket::new();
+    let split = Request {
+        agent: AgentId(1),
+        seq: 1,
+        op: Op::Split {
+            parts: 2,
+            salt: 0,
+            until_us: T0 + 1,
+        },
+    };
+    assert!(b.apply(&p, T0, &split).is_err());
+    assert!(b.exact_many(&p, T0, &[1]).is_err());
+    assert!(
+        b.apply(&params(100, "100/s"), T0, &deposit(1, 1, T0 + 1))
+            .is_err()
+    );
+}

@@ -15,8 +15,10 @@
 
 use std::collections::VecDeque;
 
+use leasehold_core::Rate;
+use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use leasehold_core::rule::{BucketParams, Rule};
+use leasehold_core::rule::{BucketParams, RegionParams, Rule};
 use leasehold_core::{KeyPolicy, Level, LocalLease, PolicyConfig, Reclaim, Spend, SweepAction};
 
 pub(crate) const T0_US: u64 = 1_700_000_000_000_000;
@@ -106,6 +108,69 @@ pub(crate) struct Setup {
     /// Probability a reply is lost (the call took effect; the caller times out).
     pub(crate) lose: f64,
     pub(crate) seed: u64,
+    /// Set: the fleet is spread over regions (agent `i` in region `i % n`).
+    pub(crate) regions: Option<Regions>,
+}
+
+/// A deployment in regions. Each region's agents lease from the region's bucket of the
+/// key, in the region's store; the region's broker ([`KeyBroker`]) acquires from the
+/// global bucket over a slow link and deposits into the region's. Every store and broker
+/// has its own clock: its own offset (hours apart) and rate (a few hundred ppm apart).
+#[derive(Clone, Debug)]
+pub(crate) struct Regions {
+    pub(crate) n: usize,
+    /// Round trip between a broker and the global store, µs.
+    pub(crate) rtt_us: u64,
+    /// What a region admits past its term (`None`: nothing).
+    pub(crate) floor: Option<Rate>,
+    /// The term a broker asks of the global bucket (its lease TTL there), µs.
+    pub(crate) term_us: u64,
+    /// `(region, from_ms, to_ms)`: its broker cannot reach the global store.
+    pub(crate) partitions: Vec<(usize, u64, u64)>,
+    pub(crate) broker: BrokerConfig,
+}
+
+/// A clock: `offset + t * (1 + ppm / 1e6)`, in µs, from the run's time in ns.
+#[derive(Clone, Copy, Debug)]
+struct Clock {
+    offset_us: i64,
+    ppm: i64,
+}
+
+impl Clock {
+    fn draw(rng: &mut Rng) -> Self {
+        let hour = 3_600_000_000i64;
+        Self {
+            offset_us: (rng.next_u64() % (2 * hour as u64)) as i64 - hour,
+            ppm: (rng.next_u64() % 601) as i64 - 300,
+        }
+    }
+    fn at(&self, t_ns: u64) -> u64 {
+        let t_us = (t_ns / 1000) as i64;
+        (T0_US as i64 + self.offset_us + t_us + t_us * self.ppm / 1_000_000) as u64
+    }
+}
+
+/// One region's store, broker and link.
+#[derive(Debug)]
+struct Region {
+    bucket: GlobalBucket,
+    clock: Clock,
+    broker: KeyBroker,
+    broker_clock: Clock,
+    global: Option<GlobalCall>,
+}
+
+/// A broker's call to the global store.
+#[derive(Debug)]
+struct GlobalCall {
+    req: Request,
+    sent_ns: u64,
+    /// Applied at the global store then (None once applied, or lost on the way).
+    apply_ns: Option<u64>,
+    reply_ns: u64,
+    /// The reply, unless lost.
+    reply: Option<Reply>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,6 +270,10 @@ pub(crate) struct Outcome {
     pub(crate) held_at_end: u64,
     /// Highest `tokens + outstanding` seen on the bucket.
     pub(crate) max_committed: u64,
+    /// Calls between brokers and the global store.
+    pub(crate) cross_calls: u64,
+    /// Per region, tokens admitted per ms.
+    pub(crate) region_ms: Vec<Vec<u64>>,
     /// Largest relative distance of an agent's part of the admissions from its part of
     /// the offered load (agents offering at least 1% of it), over the run's second half.
     pub(crate) worst_share_error: f64,
@@ -228,14 +297,48 @@ pub(crate) struct Fleet {
     restarts: u64,
     refused: u64,
     waited: u64,
+    regions: Vec<Region>,
+    /// The global bucket's parameters at the brokers, and its clock.
+    global_p: BucketParams,
+    global_clock: Clock,
+    region_p: BucketParams,
+    cross_calls: u64,
+    /// Per region, tokens admitted per ms.
+    region_ms: Vec<Vec<u64>>,
 }
 
 impl Fleet {
     pub(crate) fn run(s: Setup) -> Outcome {
         let p = s.rule.bucket_params();
         let agents = (0..s.agents).map(|i| Agent::new(i, 0)).collect();
+        let rng = Rng::new(s.seed);
+        // The clocks have their own generator: a run without regions draws as it did.
+        let mut clocks = Rng::new(s.seed ^ 0xC10C);
+        let mut global_p = p;
+        let mut region_p = p;
+        let mut regions = Vec::new();
+        let global_clock = Clock::draw(&mut clocks);
+        if let Some(r) = &s.regions {
+            global_p.lease_ttl_us = r.term_us;
+            region_p.region = Some(RegionParams::new(r.floor));
+            for k in 0..r.n {
+                regions.push(Region {
+                    bucket: GlobalBucket::new(),
+                    clock: Clock::draw(&mut clocks),
+                    broker: KeyBroker::new(AgentId(0xB000 + k as u64)),
+                    broker_clock: Clock::draw(&mut clocks),
+                    global: None,
+                });
+            }
+        }
         let mut f = Fleet {
-            rng: Rng::new(s.seed),
+            rng,
+            regions,
+            global_p,
+            global_clock,
+            region_p,
+            cross_calls: 0,
+            region_ms: Vec::new(),
             admitted_ms: vec![0; s.total_ms as usize + 1],
             s,
             p,
@@ -255,6 +358,7 @@ impl Fleet {
     }
 
     fn go(&mut self) -> Outcome {
+        self.region_ms = vec![vec![0; self.s.total_ms as usize + 1]; self.regions.len()];
         let mut ideal = Level::full(self.p.capacity);
         let mut offered_per = vec![0u64; self.s.agents];
         let mut trace = Vec::new();
@@ -285,6 +389,7 @@ impl Fleet {
                     _ => {}
                 }
             }
+            self.brokers(base);
             let phase = self
                 .s
                 .phases
@@ -398,11 +503,109 @@ impl Fleet {
                 .collect(),
             trace,
             max_committed: self.max_committed,
+            cross_calls: self.cross_calls,
+            region_ms: std::mem::take(&mut self.region_ms),
             held_at_end: self.agents.iter().map(|a| a.lease.held()).sum(),
         }
     }
 
+    /// The brokers at `t`: global calls reach the store and their replies the brokers
+    /// (unless a partition cuts them: the broker times out), then each broker sends what
+    /// its policy asks (region calls are answered at once).
+    fn brokers(&mut self, t: u64) {
+        let Some(rs) = self.s.regions.clone() else {
+            return;
+        };
+        let cut = |k: usize, at: u64| {
+            rs.partitions
+                .iter()
+                .any(|&(r, a, b)| r == k && at >= a * MS && at < b * MS)
+        };
+        let mut due: Vec<(u64, usize)> = self
+            .regions
+            .iter()
+            .enumerate()
+            .filter_map(|(k, r)| {
+                r.global
+                    .as_ref()?
+                    .apply_ns
+                    .filter(|a| *a <= t)
+                    .map(|a| (a, k))
+            })
+            .collect();
+        due.sort();
+        for (at, k) in due {
+            let c = self.regions[k].global.as_mut().expect("due");
+            c.apply_ns = None;
+            if cut(k, c.sent_ns) {
+                continue;
+            }
+            let reply = self
+                .bucket
+                .apply(&self.global_p, self.global_clock.at(at), &c.req)
+                .expect("the global bucket accepts every request a broker makes");
+            if !cut(k, c.reply_ns) {
+                c.reply = Some(reply);
+            }
+        }
+        let timeout = 2 * rs.rtt_us * 1000 + 20 * MS;
+        for k in 0..rs.n {
+            let r = &mut self.regions[k];
+            if let Some(c) = &r.global
+                && c.apply_ns.is_none()
+            {
+                match c.reply {
+                    Some(reply) if c.reply_ns <= t => {
+                        let now = r.broker_clock.at(c.reply_ns);
+                        r.broker.on_global_reply(now, &rs.broker, &reply);
+                        r.global = None;
+                    }
+                    None if t >= c.sent_ns + timeout => {
+                        r.broker.on_failure();
+                        r.global = None;
+                    }
+                    _ => {}
+                }
+            }
+            for _ in 0..4 {
+                let now = r.broker_clock.at(t);
+                match r.broker.poll(now, &rs.broker, &self.global_p) {
+                    None => break,
+                    Some(BrokerCall::Region(req)) => {
+                        let reply = r
+                            .bucket
+                            .apply(&self.region_p, r.clock.at(t), &req)
+                            .expect("the region's bucket accepts every deposit");
+                        let back = r.broker_clock.at(t + 100_000);
+                        r.broker.on_region_reply(back, &rs.broker, &reply);
+                    }
+                    Some(BrokerCall::Global(req)) => {
+                        self.cross_calls += 1;
+                        r.global = Some(GlobalCall {
+                            req,
+                            sent_ns: t,
+                            apply_ns: Some(t + rs.rtt_us * 500),
+                            reply_ns: t + rs.rtt_us * 1000,
+                            reply: None,
+                        });
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
     fn check_i1(&mut self) {
+        for (k, r) in self.regions.iter().enumerate() {
+            if let Some(st) = r.bucket.state() {
+                assert!(
+                    st.level.tokens + st.outstanding <= self.p.capacity,
+                    "region {k}: tokens {} + outstanding {} > B",
+                    st.level.tokens,
+                    st.outstanding
+                );
+            }
+        }
         if let Some(st) = self.bucket.state()
             && self.p.mode == leasehold_core::Mode::Strict
         {
@@ -447,6 +650,9 @@ impl Fleet {
         self.agents[i].admitted += 1;
         let last = self.admitted_ms.len() - 1;
         self.admitted_ms[((t / MS) as usize).min(last)] += 1;
+        if let Some(r) = &self.s.regions {
+            self.region_ms[i % r.n][((t / MS) as usize).min(last)] += 1;
+        }
     }
 
     fn deny(&mut self, i: usize, cost: u64) {
@@ -500,10 +706,19 @@ impl Fleet {
             seq: a.seq,
             op,
         };
-        let reply = self
-            .bucket
-            .apply(&self.p, T0_US + t / 1000, &req)
-            .expect("the model accepts every request the policy makes");
+        let reply = match &self.s.regions {
+            Some(r) => {
+                let region = &mut self.regions[i % r.n];
+                region
+                    .bucket
+                    .apply(&self.region_p, region.clock.at(t), &req)
+                    .expect("the region's bucket accepts every request the policy makes")
+            }
+            None => self
+                .bucket
+                .apply(&self.p, T0_US + t / 1000, &req)
+                .expect("the model accepts every request the policy makes"),
+        };
         (self.rng.unit() >= self.s.lose).then_some(reply)
     }
 

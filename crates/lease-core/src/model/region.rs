@@ -1,0 +1,313 @@
+//! Regions: one global bucket, carved into the budgets of regions that keep serving
+//! through a partition (the third level of the hierarchy; `docs/regions.md` has the whole
+//! design and its argument).
+//!
+//! A rule of global scope has its bucket in the home store, as today. Each region has its
+//! own store, where its agents lease and decide as today, but from the **region's
+//! bucket** of the key (`BucketKey::region_of`), which never refills at the rule's rate.
+//! The region's broker (its coordinator) is an agent of the global bucket: it acquires
+//! tokens with the region's demand and declares what the region still holds, exactly as
+//! an agent does, so the global bucket's proportional share and I1-I8 divide the budget
+//! between regions as they divide it between agents. It then **deposits** the grant into
+//! the region's bucket, good until the end of a term:
+//!
+//! - I1 across regions. Every token admitted anywhere was granted once by the global
+//!   bucket (deposits add only grants; refill adds nothing during a term), so the tokens
+//!   admitted worldwide in a window W are at most `B + r*W`, as for one bucket, as long
+//!   as a region stops spending a grant before the global bucket stops counting it.
+//! - The term (I4 one level up). The global record of the region drops at the global
+//!   server time `now_g + ttl + grace`, which is after the broker's send time `t0` plus
+//!   `ttl` in real time. The broker knows the region's server time `R` from a reply it
+//!   received at `a1` on its own clock, so `R` was read no later than `a1`, and the
+//!   region's clock passes `R + (t0 + ttl - a1)` no later than real time `t0 + ttl`
+//!   (less a margin for the clocks' rates). That is the deposit's `until`. No two clocks
+//!   are assumed to agree: only the broker's clock and each store's own, each compared
+//!   with itself.
+//! - At `until` the region's bucket voids what is left, its agents' leases having ended by
+//!   then (a lease from a region's bucket ends with its term). Each renewal extends the
+//!   term for everything the region holds, because the acquire declares all of it.
+//! - `held` is the region's bucket's `tokens + outstanding` from its last reply: an upper
+//!   bound of what the region can still spend (agents only spend; a deposit is confirmed
+//!   before the next acquire), so the global bucket never under-counts a region.
+//! - Partition: the region spends what it holds until its term ends, then its floor (a
+//!   rate from empty, so it admits at most `floor * duration`); nothing else moves, and
+//!   the other regions get the partitioned region's share back once its record drops.
+//!
+//! A deposit is idempotent by the grant's time on the global bucket (`seq`; a retried
+//! acquire replays the same reply, and so the same deposit), which only grows per key.
+
+use super::{AgentId, MAX_HELD, Op, ProtocolError, Reply, Request};
+use crate::rule::{BucketParams, MAX_BUCKET_UNITS, RegionParams};
+
+/// What a region's bucket tells a denial to wait when only a deposit can help: about a
+/// broker's renewal (µs).
+pub const REGION_WAIT_US: u64 = 10_000;
+
+pub(super) fn validate(p: &BucketParams, region: &RegionParams) -> Result<(), ProtocolError> {
+    if p.part.is_some() {
+        return Err(ProtocolError::InvalidArgument {
+            what: "part_gen",
+            value: p.part.map_or(0, |s| s.gen_us),
+        });
+    }
+    let fits = match region.floor {
+        None => region.floor_burst == 0,
+        Some(f) => {
+            region.floor_burst >= 1
+                && u128::from(region.floor_burst) * u128::from(f.period_us())
+                    + u128::from(f.tokens())
+                    <= u128::from(MAX_BUCKET_UNITS)
+        }
+    };
+    if !fits {
+        return Err(ProtocolError::InvalidArgument {
+            what: "floor_burst",
+            value: region.floor_burst,
+        });
+    }
+    Ok(())
+}
+
+/// A region's bucket as a deposit's reply tells it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RegionState {
+    /// Tokens the deposit added (0 for a read, a repeat, or a term already over).
+    pub deposited: u64,
+    /// What the region may still spend: the bucket's tokens plus what its agents hold.
+    pub held: u64,
+    /// The sum of its agents' demand, thousandths of a token per second.
+    pub demand_milli: u64,
+    /// The term left, µs (0: over).
+    pub term_left_us: u64,
+    /// The region's server time.
+    pub now_us: u64,
+}
+
+impl RegionState {
+    /// The reply of [`Op::Deposit`], read as what it carries.
+    pub fn from_reply(r: &Reply) -> Self {
+        Self {
+            deposited: r.granted,
+            held: r.remaining,
+            demand_milli: r.scale_ppm,
+            term_left_us: r.ttl_us,
+            now_us: r.now_us,
+        }
+    }
+}
+
+/// How a broker runs its keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// How often a key is renewed, µs.
+    pub refresh_us: u64,
+    /// How much faster than the broker's clock a store's clock may run, in millionths
+    /// (taken off each term, with [`BrokerConfig::margin_us`]).
+    pub drift_ppm: u64,
+    /// Taken off each term besides the drift, µs.
+    pub margin_us: u64,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        Self {
+            refresh_us: 100_000,
+            drift_ppm: 1_000,
+            margin_us: 1_000,
+        }
+    }
+}
+
+/// What a broker sends for a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokerCall {
+    /// To the region's bucket ([`Op::Deposit`]; `seq` 0 reads).
+    Region(Request),
+    /// To the global bucket ([`Op::Acquire`]).
+    Global(Request),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting until `due` (the broker's clock) to acquire; a region reply is known.
+    Idle { due: u64 },
+    /// The first read of the region's bucket.
+    Reading,
+    /// An acquire sent first at `sent`, not answered.
+    Acquiring { req: Request, sent: u64 },
+    /// A deposit not answered; resent until it is (it is idempotent).
+    Depositing { req: Request },
+}
+
+/// The broker's policy for one key of a global rule in its region: acquire from the
+/// global bucket, deposit into the region's, one call at a time (sans-io: times are the
+/// broker's monotonic clock, µs).
+#[derive(Clone, Debug)]
+pub struct KeyBroker {
+    agent: AgentId,
+    seq: u64,
+    phase: Phase,
+    /// The region's server time and when (broker clock) its reply arrived.
+    sample: Option<(u64, u64)>,
+    /// The region's held and demand, from its last reply.
+    held: u64,
+    demand_milli: u64,
+    /// Consumption measured between deposits, thousandths of a token per second.
+    spent_milli: u64,
+    last_reply_at: u64,
+    /// The last acquire's round trip, µs.
+    rtt_us: u64,
+    /// When the last acquire was first sent (broker clock).
+    last_acquire: u64,
+    in_flight: bool,
+    last_busy: u64,
+}
+
+impl KeyBroker {
+    /// A broker for one key, acting at the global bucket as `agent` (random per process).
+    pub fn new(agent: AgentId) -> Self {
+        Self {
+            agent,
+            seq: 0,
+            phase: Phase::Reading,
+            sample: None,
+            held: 0,
+            demand_milli: 0,
+            spent_milli: 0,
+            last_reply_at: 0,
+            rtt_us: 0,
+            last_acquire: 0,
+            in_flight: false,
+            last_busy: 0,
+        }
+    }
+
+    /// What the region holds by its last reply.
+    pub fn held(&self) -> u64 {
+        self.held
+    }
+
+    /// The demand the broker reports for its region, thousandths of a token per second.
+    pub fn demand_milli(&self) -> u64 {
+        self.demand_milli.max(self.spent_milli)
+    }
+
+    /// Whether the key has had no demand and held nothing since `since` (broker clock):
+    /// its broker may be dropped.
+    pub fn idle_since(&self, since: u64) -> bool {
+        self.last_busy < since && !self.in_flight
+    }
+
+    /// The call to send now, if any. `global` are the rule's parameters at the global
+    /// bucket (the term is its lease TTL); at most one call is in flight.
+    pub fn poll(
+        &mut self,
+        now: u64,
+        cfg: &BrokerConfig,
+        global: &BucketParams,
+    ) -> Option<BrokerCall> {
+        if self.in_flight {
+            return None;
+        }
+        let call = match self.phase {
+            Phase::Reading => BrokerCall::Region(Request {
+                agent: self.agent,
+                seq: 0,
+                op: Op::Deposit {
+                    tokens: 0,
+                    until_us: 0,
+                },
+            }),
+            Phase::Idle { due } if now >= due => {
+                self.seq += 1;
+                let horizon = 2 * cfg.refresh_us + self.rtt_us;
+                let need = u128::from(self.demand_milli()) * u128::from(horizon) / 1_000_000_000;
+                let want = u64::try_from(need)
+                    .unwrap_or(u64::MAX)
+                    .saturating_sub(self.held)
+                    .clamp(1, global.capacity);
+                let req = Request {
+                    agent: self.agent,
+                    seq: self.seq,
+                    op: Op::Acquire {
+                        held: self.held.min(MAX_HELD),
+                        want,
+                        min: 1,
+                        demand: self.demand_milli().min(MAX_HELD),
+                    },
+                };
+                self.last_acquire = now;
+                self.phase = Phase::Acquiring { req, sent: now };
+                BrokerCall::Global(req)
+            }
+            Phase::Idle { .. } => return None,
+            Phase::Acquiring { req, sent } => {
+                // A resend: the same request, replayed by the bucket if it was applied. Past
+                // the term it asked for, a grant could no longer be served: give it up.
+                if now >= sent + global.lease_ttl_us {
+                    self.phase = Phase::Idle { due: now };
+                    return self.poll(now, cfg, global);
+                }
+                BrokerCall::Global(req)
+            }
+            Phase::Depositing { req } => BrokerCall::Region(req),
+        };
+        self.in_flight = true;
+        Some(call)
+    }
+
+    /// The region's bucket answered the read or the deposit.
+    pub fn on_region_reply(&mut self, now: u64, cfg: &BrokerConfig, reply: &Reply) {
+        self.in_flight = false;
+        let r = RegionState::from_reply(reply);
+        // Spent since the last reply: what it held, plus what this deposit added, less
+        // what it holds now.
+        if self.sample.is_some() && now > self.last_reply_at {
+            let spent = (self.held + r.deposited).saturating_sub(r.held);
+            let rate = u128::from(spent) * 1_000_000_000 / u128::from(now - self.last_reply_at);
+            let rate = u64::try_from(rate).unwrap_or(u64::MAX);
+            self.spent_milli = (self.spent_milli + rate) / 2;
+        }
+        self.sample = Some((r.now_us, now));
+        self.held = r.held;
+        self.demand_milli = r.demand_milli;
+        self.last_reply_at = now;
+        if self.held > 0 || self.demand_milli() > 0 {
+            self.last_busy = now;
+        }
+        self.phase = Phase::Idle {
+            due: self.last_acquire + cfg.refresh_us,
+        };
+    }
+
+    /// The global bucket answered the acquire: the deposit to make.
+    pub fn on_global_reply(&mut self, now: u64, cfg: &BrokerConfig, reply: &Reply) {
+        self.in_flight = false;
+        let Phase::Acquiring { sent, .. } = self.phase else {
+            return;
+        };
+        self.rtt_us = now.saturating_sub(sent);
+        let until = match self.sample {
+            Some((region_now, at)) => {
+                let ttl = reply.ttl_us;
+                let margin = ttl.saturating_mul(cfg.drift_ppm) / 1_000_000 + cfg.margin_us;
+                (region_now + sent + ttl).saturating_sub(at + margin)
+            }
+            None => 0,
+        };
+        let req = Request {
+            agent: self.agent,
+            seq: reply.now_us,
+            op: Op::Deposit {
+                tokens: reply.granted,
+                until_us: until,
+            },
+        };
+        self.phase = Phase::Depositing { req };
+    }
+
+    /// The call in flight failed or timed out: it is sent again by the next poll.
+    pub fn on_failure(&mut self) {
+        self.in_flight = false;
+    }
+}

@@ -30,6 +30,23 @@ pub struct Args {
     /// Seconds each extension of a split's term adds.
     #[arg(long, default_value_t = 30, env = "LEASEHOLD_TERM")]
     pub term: u64,
+    /// In a deployment in regions: the region whose store `--redis` is. The coordinator
+    /// then also brokers the region's budgets of rules with `scope = "global"` from the
+    /// global store (`--global-redis`).
+    #[arg(long, env = "LEASEHOLD_REGION", requires = "global_redis")]
+    pub region: Option<String>,
+    /// With `--region`: the home store holding the global buckets (same URL forms as
+    /// `--redis`).
+    #[arg(
+        long,
+        env = "LEASEHOLD_GLOBAL_REDIS_URL",
+        hide_env_values = true,
+        requires = "region"
+    )]
+    pub global_redis: Option<String>,
+    /// With `--region`: how often each global key's budget is renewed, in milliseconds.
+    #[arg(long, default_value_t = 100, env = "LEASEHOLD_REGION_REFRESH_MS")]
+    pub region_refresh_ms: u64,
 }
 
 /// How log lines are written.
@@ -100,7 +117,42 @@ pub async fn run(
         },
         ..CoordinatorConfig::default()
     };
-    let coordinator = Arc::new(Coordinator::new(store.clone(), rules.clone(), config));
+    let mut coordinator = Coordinator::new(store.clone(), rules.clone(), config);
+    if let (Some(region), Some(global)) = (&args.region, &args.global_redis) {
+        if !leasehold_core::rule::valid_region_name(region) {
+            return Err(format!(
+                "--region {:?}: a region name is 1 to {} of [A-Za-z0-9._-]",
+                region.chars().take(80).collect::<String>(),
+                leasehold_core::rule::MAX_REGION_NAME
+            ));
+        }
+        if !(10..=10_000).contains(&args.region_refresh_ms) {
+            return Err(format!(
+                "--region-refresh-ms {}: must be between 10 and 10000",
+                args.region_refresh_ms
+            ));
+        }
+        for rule in rules.iter() {
+            rule.in_region(Some(region))?;
+        }
+        // The slow link: calls there wait longer than the region's own.
+        let mut global_config = args.store.config();
+        global_config.call_timeout = Duration::from_secs(1);
+        let global = connect(global.trim(), global_config).await?;
+        let broker = crate::broker::Broker::new(
+            region,
+            store.clone(),
+            global,
+            coordinator.rules(),
+            leasehold_core::model::region::BrokerConfig {
+                refresh_us: args.region_refresh_ms * 1000,
+                ..Default::default()
+            },
+        );
+        coordinator = coordinator.with_broker(broker);
+        println!("coordinator brokers region {region}");
+    }
+    let coordinator = Arc::new(coordinator);
     let admin = Admin::new(store, rules)
         .with_rules(coordinator.rules())
         .with_snapshot(coordinator.snapshot())

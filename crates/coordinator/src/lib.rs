@@ -16,12 +16,15 @@
 //!   letting it lapse (merge) when it cools;
 //! - [`view`] and [`admin`]: the admin endpoint (health, Prometheus metrics, the keys
 //!   reported, the JSON view of a bucket), bound to loopback by default;
+//! - [`broker`]: in a deployment in regions, the region's broker to the global buckets
+//!   (`--region`, `--global-redis`);
 //! - [`cli`]: the command line shared by `leasehold-coordinator` and
 //!   `leasehold coordinator`.
 #![forbid(unsafe_code)]
 
 pub mod accounting;
 pub mod admin;
+pub mod broker;
 pub mod cli;
 pub mod plan;
 pub mod service;

@@ -106,6 +106,7 @@ pub struct Coordinator {
     seq: AtomicU64,
     ledger: parking_lot::Mutex<Ledger>,
     snapshot: Arc<RwLock<Snapshot>>,
+    broker: Option<Arc<crate::broker::Broker>>,
 }
 
 fn wall_ms() -> u64 {
@@ -129,7 +130,20 @@ impl Coordinator {
             seq: AtomicU64::new(0),
             ledger: parking_lot::Mutex::new(Ledger::new()),
             snapshot: Arc::default(),
+            broker: None,
         }
+    }
+
+    /// Also brokers its region's budgets of global keys (see [`crate::broker`]), while it
+    /// holds the lead.
+    pub fn with_broker(mut self, broker: Arc<crate::broker::Broker>) -> Self {
+        self.broker = Some(broker);
+        self
+    }
+
+    /// The broker, if this coordinator is one.
+    pub fn broker(&self) -> Option<&Arc<crate::broker::Broker>> {
+        self.broker.as_ref()
     }
 
     /// Replaces the rules (a reloaded file): the next tick accounts with them.
@@ -165,6 +179,9 @@ impl Coordinator {
                 }
                 () = &mut shutdown => break,
             }
+        }
+        if let Some(b) = &self.broker {
+            b.stop();
         }
         if self.snapshot.read().leader {
             let _ = self.unlock().await;
@@ -274,6 +291,9 @@ impl Coordinator {
         {
             let mut ledger = self.ledger.lock();
             ledger.forget(now_ms);
+            if let Some(b) = &self.broker {
+                b.ensure(leader, ledger.keys());
+            }
             let keys: Vec<String> = ledger.keys().map(str::to_owned).collect();
             let rules = self.rules.load();
             for key in keys {
@@ -323,7 +343,9 @@ impl Coordinator {
                     .unwrap_or(0)
             };
             for key in warm {
-                let Some((bucket, rule)) = BucketKey::parse(&key) else {
+                // A region's bucket is fed by its broker, never split.
+                let Some((bucket, rule)) = BucketKey::parse(&key).filter(|(b, _)| !b.is_region())
+                else {
                     continue;
                 };
                 let Ok(params) = self

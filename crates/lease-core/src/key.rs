@@ -79,10 +79,25 @@ impl BucketKey {
         Self(format!("{}|region}}", &self.0[..tag_end]))
     }
 
+    /// Whether this is a region's bucket of a global key ([`BucketKey::region_of`]).
+    pub fn is_region(&self) -> bool {
+        self.0.ends_with("|region}")
+    }
+
+    /// The global bucket a region's bucket draws from (the key itself for any other).
+    pub fn global_of(&self) -> Self {
+        match self.0.strip_suffix("|region}") {
+            Some(head) => Self(format!("{head}}}")),
+            None => self.clone(),
+        }
+    }
+
     /// A key as stored (in an agent's report, say), with its rule; `None` unless it has
-    /// the shape [`BucketKey::new`] gives (parts of split buckets are not accepted).
+    /// the shape [`BucketKey::new`] or [`BucketKey::region_of`] gives (parts of split
+    /// buckets are not accepted).
     pub fn parse(text: &str) -> Option<(Self, RuleName)> {
         let tag = text.strip_prefix("lh:{")?.strip_suffix('}')?;
+        let tag = tag.strip_suffix("|region").unwrap_or(tag);
         let (rule, subject) = tag.split_once('|')?;
         let safe = |c: char| c.is_ascii_graphic() && !matches!(c, '{' | '}' | '|');
         if subject.is_empty() || subject.len() > MAX_INLINE || !subject.chars().all(safe) {
@@ -109,9 +124,13 @@ impl BucketKey {
     }
 
     /// The SHA-256 of the subject's bytes, read back from the key (unescaped when it is
-    /// inline, the hash itself when the subject was long); `None` for a part's key or
+    /// inline, the hash itself when the subject was long; a region's bucket's is its global
+    /// key's); `None` for a part's key or
     /// anything [`BucketKey::new`] does not produce.
     pub fn subject_sha256(&self) -> Option<[u8; 32]> {
+        if self.is_region() {
+            return self.global_of().subject_sha256();
+        }
         let (_, subject) = self.hash_tag().split_once('|')?;
         if subject.contains('|') {
             return None;
@@ -412,6 +431,22 @@ mod tests {
         ] {
             assert_eq!(BucketKey::parse(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_region_bucket_key_parses_back_and_leads_to_its_global_key() {
+        for subject in ["t", "{x}|y", &"z".repeat(500)] {
+            let global = BucketKey::new(&rule(), subject).unwrap();
+            let k = global.region_of();
+            assert!(k.is_region() && !global.is_region());
+            assert_ne!(k, global);
+            assert_eq!(k.global_of(), global);
+            assert_eq!(BucketKey::parse(k.as_str()), Some((k.clone(), rule())));
+            assert_eq!(k.subject_sha256(), global.subject_sha256());
+        }
+        // A subject cannot produce a region key: its `|` is escaped.
+        let sneaky = BucketKey::new(&rule(), "t|region").unwrap();
+        assert!(!sneaky.is_region());
     }
 
     #[test]

@@ -39,6 +39,6 @@ pub use policy::{
 pub use rate::{MAX_EXACT, Rate, RateError};
 pub use rule::{
     BucketParams, FailurePolicy, Leasing, Mode, OverrideSpec, PartSeed, RegionParams, Rule,
-    RuleError, RuleName, RuleSpec,
+    RuleError, RuleName, RuleSpec, Scope,
 };
 pub use sizing::{LeaseRequest, Reclaim, lease_request, reclaim, scaled};

@@ -212,6 +212,18 @@ pub struct RuleSpec {
     /// Decide, count and report, but never enforce: every denial is admitted and counted
     /// as `shadow_denied` (default false).
     pub shadow: Option<bool>,
+    /// In a deployment in regions (each region with its own store): `"global"`, one
+    /// worldwide bucket whose budget the regions lease (strict across regions), or
+    /// `"region"`, an independent bucket per region sized by `weights`. Unset: one bucket
+    /// per store, as without regions.
+    pub scope: Option<String>,
+    /// With `scope = "global"`: what a region cut off from the global store admits once
+    /// its term is over (a rate such as `"10/s"`; default nothing, strict).
+    pub partition_floor: Option<String>,
+    /// With `scope = "region"`: each region's weight; region `name` gets
+    /// `weights[name] / sum(weights)` of the capacity and the rate.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub weights: BTreeMap<String, u64>,
     /// Per-subject settings: `overrides."tenant-42"` for one subject, or
     /// `overrides."sha256:<64 hex digits>"` for the subject with that SHA-256, so secrets
     /// need not sit in config. Unset fields inherit from the rule.
@@ -287,6 +299,9 @@ impl OverrideSpec {
             replicas: pick(&self.replicas, &base.replicas),
             replica_timeout: pick(&self.replica_timeout, &base.replica_timeout),
             shadow: pick(&self.shadow, &base.shadow),
+            scope: base.scope.clone(),
+            partition_floor: base.partition_floor.clone(),
+            weights: base.weights.clone(),
             overrides: BTreeMap::new(),
         }
     }
@@ -328,6 +343,40 @@ pub struct Rule {
     leasing: Leasing,
     replication: Option<Replication>,
     shadow: bool,
+    scope: Scope,
+    region_fed: Option<RegionParams>,
+}
+
+/// Where a rule's bucket lives in a deployment in regions (`scope` in its spec).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// One bucket per store: what a deployment without regions has.
+    #[default]
+    Single,
+    /// One worldwide bucket in the home store; each region's agents use the region's
+    /// bucket, fed by its broker (see [`crate::model::region`]).
+    Global {
+        /// What a region admits past its term: `None`, nothing.
+        floor: Option<Rate>,
+    },
+    /// An independent bucket per region with `weight / sum` of B and r: no calls across
+    /// regions, no coordination.
+    Region {
+        /// Region name to weight.
+        weights: BTreeMap<String, u64>,
+    },
+}
+
+/// The longest region name.
+pub const MAX_REGION_NAME: usize = 64;
+
+/// Whether `name` can name a region: 1 to [`MAX_REGION_NAME`] of `[A-Za-z0-9._-]`.
+pub fn valid_region_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_REGION_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// The parameters of a rule that the global bucket needs, as integers; what the Lua
@@ -630,7 +679,10 @@ impl Rule {
                 })
             }
         };
+        let scope = Self::scope_of(label, spec, rate)?;
         Ok(Self {
+            scope,
+            region_fed: None,
             replication,
             shadow: spec.shadow.unwrap_or(false),
             name,
@@ -645,6 +697,156 @@ impl Rule {
             timeout,
             leasing,
         })
+    }
+
+    fn scope_of(label: &str, spec: &RuleSpec, rate: Rate) -> Result<Scope, RuleError> {
+        let conflict = |field, value: String, why| RuleError::Conflict {
+            rule: label.to_owned(),
+            field,
+            value,
+            why,
+        };
+        let scope = spec.scope.as_deref();
+        if let Some(f) = &spec.partition_floor
+            && scope != Some("global")
+        {
+            return Err(conflict(
+                "partition_floor",
+                f.clone(),
+                "applies only with scope = \"global\"",
+            ));
+        }
+        if !spec.weights.is_empty() && scope != Some("region") {
+            return Err(conflict(
+                "weights",
+                format!("{:?}", spec.weights),
+                "applies only with scope = \"region\"",
+            ));
+        }
+        match scope {
+            None => Ok(Scope::Single),
+            Some("global") => {
+                let floor = spec
+                    .partition_floor
+                    .as_deref()
+                    .map(str::parse::<Rate>)
+                    .transpose()
+                    .map_err(|source| RuleError::Rate {
+                        rule: label.to_owned(),
+                        source,
+                    })?;
+                if let Some(f) = floor
+                    && u128::from(f.tokens()) * u128::from(rate.period_us())
+                        > u128::from(rate.tokens()) * u128::from(f.period_us())
+                {
+                    return Err(conflict(
+                        "partition_floor",
+                        spec.partition_floor.clone().unwrap_or_default(),
+                        "must not exceed the rule's rate",
+                    ));
+                }
+                Ok(Scope::Global { floor })
+            }
+            Some("region") => {
+                if spec.weights.is_empty() {
+                    return Err(conflict(
+                        "scope",
+                        "region".into(),
+                        "needs weights, e.g. weights = { eu = 2, us = 1 }",
+                    ));
+                }
+                for (name, w) in &spec.weights {
+                    if !valid_region_name(name) || *w == 0 || *w > 1_000_000 {
+                        return Err(RuleError::Range {
+                            rule: label.to_owned(),
+                            field: "weights",
+                            value: *w,
+                            why: format!(
+                                "region {name:?}: names are 1 to {MAX_REGION_NAME} of [A-Za-z0-9._-], weights 1 to 1000000"
+                            ),
+                        });
+                    }
+                }
+                Ok(Scope::Region {
+                    weights: spec.weights.clone(),
+                })
+            }
+            Some(other) => Err(RuleError::Choice {
+                rule: label.to_owned(),
+                field: "scope",
+                value: other.to_owned(),
+                choices: "global, region",
+            }),
+        }
+    }
+
+    /// Where the rule's bucket lives in a deployment in regions.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+
+    /// The rule as agents of `region` use it (`None`: no regions, the rule itself). Scope
+    /// global: the same rule on the region's bucket of each key (its bucket parameters
+    /// carry the floor; see [`Rule::region_fed`]). Scope region: the region's share of the
+    /// capacity and the rate, lease bounds within it. An error names what does not fit: a
+    /// region the rule gives no weight, or a share too small or too fine to represent.
+    pub fn in_region(&self, region: Option<&str>) -> Result<Rule, String> {
+        let Some(region) = region else {
+            return Ok(self.clone());
+        };
+        let name = &self.name;
+        match &self.scope {
+            Scope::Single => Ok(self.clone()),
+            Scope::Global { floor } => Ok(Rule {
+                region_fed: Some(RegionParams::new(*floor)),
+                ..self.clone()
+            }),
+            Scope::Region { weights } => {
+                let w = *weights.get(region).ok_or_else(|| {
+                    format!("rule {name}: scope = \"region\" gives region {region:?} no weight")
+                })?;
+                let total: u64 = weights.values().sum();
+                let capacity = u64::try_from(
+                    u128::from(self.capacity.get()) * u128::from(w) / u128::from(total),
+                )
+                .ok()
+                .and_then(NonZeroU64::new);
+                let tokens = NonZeroU64::new(self.rate.tokens().saturating_mul(w));
+                let period = self.rate.period_us().checked_mul(total);
+                let rate = match (tokens, period) {
+                    (Some(t), Some(per)) => Rate::new(t, Duration::from_micros(per)).ok(),
+                    _ => None,
+                };
+                let (Some(capacity), Some(rate)) = (capacity, rate) else {
+                    return Err(format!(
+                        "rule {name}: region {region:?}'s share ({w} of {total}) of capacity {} and rate {:.3}/s is too small to represent",
+                        self.capacity,
+                        self.rate.per_sec_f64()
+                    ));
+                };
+                let units = u128::from(capacity.get()) * u128::from(rate.period_us())
+                    + u128::from(rate.tokens());
+                if units > u128::from(MAX_BUCKET_UNITS) {
+                    return Err(format!(
+                        "rule {name}: region {region:?}'s share needs a shorter rate period"
+                    ));
+                }
+                let lease_max = self.lease_max.min(capacity);
+                Ok(Rule {
+                    capacity,
+                    rate,
+                    lease_max,
+                    lease_min: self.lease_min.min(lease_max),
+                    ..self.clone()
+                })
+            }
+        }
+    }
+
+    /// Set on a rule of global scope as a region uses it ([`Rule::in_region`]): its keys
+    /// are the regions' buckets ([`crate::BucketKey::region_of`]), with these parameters.
+    pub fn region_fed(&self) -> Option<RegionParams> {
+        self.region_fed
     }
 
     /// The rule's name.
@@ -710,7 +912,7 @@ impl Rule {
             grace_us: self.grace.as_micros() as u64,
             mode: self.mode,
             part: None,
-            region: None,
+            region: self.region_fed,
         }
     }
 }
@@ -815,5 +1017,57 @@ mod tests {
             e.contains("replica_timeout") && e.contains("replicas = 1 or more"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn scopes_for_regions_are_validated_and_mapped() {
+        // No scope: every region sees the rule as it is.
+        let plain = Rule::from_spec("a", &spec(100, "10/s")).unwrap();
+        assert_eq!(plain.in_region(Some("eu")).unwrap(), plain);
+        // Global: the region's bucket, with its floor.
+        let mut g = spec(100, "10/s");
+        g.scope = Some("global".into());
+        g.partition_floor = Some("2/s".into());
+        let r = Rule::from_spec("g", &g).unwrap().in_region(Some("eu")).unwrap();
+        let p = r.bucket_params();
+        let floor = p.region.and_then(|x| x.floor).unwrap();
+        assert_eq!((floor.tokens(), floor.period_us(), p.capacity), (1, 500_000, 100));
+        assert!(Rule::from_spec("g", &g).unwrap().in_region(None).unwrap().region_fed().is_none());
+        // Region: the region's share, lease bounds within it.
+        let mut w = spec(90, "30/s");
+        w.scope = Some("region".into());
+        w.weights = [("eu".to_owned(), 2), ("us".to_owned(), 1)].into();
+        let rule = Rule::from_spec("w", &w).unwrap();
+        let eu = rule.in_region(Some("eu")).unwrap();
+        assert_eq!(eu.capacity().get(), 60);
+        assert!((eu.rate().per_sec_f64() - 20.0).abs() < 1e-9);
+        assert!(eu.lease_max().get() <= 60 && eu.region_fed().is_none());
+        let e = rule.in_region(Some("ap")).unwrap_err();
+        assert!(e.contains("\"ap\"") && e.contains("no weight"), "{e}");
+        // Fields that do not fit the scope, and scopes that miss what they need.
+        let refused = |s: RuleSpec, want: &str| {
+            let e = Rule::from_spec("x", &s).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        let mut f = spec(10, "1/s");
+        f.partition_floor = Some("1/s".into());
+        refused(f, "partition_floor");
+        let mut f = spec(10, "1/s");
+        f.scope = Some("global".into());
+        f.partition_floor = Some("5/s".into());
+        refused(f, "must not exceed the rule's rate");
+        let mut f = spec(10, "1/s");
+        f.scope = Some("region".into());
+        refused(f, "needs weights");
+        let mut f = spec(10, "1/s");
+        f.weights = [("eu".to_owned(), 1)].into();
+        refused(f, "weights");
+        let mut f = spec(10, "1/s");
+        f.scope = Some("planet".into());
+        refused(f, "global, region");
+        let mut f = spec(10, "1/s");
+        f.scope = Some("region".into());
+        f.weights = [("e u".to_owned(), 1)].into();
+        refused(f, "region \"e u\"");
     }
 }

@@ -15,7 +15,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -912,6 +912,8 @@ pub struct FaultProxy {
     port: u16,
     upstream: Arc<Mutex<SocketAddr>>,
     fault: Arc<AtomicU8>,
+    /// One-way latency each way, µs (0: none).
+    latency_us: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
 }
@@ -923,10 +925,12 @@ impl FaultProxy {
         let port = listener.local_addr()?.port();
         listener.set_nonblocking(true)?;
         let fault = Arc::new(AtomicU8::new(Fault::Pass as u8));
+        let latency_us = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let conns = Arc::new(Mutex::new(Vec::new()));
         let upstream = Arc::new(Mutex::new(upstream));
         let (f, s, c, u) = (fault.clone(), stop.clone(), conns.clone(), upstream.clone());
+        let l = latency_us.clone();
         thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 match listener.accept() {
@@ -948,8 +952,8 @@ impl FaultProxy {
                             list.push(c1);
                             list.push(s1);
                         }
-                        pump(&client, &server, f.clone(), false);
-                        pump(&server, &client, f.clone(), true);
+                        pump(&client, &server, f.clone(), l.clone(), false);
+                        pump(&server, &client, f.clone(), l.clone(), true);
                     }
                     Err(_) => thread::sleep(Duration::from_millis(5)),
                 }
@@ -959,9 +963,17 @@ impl FaultProxy {
             port,
             upstream,
             fault,
+            latency_us,
             stop,
             conns,
         })
+    }
+
+    /// Delays every chunk by `one_way` in each direction (a round trip of twice that),
+    /// keeping order and letting requests pipeline, as a long link does.
+    pub fn set_latency(&self, one_way: Duration) {
+        self.latency_us
+            .store(one_way.as_micros() as u64, Ordering::SeqCst);
     }
 
     /// Points new connections at another upstream (a virtual address moving to a promoted
@@ -1004,10 +1016,31 @@ impl Drop for FaultProxy {
     }
 }
 
-fn pump(from: &TcpStream, to: &TcpStream, fault: Arc<AtomicU8>, is_reply: bool) {
+fn pump(
+    from: &TcpStream,
+    to: &TcpStream,
+    fault: Arc<AtomicU8>,
+    latency_us: Arc<AtomicU64>,
+    is_reply: bool,
+) {
     let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
         return;
     };
+    // Chunks go to a writer that sends each at its due time, so a latency delays them
+    // all alike without holding the next ones back behind a sleep.
+    let (tx, rx) = std::sync::mpsc::channel::<(std::time::Instant, Vec<u8>)>();
+    thread::spawn(move || {
+        while let Ok((due, bytes)) = rx.recv() {
+            let now = std::time::Instant::now();
+            if due > now {
+                thread::sleep(due - now);
+            }
+            if to.write_all(&bytes).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+    });
     thread::spawn(move || {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -1015,16 +1048,17 @@ fn pump(from: &TcpStream, to: &TcpStream, fault: Arc<AtomicU8>, is_reply: bool) 
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
+            let mut due = std::time::Instant::now()
+                + Duration::from_micros(latency_us.load(Ordering::SeqCst));
             match Fault::from_u8(fault.load(Ordering::SeqCst)) {
                 Fault::Blackhole => continue,
                 Fault::DropReplies if is_reply => continue,
-                Fault::Delay => thread::sleep(Duration::from_millis(50)),
+                Fault::Delay => due += Duration::from_millis(50),
                 _ => {}
             }
-            if to.write_all(&buf[..n]).is_err() {
+            if tx.send((due, buf[..n].to_vec())).is_err() {
                 break;
             }
         }
-        let _ = to.shutdown(Shutdown::Both);
     });
 }

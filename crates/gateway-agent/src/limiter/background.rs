@@ -139,11 +139,15 @@ pub(super) async fn report(limiter: Limiter) {
             .map(|(_, ks)| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
             // Leased keys: exact decisions are exact by construction, and cold keys are
             // most keys.
+            // A region's bucket of a global key, leased or not: the region's broker feeds
+            // the keys reported.
             .filter(|(last, ks)| {
+                let recent = now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000;
                 ks.lease.held() > 0
                     || ks.without_store.load(Ordering::Relaxed) > 0
-                    || (ks.hot.load(Ordering::Relaxed)
-                        && now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000)
+                    || (recent
+                        && (ks.hot.load(Ordering::Relaxed)
+                            || ks.entry.load().params.region.is_some()))
             })
             .collect()
     };

@@ -35,6 +35,9 @@ pub enum BuildError {
     /// `build` was called outside a tokio runtime.
     #[error("Limiter::build must run inside a tokio runtime")]
     NoRuntime,
+    /// The region is not a valid name, or a rule does not fit it.
+    #[error("region: {0}")]
+    Region(String),
 }
 
 /// Tuning of the agent. The defaults suit a gateway doing thousands of decisions per
@@ -75,6 +78,11 @@ pub struct LimiterConfig {
     pub breaker: BreakerConfig,
     /// Redis connection settings.
     pub store: StoreConfig,
+    /// The region this agent serves, in a deployment in regions (each region with its own
+    /// store): rules of scope `global` use the region's bucket of each key, fed by the
+    /// region's broker (`leasehold coordinator --region`), and rules of scope `region` the
+    /// region's share. `None` (the default): no regions; every rule has one bucket.
+    pub region: Option<String>,
     /// Every rule in shadow mode: refusals are counted (`shadow_denied`,
     /// `shadow_unavailable`) and let through. Default: the `LEASEHOLD_SHADOW`
     /// environment variable (`1`, `true` or `yes`); rules and overrides can also set
@@ -111,6 +119,7 @@ impl Default for LimiterConfig {
             sweep_every: Duration::from_millis(100),
             breaker: BreakerConfig::default(),
             store: StoreConfig::default(),
+            region: None,
             shadow: std::env::var("LEASEHOLD_SHADOW")
                 .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
         }
@@ -207,6 +216,18 @@ impl LimiterBuilder {
             (None, Some(rules)) => rules,
             (None, None) => return Err(BuildError::NoRules),
         };
+        if let Some(r) = &self.config.region
+            && !leasehold_core::rule::valid_region_name(r)
+        {
+            return Err(BuildError::Region(format!(
+                "{:?}: a region name is 1 to {} of [A-Za-z0-9._-]",
+                r.chars().take(80).collect::<String>(),
+                leasehold_core::rule::MAX_REGION_NAME
+            )));
+        }
+        // Checked before connecting: a rule that does not fit the region is a config error.
+        RuleTable::new(&rules, None, false, self.config.region.as_deref())
+            .map_err(BuildError::Region)?;
         let store = match self.target.ok_or(BuildError::NoStore)? {
             StoreChoice::Redis(url) => {
                 Store::Redis(RedisStore::open(&url, self.config.store.clone()).await?)
@@ -245,7 +266,15 @@ impl LimiterBuilder {
             agent: AgentId(self.agent.unwrap_or_else(rand::random).max(1)),
             seq: AtomicU64::new(0),
             store,
-            rules: ArcSwap::from_pointee(RuleTable::new(&rules, None, self.config.shadow)),
+            rules: ArcSwap::from_pointee(
+                RuleTable::new(
+                    &rules,
+                    None,
+                    self.config.shadow,
+                    self.config.region.as_deref(),
+                )
+                .map_err(BuildError::Region)?,
+            ),
             rules_file: self.rules_file,
             rules_mtime: parking_lot::Mutex::new(None),
             // Blocking resizes: an incremental resize advances only on writes, and until

@@ -155,12 +155,19 @@ pub(crate) struct RuleEntry {
 }
 
 impl RuleEntry {
-    fn new(rule: &Rule, counters: &Arc<RuleCounters>, shadow_all: bool) -> Arc<Self> {
+    /// The entry of `rule` as this agent's region uses it (see [`Rule::in_region`]).
+    fn new(
+        rule: &Rule,
+        counters: &Arc<RuleCounters>,
+        shadow_all: bool,
+        region: Option<&str>,
+    ) -> Result<Arc<Self>, String> {
+        let rule = &rule.in_region(region)?;
         let shadow = shadow_all || rule.shadow();
         let p = rule.bucket_params();
         let w = leasehold_core::refill_secs(p.capacity, p.rate);
         let policy = format!("\"{}\";q={};w={w}", rule.name(), p.capacity);
-        Arc::new(Self {
+        Ok(Arc::new(Self {
             policy: policy.into(),
             params: rule.bucket_params(),
             rule: rule.clone(),
@@ -177,6 +184,17 @@ impl RuleEntry {
             } else {
                 Counter::Unavailable
             },
+        }))
+    }
+
+    /// The store key of `subject` under this rule: the region's bucket of a global key
+    /// when the rule is region-fed.
+    fn key(&self, subject: &[u8]) -> Result<BucketKey, SubjectError> {
+        let key = BucketKey::new(self.rule.name(), subject)?;
+        Ok(if self.rule.region_fed().is_some() {
+            key.region_of()
+        } else {
+            key
         })
     }
 
@@ -221,24 +239,34 @@ struct RuleTable {
 }
 
 impl RuleTable {
-    fn new(rules: &Rules, old: Option<&RuleTable>, shadow_all: bool) -> Self {
+    /// The table of `rules` as `region` uses them; an error names a rule that does not fit
+    /// the region.
+    fn new(
+        rules: &Rules,
+        old: Option<&RuleTable>,
+        shadow_all: bool,
+        region: Option<&str>,
+    ) -> Result<Self, String> {
         let mut by_name = FastMap::default();
         for rule in rules.iter() {
             let name = rule.name().as_str();
             let counters = old
                 .and_then(|t| t.by_name.get(name))
                 .map_or_else(Default::default, |e| e.base.counters.clone());
-            let overrides = rules.overrides(name).map(|o| {
-                let entries = o
-                    .iter()
-                    .map(|(n, r)| (n.into(), RuleEntry::new(r, &counters, shadow_all)))
-                    .collect();
-                (o.clone(), entries)
-            });
-            let base = RuleEntry::new(rule, &counters, shadow_all);
+            let overrides = match rules.overrides(name) {
+                Some(o) => {
+                    let mut entries = FastMap::default();
+                    for (n, r) in o.iter() {
+                        entries.insert(n.into(), RuleEntry::new(r, &counters, shadow_all, region)?);
+                    }
+                    Some((o.clone(), entries))
+                }
+                None => None,
+            };
+            let base = RuleEntry::new(rule, &counters, shadow_all, region)?;
             by_name.insert(name.into(), RuleSet { base, overrides });
         }
-        Self { by_name }
+        Ok(Self { by_name })
     }
 
     fn get(&self, name: &str) -> Result<&RuleSet, UnknownRule> {
@@ -827,7 +855,7 @@ impl Limiter {
             }
             return Ok(Local::NeedsStore(ks.clone(), entry));
         }
-        let bucket = BucketKey::new(entry.rule.name(), subject)?;
+        let bucket = entry.key(subject)?;
         if keys.len() >= self.inner.config.max_keys {
             // Full (a flood of distinct subjects, say): this key is decided by one exact
             // call without keeping its state, and the sweep makes room, idle cold keys
@@ -894,6 +922,7 @@ impl Limiter {
         if !self.is_hot(&ks, &entry)
             && matches!(self.inner.store, Store::Redis(_))
             && entry.rule.replication().is_none()
+            && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
             let until = ks.deny_until_ns.load(Ordering::Acquire);
@@ -1400,13 +1429,22 @@ impl Limiter {
         Ok(n)
     }
 
-    /// Replaces the rules with ones built in code.
+    /// Replaces the rules with ones built in code. Rules that do not fit this agent's
+    /// region (a region-scoped rule without a weight for it, say) are refused, with the
+    /// error logged, and the rules in force stay.
     pub fn set_rules(&self, rules: &Rules) {
-        let table = Arc::new(RuleTable::new(
+        let table = match RuleTable::new(
             rules,
             Some(&self.inner.rules.load()),
             self.inner.config.shadow,
-        ));
+            self.inner.config.region.as_deref(),
+        ) {
+            Ok(t) => Arc::new(t),
+            Err(e) => {
+                tracing::error!(error = %e, "rules refused; the rules in force stay");
+                return;
+            }
+        };
         self.inner.rules.store(table.clone());
         let guard = self.inner.keys.guard();
         for (id, ks) in self.inner.keys.iter(&guard) {

@@ -1,0 +1,216 @@
+//! A region's broker: in a deployment in regions, the region's coordinator leases each
+//! global key's budget for its region from the key's global bucket in the home store,
+//! and deposits it into the region's bucket of the key, where the region's agents lease
+//! and decide as usual (design and argument: `leasehold_core::model::region`,
+//! `docs/regions.md`).
+//!
+//! One task per key the region's agents report, each running the key's
+//! [`KeyBroker`] policy: at most one call in flight, a renewal every
+//! [`BrokerConfig::refresh_us`]. A key whose region holds nothing and reports no demand
+//! for [`IDLE_AFTER`] is dropped (its term lapses on its own). Only the leader brokers:
+//! two brokers of one region would each declare the region's whole holding, which only
+//! over-counts, but wastes budget.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::AgentId;
+use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
+use leasehold_store::{RedisStore, Rules};
+use parking_lot::Mutex;
+
+/// A key idle this long (nothing held, no demand) stops being brokered.
+pub const IDLE_AFTER: Duration = Duration::from_secs(10);
+
+/// Counters of a broker.
+#[derive(Debug, Default)]
+pub struct BrokerStats {
+    /// Calls to the global store.
+    pub global_calls: AtomicU64,
+    /// Calls to the global store that failed or timed out.
+    pub global_failures: AtomicU64,
+    /// Tokens granted by the global store and deposited.
+    pub granted: AtomicU64,
+    /// Calls to the region's store.
+    pub region_calls: AtomicU64,
+}
+
+/// A region's broker.
+#[derive(Debug)]
+pub struct Broker {
+    region: String,
+    id: AgentId,
+    regional: RedisStore,
+    global: RedisStore,
+    rules: Arc<ArcSwap<Rules>>,
+    config: BrokerConfig,
+    started: Instant,
+    keys: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
+    active: AtomicBool,
+    stats: BrokerStats,
+}
+
+impl Broker {
+    /// The broker of `region`, between the region's store and the global one.
+    pub fn new(
+        region: &str,
+        regional: RedisStore,
+        global: RedisStore,
+        rules: Arc<ArcSwap<Rules>>,
+        config: BrokerConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            region: region.to_owned(),
+            // Random per process, as an agent's: a restarted broker never replays.
+            id: AgentId(rand::random::<u64>().max(1)),
+            regional,
+            global,
+            rules,
+            config,
+            started: Instant::now(),
+            keys: Mutex::new(HashMap::new()),
+            active: AtomicBool::new(false),
+            stats: BrokerStats::default(),
+        })
+    }
+
+    /// The region it serves.
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &BrokerStats {
+        &self.stats
+    }
+
+    /// Keys brokered now.
+    pub fn keys(&self) -> usize {
+        self.keys.lock().len()
+    }
+
+    fn now_us(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
+    }
+
+    /// Brokers `keys` (regions' bucket keys the region's agents reported) while
+    /// `leader`; a key already brokered goes on; without the lead, every key stops.
+    pub fn ensure<'a>(self: &Arc<Self>, leader: bool, keys: impl IntoIterator<Item = &'a str>) {
+        self.active.store(leader, Ordering::Relaxed);
+        let mut running = self.keys.lock();
+        running.retain(|_, task| !task.is_finished());
+        if !leader {
+            for (_, task) in running.drain() {
+                task.abort();
+            }
+            return;
+        }
+        for key in keys {
+            if running.contains_key(key) {
+                continue;
+            }
+            let Some((bucket, _)) = BucketKey::parse(key).filter(|(b, _)| b.is_region()) else {
+                continue;
+            };
+            let me = self.clone();
+            running.insert(
+                key.to_owned(),
+                tokio::spawn(async move { me.run(bucket).await }),
+            );
+        }
+    }
+
+    /// Stops every key.
+    pub fn stop(&self) {
+        self.active.store(false, Ordering::Relaxed);
+        for (_, task) in self.keys.lock().drain() {
+            task.abort();
+        }
+    }
+
+    /// One key until it is idle, its rule is gone or no longer global, or the lead is lost.
+    async fn run(self: Arc<Self>, key: BucketKey) {
+        let global_key = key.global_of();
+        let mut policy = KeyBroker::new(self.id);
+        let tick = Duration::from_micros((self.config.refresh_us / 10).clamp(1_000, 20_000));
+        let call_timeout = Duration::from_secs(2);
+        while self.active.load(Ordering::Relaxed) {
+            let Some((_, rule)) = BucketKey::parse(key.as_str()) else {
+                return;
+            };
+            let rules = self.rules.load();
+            let Ok(rule) = rules.resolve_key(rule.as_str(), &global_key) else {
+                return;
+            };
+            let Ok(regional) = rule.in_region(Some(&self.region)) else {
+                return;
+            };
+            if regional.region_fed().is_none() {
+                return;
+            }
+            let (global_p, region_p) = (rule.bucket_params(), regional.bucket_params());
+            drop(rules);
+            let now = self.now_us();
+            if policy.idle_since(now.saturating_sub(IDLE_AFTER.as_micros() as u64))
+                && now > IDLE_AFTER.as_micros() as u64
+            {
+                return;
+            }
+            match policy.poll(now, &self.config, &global_p) {
+                None => tokio::time::sleep(tick).await,
+                Some(BrokerCall::Region(req)) => {
+                    self.stats.region_calls.fetch_add(1, Ordering::Relaxed);
+                    match tokio::time::timeout(
+                        call_timeout,
+                        self.regional.call(&key, &region_p, &req),
+                    )
+                    .await
+                    {
+                        Ok(Ok(reply)) => {
+                            policy.on_region_reply(self.now_us(), &self.config, &reply)
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, key = %key.for_logs(), "deposit failed");
+                            policy.on_failure();
+                            tokio::time::sleep(tick).await;
+                        }
+                        Err(_) => {
+                            policy.on_failure();
+                        }
+                    }
+                }
+                Some(BrokerCall::Global(req)) => {
+                    self.stats.global_calls.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("leasehold_broker_global_calls_total").increment(1);
+                    match tokio::time::timeout(
+                        call_timeout,
+                        self.global.call(&global_key, &global_p, &req),
+                    )
+                    .await
+                    {
+                        Ok(Ok(reply)) => {
+                            self.stats
+                                .granted
+                                .fetch_add(reply.granted, Ordering::Relaxed);
+                            policy.on_global_reply(self.now_us(), &self.config, &reply);
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, key = %key.for_logs(), "global acquire failed");
+                            self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
+                            policy.on_failure();
+                            tokio::time::sleep(tick).await;
+                        }
+                        Err(_) => {
+                            self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
+                            policy.on_failure();
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

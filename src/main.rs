@@ -57,7 +57,7 @@ enum Command {
     Simulate {
         /// A built-in scenario: steady, burst, hot-key, zipf, long-tail, shifting,
         /// agent-crash, redis-down, failover, failover-wait, cluster, hot-split, fleet,
-        /// fleet-under.
+        /// fleet-under, regions, region-partition.
         #[arg(
             long,
             default_value = "hot-key",
@@ -97,6 +97,14 @@ enum Command {
         /// Random seed of the workload.
         #[arg(long, default_value_t = 1, env = "LEASEHOLD_SEED")]
         seed: u64,
+        /// Run across this many regions (a private redis-server each, plus the global
+        /// one; agent i in region i % N); default: the scenario's.
+        #[arg(long, env = "LEASEHOLD_REGIONS")]
+        regions: Option<usize>,
+        /// With regions: the round trip between a region's broker and the global store
+        /// (default: the scenario's, else 80ms).
+        #[arg(long, env = "LEASEHOLD_REGION_RTT")]
+        region_rtt: Option<String>,
     },
     /// Runs the fault matrix under HTTP load against the example gateway (private
     /// Redis primary and replica, coordinator and gateway as processes) and prints one
@@ -170,6 +178,8 @@ fn main() -> ExitCode {
             json,
             plot,
             seed,
+            regions,
+            region_rtt,
         } => {
             let scenario = match scenario_file {
                 Some(path) => simulate::Scenario::from_file(&path),
@@ -181,6 +191,12 @@ fn main() -> ExitCode {
             };
             if let Some(n) = agents {
                 scenario.agents = n;
+            }
+            if regions.is_some() {
+                scenario.regions = regions;
+            }
+            if region_rtt.is_some() {
+                scenario.region_rtt = region_rtt;
             }
             if !(duration > 0.0 && duration <= 3600.0) {
                 return usage(&format!(

@@ -158,6 +158,38 @@ fn simulate_hot_split_splits_the_key_and_survives_a_coordinator_restart() {
 }
 
 #[test]
+fn simulate_region_partition_keeps_the_worldwide_bound() {
+    let r = run(&[
+        "--scenario",
+        "region-partition",
+        "--duration",
+        "8",
+        "--compare",
+        "none",
+    ]);
+    let world = &r["systems"]["world"];
+    println!("{}", r["regions"]);
+    assert_eq!(world["overshoot_1s"].as_f64(), Some(0.0), "{world}");
+    assert_eq!(world["overshoot_10s"].as_f64(), Some(0.0), "{world}");
+    let admitted = |k: &str| {
+        r["systems"][format!("region {k}")]["admitted"]
+            .as_u64()
+            .unwrap()
+    };
+    // Region 0 is cut off for 30% of the run: it admits less than the others, who do not
+    // lose their share.
+    assert!(admitted("r0") < admitted("r1") && admitted("r0") < admitted("r2"));
+    assert!(admitted("r1") > 0 && admitted("r2") > 0);
+    // Calls across regions are per key and renewal, not per decision.
+    let g = &r["regions"];
+    assert!(g["cross_calls"].as_u64().unwrap() > 0, "{g}");
+    assert!(
+        g["cross_calls_per_1k_decisions"].as_f64().unwrap() < 10.0,
+        "{g}"
+    );
+}
+
+#[test]
 fn simulate_refuses_bad_input_with_a_reason() {
     for (args, want) in [
         (vec!["--scenario", "nope"], "unknown scenario"),
@@ -167,6 +199,14 @@ fn simulate_refuses_bad_input_with_a_reason() {
         (
             vec!["--scenario", "failover", "--store", "embedded"],
             "promote-replica",
+        ),
+        (
+            vec!["--scenario", "regions", "--regions", "0"],
+            "regions = 0",
+        ),
+        (
+            vec!["--scenario", "regions", "--region-rtt", "forever"],
+            "region_rtt",
         ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))

@@ -8,6 +8,7 @@
 //! even share of the rule (`r / agents`, `B / agents`): the usual way to run a local-only
 //! limiter behind a load balancer.
 
+mod regions;
 mod report;
 mod scenario;
 
@@ -656,6 +657,8 @@ pub(crate) struct RunReport {
     pub(crate) systems: Vec<(String, SystemReport)>,
     /// What the coordinator saw during Leasehold's run (Redis stores).
     pub(crate) coordinator: Option<CoordinatorSummary>,
+    /// A run across regions: what crossed between them.
+    pub(crate) regions: Option<regions::RegionsSummary>,
 }
 
 /// The coordinator's view of Leasehold's run.
@@ -748,6 +751,36 @@ impl CoordinatorRun {
 
 /// Runs every system on the scenario and reports.
 pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
+    if opts.scenario.regions.is_some() {
+        let report = regions::run(opts)?;
+        if let Some(path) = &opts.json {
+            let json = serde_json::json!({
+                "scenario": opts.scenario.name,
+                "agents": opts.scenario.agents,
+                "duration_s": opts.duration.as_secs_f64(),
+                "seed": opts.seed,
+                "systems": report.systems.iter().map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
+                "regions": report.regions,
+            });
+            let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
+            std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        if let Some(path) = &opts.plot {
+            let rate = opts.scenario.validate()?.rate().per_sec_f64();
+            let series: Vec<(String, Vec<f64>)> = report
+                .systems
+                .iter()
+                .map(|(n, r)| (n.clone(), r.series.clone()))
+                .collect();
+            let title = format!(
+                "{}: admitted tokens/s for tenant-0, worldwide and per region",
+                opts.scenario.name
+            );
+            std::fs::write(path, report::svg(&title, rate, &series))
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        return Ok(report);
+    }
     let rule = opts.scenario.validate()?;
     let rules =
         Rules::from_rules([Rule::from_spec(RULE, &opts.scenario.rule).map_err(|e| e.to_string())?]);
@@ -907,6 +940,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     Ok(RunReport {
         systems,
         coordinator: summary,
+        regions: None,
     })
 }
 
@@ -929,23 +963,54 @@ pub(crate) fn table(r: &RunReport) -> String {
         "RSS MB",
         "redis MB"
     );
+    // A figure that does not apply to the row (a region's own overshoot) shows as "-".
+    let f4 = |v: f64| {
+        if v.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{v:.4}")
+        }
+    };
     for (name, s) in &r.systems {
         out.push_str(&format!(
-            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11.4} {:>12.4} {:>11.4} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
+            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
             name,
             s.decisions_per_sec,
             s.admitted,
             s.denied + s.unavailable,
             s.denied_below_limit,
             s.redis_calls_per_1k_decisions,
-            s.overshoot_1s,
-            s.overshoot_10s,
-            s.utilization,
+            f4(s.overshoot_1s),
+            f4(s.overshoot_10s),
+            f4(s.utilization),
             s.latency_ns.p50,
             s.latency_ns.p99,
             s.latency_ns.p999,
             format!("{:.0}{:+.0}", s.rss_mb, s.rss_growth_mb),
             s.store_mb.map_or_else(|| "-".to_owned(), |m| format!("{m:.0}"))
+        ));
+    }
+    if let Some(g) = &r.regions {
+        let rec: Vec<String> = g
+            .recovery_ms
+            .iter()
+            .map(|m| m.map_or_else(|| "never".to_owned(), |m| format!("{m} ms")))
+            .collect();
+        out.push_str(&format!(
+            "across {} regions ({:.0} ms round trip to the global store): {} calls to it, \
+             {:.1}/s, {:.3} per 1k decisions, {} key(s) brokered; back above 95% of the rate \
+             after each phase change: {}\n",
+            g.regions,
+            g.rtt_ms,
+            g.cross_calls,
+            g.cross_calls_per_sec,
+            g.cross_calls_per_1k_decisions,
+            g.keys,
+            if rec.is_empty() {
+                "-".to_owned()
+            } else {
+                rec.join(", ")
+            }
         ));
     }
     if let Some(c) = &r.coordinator {

@@ -16,6 +16,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 /// One thread's record of a run.
+#[derive(Clone)]
 pub(crate) struct Recording {
     /// `key << 32 | ms` -> [tokens arriving, tokens admitted].
     slots: HashMap<u64, [u32; 2], foldhash::fast::RandomState>,

@@ -42,6 +42,13 @@
 //! hot-key splitting); `split_above = 2000.0` sets its per-shard budget of store calls
 //! per second for one key (default 5000).
 //!
+//! `regions = 3` runs across regions: a private redis-server per region plus the global
+//! one, agent `i` in region `i % regions`, each region's coordinator brokering its budget
+//! from the global store through a link of `region_rtt` (default `"80ms"`, a fault proxy
+//! with half of it each way). The rule should have `scope = "global"` (set when absent).
+//! Faults `partition-region` / `heal-region` (with `region = K`) cut and restore region
+//! K's link.
+//!
 //! `store = "cluster-spawn"` (or another `--store` value) names the store the scenario
 //! runs on when `--store` is not given.
 
@@ -71,6 +78,12 @@ pub(crate) struct Scenario {
     /// The coordinator's per-shard budget for one key, store calls per second.
     #[serde(default)]
     pub(crate) split_above: Option<f64>,
+    /// Run across this many regions (see the module doc).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) regions: Option<usize>,
+    /// The round trip between a region's broker and the global store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) region_rtt: Option<String>,
 }
 
 /// Which keys requests go to.
@@ -209,6 +222,9 @@ pub(crate) struct Fault {
     pub(crate) at: f64,
     pub(crate) action: String,
     pub(crate) agent: Option<usize>,
+    /// The region a `partition-region` or `heal-region` fault acts on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) region: Option<usize>,
 }
 
 fn default_agents() -> usize {
@@ -243,6 +259,8 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "hot-split",
     "fleet",
     "fleet-under",
+    "regions",
+    "region-partition",
 ];
 
 /// Fault actions a scenario may use.
@@ -256,10 +274,22 @@ pub(crate) const FAULTS: &[&str] = &[
     "promote-replica",
     "stop-coordinator",
     "start-coordinator",
+    "partition-region",
+    "heal-region",
 ];
 
 fn rule(capacity: u64, rate: &str) -> RuleSpec {
     RuleSpec::new(capacity, rate)
+}
+
+/// The rule of the region scenarios: one worldwide bucket, leased, a 2 s term.
+fn region_rule() -> RuleSpec {
+    let mut r = rule(20_000, "20000/s");
+    r.scope = Some("global".into());
+    r.leasing = Some("lease".into());
+    r.lease_ttl = Some("2s".into());
+    r.grace = Some("200ms".into());
+    r
 }
 
 fn phase(at: f64, offered: f64, active: Option<Vec<usize>>) -> Phase {
@@ -293,6 +323,8 @@ impl Scenario {
             phases,
             faults: Vec::new(),
             split_above: None,
+            regions: None,
+            region_rtt: None,
         };
         Ok(match name {
             // Ten tenants, offered 1.6x their limit, evenly, all the time.
@@ -360,6 +392,7 @@ impl Scenario {
                     at: 0.5,
                     action: "crash-agent".into(),
                     agent: Some(0),
+                    region: None,
                 });
                 s
             }
@@ -375,6 +408,7 @@ impl Scenario {
                         at,
                         action: action.into(),
                         agent: None,
+                        region: None,
                     });
                 }
                 s
@@ -401,6 +435,7 @@ impl Scenario {
                         at,
                         action: action.into(),
                         agent: None,
+                        region: None,
                     });
                 }
                 s
@@ -429,6 +464,7 @@ impl Scenario {
                         at,
                         action: action.into(),
                         agent: None,
+                        region: None,
                     });
                 }
                 s
@@ -457,6 +493,49 @@ impl Scenario {
                 }];
                 let mut s = base(rule(20_000, "20000/s"), keys(1, "uniform"), phases);
                 s.agents = 64;
+                s
+            }
+            // One worldwide tenant (scope global) served from three regions, 1.3x its
+            // limit in all; 70% of the demand is in one region, and that region changes
+            // every third of the run.
+            "regions" => {
+                let per_region = |lead: usize| -> Vec<f64> {
+                    (0..9)
+                        .map(|i| {
+                            let w = if i % 3 == lead { 0.7 } else { 0.15 };
+                            20_000.0 * 1.3 * w / 3.0
+                        })
+                        .collect()
+                };
+                let phases = (0..3)
+                    .map(|k| Phase {
+                        rates: Some(per_region(k)),
+                        ..phase(k as f64 / 3.0, 0.0, None)
+                    })
+                    .collect();
+                let mut s = base(region_rule(), keys(1, "uniform"), phases);
+                s.agents = 9;
+                s.regions = Some(3);
+                s
+            }
+            // The same tenant, demand even over three regions; region 0 is cut off from
+            // the global store for 30% of the run.
+            "region-partition" => {
+                let phases = vec![Phase {
+                    total: Some(20_000.0 * 1.3),
+                    ..phase(0.0, 0.0, None)
+                }];
+                let mut s = base(region_rule(), keys(1, "uniform"), phases);
+                s.agents = 9;
+                s.regions = Some(3);
+                for (at, action) in [(0.35, "partition-region"), (0.65, "heal-region")] {
+                    s.faults.push(Fault {
+                        at,
+                        action: action.into(),
+                        agent: None,
+                        region: Some(0),
+                    });
+                }
                 s
             }
             other => {
@@ -580,13 +659,43 @@ impl Scenario {
                     f.action, f.at, self.agents
                 ));
             }
+            let regions = self.regions.unwrap_or(0);
+            if f.action.ends_with("-region") && f.region.is_none_or(|r| r >= regions) {
+                return err(format!(
+                    "fault {} at {}: needs region in 0..{regions} (and regions = N)",
+                    f.action, f.at
+                ));
+            }
         }
         if let Some(b) = self.split_above
             && !(b > 0.0 && b.is_finite())
         {
             return err(format!("split_above = {b} must be a positive number"));
         }
+        if let Some(n) = self.regions {
+            if !(1..=16).contains(&n) || n > self.agents {
+                return err(format!(
+                    "regions = {n} must be 1..=16 and at most the agents ({})",
+                    self.agents
+                ));
+            }
+            self.rtt()?;
+        }
         Ok(rule)
+    }
+
+    /// The round trip to the global store in a run across regions.
+    pub(crate) fn rtt(&self) -> Result<std::time::Duration, String> {
+        let text = self.region_rtt.as_deref().unwrap_or("80ms");
+        let d = leasehold::core::rate::parse_duration(text)
+            .map_err(|e| format!("scenario {}: region_rtt = {text:?}: {e}", self.name))?;
+        if d > std::time::Duration::from_secs(10) {
+            return Err(format!(
+                "scenario {}: region_rtt = {text:?}: at most 10s",
+                self.name
+            ));
+        }
+        Ok(d)
     }
 
     /// The phase in force at `fraction` of the run.
@@ -626,6 +735,7 @@ mod tests {
             at: 0.5,
             action: "reboot-datacenter".into(),
             agent: None,
+            region: None,
         });
         assert!(s.validate().unwrap_err().contains("reboot-datacenter"));
         let mut s = Scenario::built_in("hot-key").unwrap();

@@ -20,11 +20,15 @@ use arc_swap::ArcSwap;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::AgentId;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
+use leasehold_store::report::WANTED_KEY;
 use leasehold_store::{RedisStore, Rules};
 use parking_lot::Mutex;
 
 /// A key idle this long (nothing held, no demand) stops being brokered.
 pub const IDLE_AFTER: Duration = Duration::from_secs(10);
+
+/// How often the broker reads the keys agents announce.
+pub const WATCH_EVERY: Duration = Duration::from_millis(20);
 
 /// Counters of a broker.
 #[derive(Debug, Default)]
@@ -51,6 +55,7 @@ pub struct Broker {
     started: Instant,
     keys: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
     active: AtomicBool,
+    watcher: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stats: BrokerStats,
 }
 
@@ -74,6 +79,7 @@ impl Broker {
             started: Instant::now(),
             keys: Mutex::new(HashMap::new()),
             active: AtomicBool::new(false),
+            watcher: Mutex::new(None),
             stats: BrokerStats::default(),
         })
     }
@@ -98,17 +104,32 @@ impl Broker {
     }
 
     /// Brokers `keys` (regions' bucket keys the region's agents reported) while
-    /// `leader`; a key already brokered goes on; without the lead, every key stops.
+    /// `leader`; a key already brokered goes on; without the lead, every key stops. With
+    /// the lead it also watches [`WANTED_KEY`], where agents announce a key they start
+    /// using, so a new key is fed within a round trip.
     pub fn ensure<'a>(self: &Arc<Self>, leader: bool, keys: impl IntoIterator<Item = &'a str>) {
         self.active.store(leader, Ordering::Relaxed);
-        let mut running = self.keys.lock();
-        running.retain(|_, task| !task.is_finished());
         if !leader {
-            for (_, task) in running.drain() {
+            for (_, task) in self.keys.lock().drain() {
                 task.abort();
             }
             return;
         }
+        let mut watcher = self.watcher.lock();
+        if watcher
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+        {
+            let me = self.clone();
+            *watcher = Some(tokio::spawn(async move { me.watch().await }));
+        }
+        drop(watcher);
+        self.add(keys);
+    }
+
+    fn add<'a>(self: &Arc<Self>, keys: impl IntoIterator<Item = &'a str>) {
+        let mut running = self.keys.lock();
+        running.retain(|_, task| !task.is_finished());
         for key in keys {
             if running.contains_key(key) {
                 continue;
@@ -127,8 +148,48 @@ impl Broker {
     /// Stops every key.
     pub fn stop(&self) {
         self.active.store(false, Ordering::Relaxed);
+        if let Some(w) = self.watcher.lock().take() {
+            w.abort();
+        }
         for (_, task) in self.keys.lock().drain() {
             task.abort();
+        }
+    }
+
+    /// Reads the keys agents announce while active: every [`WATCH_EVERY`], the entries
+    /// newer than the last seen; entries older than a minute are trimmed.
+    async fn watch(self: Arc<Self>) {
+        let mut since = 0u64;
+        let mut trimmed = Instant::now();
+        while self.active.load(Ordering::Relaxed) {
+            let mut read = redis::cmd("ZRANGEBYSCORE");
+            read.arg(WANTED_KEY)
+                .arg(since)
+                .arg("+inf")
+                .arg("WITHSCORES");
+            match self.regional.query::<Vec<(String, u64)>>(&read).await {
+                Ok(entries) => {
+                    since = entries
+                        .iter()
+                        .map(|(_, at)| *at)
+                        .max()
+                        .unwrap_or(since)
+                        .max(since);
+                    self.add(entries.iter().map(|(k, _)| k.as_str()));
+                }
+                Err(e) => tracing::debug!(error = %e, "reading the announced keys failed"),
+            }
+            if trimmed.elapsed() > Duration::from_secs(10) {
+                trimmed = Instant::now();
+                let cutoff = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64)
+                    .saturating_sub(60_000);
+                let mut trim = redis::cmd("ZREMRANGEBYSCORE");
+                trim.arg(WANTED_KEY).arg("-inf").arg(cutoff);
+                let _ = self.regional.query::<i64>(&trim).await;
+            }
+            tokio::time::sleep(WATCH_EVERY).await;
         }
     }
 

@@ -164,6 +164,10 @@ impl Coordinator {
     /// Runs a tick every `config.tick`, half a second after the agents' whole-second
     /// reports, until `shutdown` completes; then gives up the lock.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        // One tick at once (the lock, a broker's keys), then on the half second.
+        if let Err(e) = self.tick().await {
+            tracing::warn!(error = %e, "coordinator tick failed");
+        }
         let first =
             tokio::time::Instant::now() + Duration::from_millis((1500 - wall_ms() % 1000) % 1000);
         let mut ticks = tokio::time::interval_at(first, self.config.tick);

@@ -1028,11 +1028,24 @@ mod tests {
         let mut g = spec(100, "10/s");
         g.scope = Some("global".into());
         g.partition_floor = Some("2/s".into());
-        let r = Rule::from_spec("g", &g).unwrap().in_region(Some("eu")).unwrap();
+        let r = Rule::from_spec("g", &g)
+            .unwrap()
+            .in_region(Some("eu"))
+            .unwrap();
         let p = r.bucket_params();
         let floor = p.region.and_then(|x| x.floor).unwrap();
-        assert_eq!((floor.tokens(), floor.period_us(), p.capacity), (1, 500_000, 100));
-        assert!(Rule::from_spec("g", &g).unwrap().in_region(None).unwrap().region_fed().is_none());
+        assert_eq!(
+            (floor.tokens(), floor.period_us(), p.capacity),
+            (1, 500_000, 100)
+        );
+        assert!(
+            Rule::from_spec("g", &g)
+                .unwrap()
+                .in_region(None)
+                .unwrap()
+                .region_fed()
+                .is_none()
+        );
         // Region: the region's share, lease bounds within it.
         let mut w = spec(90, "30/s");
         w.scope = Some("region".into());

@@ -885,6 +885,19 @@ impl RedisStore {
             .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))
     }
 
+    /// Tells the region's broker that agents use `key`, a region's bucket of a global key
+    /// (see [`crate::report::WANTED_KEY`]).
+    pub async fn announce_region_key(&self, key: &BucketKey) -> Result<(), StoreError> {
+        let at_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut add = redis::cmd("ZADD");
+        add.arg(crate::report::WANTED_KEY)
+            .arg(at_ms)
+            .arg(key.as_str());
+        self.query::<i64>(&add).await.map(|_| ())
+    }
+
     /// Replaces `agent`'s report (see [`crate::report`]) and scores it live at `at_ms`.
     pub async fn report(
         &self,

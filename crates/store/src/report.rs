@@ -16,6 +16,11 @@ use leasehold_core::model::AgentId;
 /// The sorted set of agents, scored by their last report (wall-clock ms).
 pub const AGENTS_KEY: &str = "lh:agents";
 
+/// In a region's store: the regions' bucket keys agents started using, scored by when
+/// (wall-clock ms), so the region's broker feeds a new key at once instead of after the
+/// next report. The broker trims it.
+pub const WANTED_KEY: &str = "lh:wanted";
+
 /// A report lives this long unless renewed (ms).
 pub const REPORT_TTL_MS: u64 = 10_000;
 

@@ -384,6 +384,8 @@ struct KeyState {
     batch_after_ns: AtomicU64,
     /// In [`Inner::swept`], the keys the sweep visits every tick.
     in_sweep: AtomicBool,
+    /// A region's bucket of a global key, announced to the region's broker.
+    announced: AtomicBool,
 }
 
 impl KeyState {
@@ -418,6 +420,7 @@ impl KeyState {
             transient,
             entry: ArcSwap::new(entry.clone()),
             batch_after_ns: AtomicU64::new(0),
+            announced: AtomicBool::new(false),
             in_sweep: AtomicBool::new(false),
         }
     }
@@ -905,6 +908,20 @@ impl Limiter {
         // sweep visits it every tick.
         if ks.hot.load(Ordering::Relaxed) && !ks.in_sweep.load(Ordering::Relaxed) {
             self.track(&ks);
+        }
+        // A region's bucket the region's broker may not feed yet: tell it now rather than
+        // with the next report.
+        if entry.params.region.is_some()
+            && !ks.announced.load(Ordering::Relaxed)
+            && !ks.announced.swap(true, Ordering::Relaxed)
+            && let Store::Redis(store) = &self.inner.store
+        {
+            let (store, key) = (store.clone(), ks.bucket.clone());
+            tokio::spawn(async move {
+                if let Err(e) = store.announce_region_key(&key).await {
+                    tracing::debug!(error = %e, "announcing a region key to the broker failed");
+                }
+            });
         }
         let d = self.consult_store(ks, entry.clone(), cost).await;
         entry.enforce(d)

@@ -19,7 +19,7 @@
 --       a region's bucket, lh:{RULE|SUBJECT|region}: floor_tokens, floor_period_us,
 --       floor_burst, 0, 0, all 0 for no floor), then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
---   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us
+--   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us, rate_milli
 -- A region's bucket (model/region.rs) starts empty and refills nothing during its term
 -- (ru): its broker's deposits feed it, once per seq (rq, the grant's global time); at the
 -- term's end what is left is void, and then it refills at its floor only.
@@ -274,7 +274,7 @@ local function fresh(p, now)
   local tok = p.cap
   if p.region then tok = 0 end
   return {tok = tok, car = 0, p = carry_period(p), ts = now, out = 0, nexp = 0, mx = 0, ds = 0,
-          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, split = no_split()}
+          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = no_split()}
 end
 
 -- Loads the bucket and the agent's record (none for a deposit, which has no record);
@@ -285,7 +285,7 @@ local function begin(key, p, norecord)
   local id = p.id
   local f = redis.pcall('HMGET', key, 'tok', 'car', 'p', 'ts', 'out', 'nexp', 'mx', 'ds',
     'sg', 'sp', 'pt', 'dx', id .. ':h', id .. ':x', id .. ':s', id .. ':r', id .. ':d', id .. ':c',
-    'ru', 'rq')
+    'ru', 'rq', 'rr')
   local compact = false
   if f.err then
     -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
@@ -299,7 +299,7 @@ local function begin(key, p, norecord)
     local function num(i) return tonumber(f[i] or '0') end
     s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
          mx = num(7), ds = num(8), sg = num(9), dx = num(12), pg = 0, pu = 0, ru = num(19),
-         rq = num(20), split = no_split()}
+         rq = num(20), rr = num(21), split = no_split()}
     if f[10] then
       -- sp: parts, salt, until, tokens, outstanding, drop of the split in force.
       local a = decode(f[10])
@@ -444,6 +444,7 @@ local function finish(key, s, p, now, rec, reply)
   end
   if s.ru ~= 0 then add('ru', fmt(s.ru)) end
   if s.rq ~= 0 then add('rq', fmt(s.rq)) end
+  if s.rr ~= 0 then add('rr', fmt(s.rr)) end
   if s.sg ~= 0 then add('sg', fmt(s.sg)) end
   local sp = s.split
   if sp.parts ~= 0 then
@@ -514,9 +515,10 @@ end
 -- r / demand_sum in millionths, at most one (proportional share; whole for an agent
 -- alone with demand); floating point with the same operations as the model, so both
 -- round alike.
-local function scale_ppm(p, ds, demand)
+local function scale_ppm(p, rr, ds, demand)
   if ds <= demand then return 1000000 end
-  local x = (p.n * 1e15) / (p.per * ds)
+  local x
+  if rr > 0 then x = rr * 1e6 / ds else x = (p.n * 1e15) / (p.per * ds) end
   if x > 1e6 then x = 1e6 end
   return math.floor(x)
 end
@@ -540,12 +542,15 @@ end
 
 -- Proportional share, enforced (model/share.rs, Allowance): while the key is contended an
 -- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
-local function allowance(p, ds, demand, scale, min, rec, now)
+local function allowance(p, rr, ds, demand, scale, min, rec, now)
   if scale >= 1000000 then return nil end
   -- 1% of the sum for an agent reporting no demand yet (model/share.rs, Allowance::new).
   local share = demand
   if demand == 0 then share = math.ceil(ds / 100) end
-  local per_us = p.n * 1000 / p.per * share / ds
+  -- Thousandths of a token per us: the rule's rate, or the region's (share.rs).
+  local rate_us
+  if rr > 0 then rate_us = rr / 1e6 else rate_us = p.n * 1000 / p.per end
+  local per_us = rate_us * share / ds
   local cap = math.max(min * 1000, math.floor(p.cap * 1000 * share / ds))
   local banked, elapsed = cap, 0
   if rec then
@@ -589,8 +594,8 @@ local function acquire(keys, args)
   s.ds = s.ds - prior_demand + demand
   clamp(s, p)
   local tok = s.tok
-  local scale = scale_ppm(p, s.ds, demand)
-  local a = allowance(p, s.ds, demand, scale, min, rec, now)
+  local scale = scale_ppm(p, s.rr, s.ds, demand)
+  local a = allowance(p, s.rr, s.ds, demand, scale, min, rec, now)
   local avail = tok
   if moved or ttl == 0 then
     avail = 0
@@ -686,7 +691,7 @@ local function exact(keys, args)
   -- Other agents lease this key: say so (model/ops.rs, exact).
   local own = 0
   if rec then own = rec.demand end
-  if s.ds > own then reply[6] = math.max(scale_ppm(p, s.ds, 0), 1) end
+  if s.ds > own then reply[6] = math.max(scale_ppm(p, s.rr, s.ds, 0), 1) end
   return finish(key, s, p, now, kept(rec, p, now), reply)
 end
 
@@ -724,12 +729,15 @@ local function deposit(keys, args)
   local p = params(args)
   local tokens = int(args[14], 'tokens', MAX_HELD)
   local untl = int(args[15], 'until', MAX)
+  local rate = int(args[16], 'rate_milli', MAX_HELD)
   local key = the_key(keys, p)
   if not p.region then fail('LH_ARG invalid argument region = 0') end
   local s, rec, now = open(key, p, true)
   local reply = new_reply(now, false)
   if p.seq > s.rq then
     s.rq = p.seq
+    if rate == 0 and s.rr ~= 0 then redis.call('HDEL', key, 'rr') end
+    s.rr = rate
     if untl > now then
       if not in_term(s) then s.tok, s.car = 0, 0 end
       s.ru = math.max(s.ru, untl)
@@ -780,7 +788,7 @@ local function exact_full(key, p, cost, first, count, server_now, out, g)
   advance(key, s, p, now, nil)
   -- Agents lease this key: say so, with their proportional scale (at least 1).
   local scale = 0
-  if s.ds > 0 then scale = math.max(scale_ppm(p, s.ds, 0), 1) end
+  if s.ds > 0 then scale = math.max(scale_ppm(p, 0, s.ds, 0), 1) end
   local n = #out
   for i = 1, count do
     local c, retry = cost[first + i - 1], 0

@@ -636,7 +636,12 @@ fn differential_region_bucket_matches_model() {
                     Request {
                         agent: broker,
                         seq,
-                        op: Op::Deposit { tokens: rng.random_range(0..=cap), until_us },
+                        op: Op::Deposit {
+                            tokens: rng.random_range(0..=cap),
+                            until_us,
+                            // The region's rate: unknown, or anything up to the rule's.
+                            rate_milli: rng.random_range(0..3) * rng.random_range(0..=100_000),
+                        },
                     }
                 } else if let (0, Some((prev, prev_p))) = (rng.random_range(0..8), last[i]) {
                     // A retry: the same request with the same parameters.

@@ -257,7 +257,7 @@ impl Broker {
                             self.stats
                                 .granted
                                 .fetch_add(reply.granted, Ordering::Relaxed);
-                            policy.on_global_reply(self.now_us(), &self.config, &reply);
+                            policy.on_global_reply(self.now_us(), &self.config, &global_p, &reply);
                         }
                         Ok(Err(e)) => {
                             tracing::debug!(error = %e, key = %key.for_logs(), "global acquire failed");

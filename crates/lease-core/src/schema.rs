@@ -33,6 +33,8 @@ pub const PART: &str = "pt";
 pub const TERM_UNTIL: &str = "ru";
 /// On a region's bucket: the last deposit applied, by its grant's global time.
 pub const DEPOSIT_SEQ: &str = "rq";
+/// On a region's bucket: the rate the region gets (milli-tokens/s), by its last deposit.
+pub const REGION_RATE: &str = "rr";
 
 /// Per agent (`ID` = 16 hex digits), what it holds from this bucket.
 pub const AGENT_HELD: &str = ":h";
@@ -79,6 +81,10 @@ pub const FIELDS: &[(&str, &str)] = &[
     (
         DEPOSIT_SEQ,
         "on a region's bucket: the last deposit applied",
+    ),
+    (
+        REGION_RATE,
+        "on a region's bucket: the rate it gets (milli-tokens/s)",
     ),
     (AGENT_HELD, "per agent: tokens it holds"),
     (AGENT_DROP, "per agent: when its record drops"),

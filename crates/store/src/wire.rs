@@ -96,7 +96,11 @@ pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
             salt,
             until_us,
         } => rest.extend([parts, salt, until_us]),
-        Op::Deposit { tokens, until_us } => rest.extend([tokens, until_us]),
+        Op::Deposit {
+            tokens,
+            until_us,
+            rate_milli,
+        } => rest.extend([tokens, until_us, rate_milli]),
     }
     (common, rest)
 }
@@ -242,6 +246,9 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     }
     if s.deposit_seq != 0 {
         f.insert(h::DEPOSIT_SEQ.to_owned(), s.deposit_seq.to_string());
+    }
+    if s.region_rate_milli != 0 {
+        f.insert(h::REGION_RATE.to_owned(), s.region_rate_milli.to_string());
     }
     for (id, r) in &s.agents {
         f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());

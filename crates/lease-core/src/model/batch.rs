@@ -123,7 +123,7 @@ impl GlobalBucket {
         s.advance(p, now);
         // Agents lease this key: say so, with their proportional scale (at least 1).
         let scale_ppm = if s.demand_sum > 0 {
-            super::share::scale_ppm(p, s.demand_sum, 0).max(1)
+            super::share::scale_ppm(p, 0, s.demand_sum, 0).max(1)
         } else {
             0
         };

@@ -112,6 +112,9 @@ pub enum Op {
         tokens: u64,
         /// The end of the term they serve, this store's server µs.
         until_us: u64,
+        /// The rate the region gets of the global bucket, thousandths of a token per
+        /// second (0: unknown): the region's agents share it as they would share r.
+        rate_milli: u64,
     },
 }
 
@@ -225,8 +228,12 @@ impl GlobalBucket {
                 salt,
                 until_us,
             } => ops::split(&mut call, p, parts, salt, until_us),
-            Op::Deposit { tokens, until_us } => {
-                let reply = ops::deposit(&mut call, p, req.seq, tokens, until_us);
+            Op::Deposit {
+                tokens,
+                until_us,
+                rate_milli,
+            } => {
+                let reply = ops::deposit(&mut call, p, req.seq, tokens, until_us, rate_milli);
                 let (state, reply) = call.finish(p, req, None, reply);
                 self.state = Some(state);
                 return Ok(reply);

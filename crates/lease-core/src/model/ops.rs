@@ -71,7 +71,11 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
         Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
-        Op::Deposit { tokens, until_us } => {
+        Op::Deposit {
+            tokens,
+            until_us,
+            rate_milli,
+        } => {
             if p.region.is_none() {
                 return Err(ProtocolError::InvalidArgument {
                     what: "region",
@@ -80,6 +84,7 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             }
             check("tokens", tokens, MAX_HELD)?;
             check("until", until_us, MAX_EXACT)?;
+            check("rate_milli", rate_milli, MAX_HELD)?;
         }
         Op::Split {
             parts,
@@ -298,8 +303,9 @@ pub(super) fn acquire(
     s.demand_sum = s.demand_sum - prior_demand + demand;
     s.clamp(p);
     let tok = s.level.tokens;
-    let scale = scale_ppm(p, s.demand_sum, demand);
-    let mut share = Allowance::new(p, s.demand_sum, demand, scale, min);
+    let rr = s.region_rate_milli;
+    let scale = scale_ppm(p, rr, s.demand_sum, demand);
+    let mut share = Allowance::new(p, rr, s.demand_sum, demand, scale, min);
     if let Some(a) = &mut share {
         a.earn(c.prior.as_ref(), now);
     }
@@ -404,7 +410,7 @@ pub(super) fn exact(c: &mut Call, p: &BucketParams, cost: u64) -> (AgentRecord, 
     // Other agents lease this key: say so (their proportional scale, at least 1), so an
     // agent that sees it cold starts leasing at once.
     if s.demand_sum > own {
-        reply.scale_ppm = scale_ppm(p, s.demand_sum, 0).max(1);
+        reply.scale_ppm = scale_ppm(p, s.region_rate_milli, s.demand_sum, 0).max(1);
     }
     (c.kept(p), reply)
 }
@@ -454,12 +460,14 @@ pub(super) fn deposit(
     seq: u64,
     tokens: u64,
     until_us: u64,
+    rate_milli: u64,
 ) -> Reply {
     let now = c.now;
     let mut reply = c.reply();
     let s = &mut c.s;
     if seq > s.deposit_seq {
         s.deposit_seq = seq;
+        s.region_rate_milli = rate_milli;
         if until_us > now {
             if !s.in_term() {
                 // Tokens the floor made are not the global bucket's; the held the broker

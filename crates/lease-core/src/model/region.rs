@@ -159,6 +159,8 @@ pub struct KeyBroker {
     rtt_us: u64,
     /// When the last acquire was first sent (broker clock).
     last_acquire: u64,
+    /// The region spent about everything it had between its last two replies.
+    starved: bool,
     in_flight: bool,
     last_busy: u64,
 }
@@ -177,6 +179,7 @@ impl KeyBroker {
             last_reply_at: 0,
             rtt_us: 0,
             last_acquire: 0,
+            starved: false,
             in_flight: false,
             last_busy: 0,
         }
@@ -216,12 +219,20 @@ impl KeyBroker {
                 op: Op::Deposit {
                     tokens: 0,
                     until_us: 0,
+                    rate_milli: 0,
                 },
             }),
             Phase::Idle { due } if now >= due => {
                 self.seq += 1;
+                // Enough for the next renewals and a round trip at the region's rate; a
+                // region that ran dry asks for twice what it could spend (its agents'
+                // demand is averaged over a second, and lags when demand moves to it).
                 let horizon = 2 * cfg.refresh_us + self.rtt_us;
-                let need = u128::from(self.demand_milli()) * u128::from(horizon) / 1_000_000_000;
+                let mut rate = self.demand_milli();
+                if self.starved {
+                    rate = rate.max(self.spent_milli.saturating_mul(2));
+                }
+                let need = u128::from(rate) * u128::from(horizon) / 1_000_000_000;
                 let want = u64::try_from(need)
                     .unwrap_or(u64::MAX)
                     .saturating_sub(self.held)
@@ -267,6 +278,8 @@ impl KeyBroker {
             let rate = u128::from(spent) * 1_000_000_000 / u128::from(now - self.last_reply_at);
             let rate = u64::try_from(rate).unwrap_or(u64::MAX);
             self.spent_milli = (self.spent_milli + rate) / 2;
+            // Dry: what is left would not last another such interval.
+            self.starved = spent > 0 && r.held <= spent;
         }
         self.sample = Some((r.now_us, now));
         self.held = r.held;
@@ -281,11 +294,30 @@ impl KeyBroker {
     }
 
     /// The global bucket answered the acquire: the deposit to make.
-    pub fn on_global_reply(&mut self, now: u64, cfg: &BrokerConfig, reply: &Reply) {
+    /// `global` are the rule's parameters at the global bucket.
+    pub fn on_global_reply(
+        &mut self,
+        now: u64,
+        cfg: &BrokerConfig,
+        global: &BucketParams,
+        reply: &Reply,
+    ) {
         self.in_flight = false;
-        let Phase::Acquiring { sent, .. } = self.phase else {
+        let Phase::Acquiring { sent, req } = self.phase else {
             return;
         };
+        // What the region gets: its demand times the share the global bucket granted it
+        // (at most the rule's rate), for its agents to divide.
+        let demand = match req.op {
+            Op::Acquire { demand, .. } => demand,
+            _ => 0,
+        };
+        let rule_milli =
+            u128::from(global.rate.tokens()) * 1_000_000_000 / u128::from(global.rate.period_us());
+        let share = u128::from(demand) * u128::from(reply.scale_ppm) / 1_000_000;
+        let rate_milli = u64::try_from(share.min(rule_milli))
+            .unwrap_or(u64::MAX)
+            .min(MAX_HELD);
         self.rtt_us = now.saturating_sub(sent);
         let until = match self.sample {
             Some((region_now, at)) => {
@@ -301,6 +333,7 @@ impl KeyBroker {
             op: Op::Deposit {
                 tokens: reply.granted,
                 until_us: until,
+                rate_milli,
             },
         };
         self.phase = Phase::Depositing { req };

@@ -6,13 +6,24 @@ use super::AgentRecord;
 use crate::rule::BucketParams;
 
 /// `r / demand_sum` in millionths, at most one: the proportional share of every agent.
-/// An agent alone with demand has the whole bucket.
-pub(super) fn scale_ppm(p: &BucketParams, demand_sum: u64, demand: u64) -> u64 {
+/// An agent alone with demand has the whole bucket. On a region's bucket whose broker
+/// said what the region gets (`region_rate_milli`, thousandths of a token per second;
+/// 0: not said), that rate stands for r.
+pub(super) fn scale_ppm(
+    p: &BucketParams,
+    region_rate_milli: u64,
+    demand_sum: u64,
+    demand: u64,
+) -> u64 {
     if demand_sum <= demand {
         return 1_000_000;
     }
-    let rate_milli_scaled = p.rate.tokens() as f64 * 1e15;
-    let x = rate_milli_scaled / (p.rate.period_us() as f64 * demand_sum as f64);
+    let x = if region_rate_milli > 0 {
+        region_rate_milli as f64 * 1e6 / demand_sum as f64
+    } else {
+        let rate_milli_scaled = p.rate.tokens() as f64 * 1e15;
+        rate_milli_scaled / (p.rate.period_us() as f64 * demand_sum as f64)
+    };
     x.min(1e6).floor() as u64
 }
 
@@ -50,6 +61,7 @@ impl Allowance {
     /// `demand_sum` in all; `None` while the key is not contended (`scale` is whole).
     pub(super) fn new(
         p: &BucketParams,
+        region_rate_milli: u64,
         demand_sum: u64,
         demand: u64,
         scale: u64,
@@ -64,7 +76,13 @@ impl Allowance {
         } else {
             (ds / 100.0).ceil()
         };
-        let per_us = p.rate.tokens() as f64 * 1000.0 / p.rate.period_us() as f64 * share / ds;
+        // Thousandths of a token per µs: the rule's rate, or the region's.
+        let rate_us = if region_rate_milli > 0 {
+            region_rate_milli as f64 / 1e6
+        } else {
+            p.rate.tokens() as f64 * 1000.0 / p.rate.period_us() as f64
+        };
+        let per_us = rate_us * share / ds;
         let cap = (min as f64 * 1000.0).max((p.capacity as f64 * 1000.0 * share / ds).floor());
         Some(Self {
             credit: 0.0,

@@ -61,6 +61,9 @@ pub struct BucketState {
     /// On a region's bucket: the last deposit applied (its grant's time on the global
     /// bucket, which only grows); a deposit not above it changes nothing.
     pub deposit_seq: u64,
+    /// On a region's bucket: the rate the region gets, by its last deposit (thousandths
+    /// of a token per second; 0: unknown), which its agents' shares divide.
+    pub region_rate_milli: u64,
     /// Stored compact, as the string `tok,car,ts,p` instead of the hash: made so by
     /// `lh_exact_many` for a new key and kept while only it writes the key (such a key has
     /// no records, demand or split); any other operation stores the hash.
@@ -123,6 +126,7 @@ impl BucketState {
             expire_at_ms: 0,
             term_until_us: 0,
             deposit_seq: 0,
+            region_rate_milli: 0,
             compact: false,
         }
     }

@@ -371,7 +371,11 @@ fn deposit(seq: u64, tokens: u64, until_us: u64) -> Request {
     Request {
         agent: AgentId(99),
         seq,
-        op: Op::Deposit { tokens, until_us },
+        op: Op::Deposit {
+            tokens,
+            until_us,
+            rate_milli: 0,
+        },
     }
 }
 

@@ -557,7 +557,8 @@ impl Fleet {
                 match c.reply {
                     Some(reply) if c.reply_ns <= t => {
                         let now = r.broker_clock.at(c.reply_ns);
-                        r.broker.on_global_reply(now, &rs.broker, &reply);
+                        r.broker
+                            .on_global_reply(now, &rs.broker, &self.global_p, &reply);
                         r.global = None;
                     }
                     None if t >= c.sent_ns + timeout => {

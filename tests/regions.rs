@@ -123,6 +123,31 @@ fn three_regions_share_one_global_bucket_through_a_partition() {
             .iter()
             .map(|b| b.stats().global_calls.load(Ordering::Relaxed))
             .collect();
+        // Each broker reports its grants to the global store as an agent reports to its
+        // coordinator: a coordinator there accounts every region's grants.
+        let home = support::store(&global.url()).await;
+        let members: Vec<String> = home
+            .query(redis::cmd("ZRANGE").arg("lh:agents").arg(0).arg(-1))
+            .await
+            .expect("brokers in lh:agents");
+        assert_eq!(members.len(), REGIONS, "{members:?}");
+        let mut granted = 0;
+        for m in &members {
+            let text: String = home
+                .query(redis::cmd("GET").arg(format!("lh:agent:{{{m}}}")))
+                .await
+                .expect("a broker's report");
+            let r = leasehold_store::report::Report::parse(&text);
+            let key = leasehold_core::BucketKey::new(
+                &leasehold_core::RuleName::new("api").unwrap(),
+                "tenant",
+            )
+            .unwrap();
+            granted += r.keys.get(key.as_str()).map_or(0, |k| k.admitted);
+        }
+        let bound = 400 + 400 * RUN.as_secs();
+        println!("granted to the regions, by their reports: {granted} (bound {bound})");
+        assert!(granted > 0 && granted <= bound, "{granted}");
         for c in coordinators {
             c.stop().await;
         }

@@ -20,7 +20,7 @@ use arc_swap::ArcSwap;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::AgentId;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
-use leasehold_store::report::WANTED_KEY;
+use leasehold_store::report::{KeyReport, Report, WANTED_KEY};
 use leasehold_store::{RedisStore, Rules};
 use parking_lot::Mutex;
 
@@ -57,6 +57,9 @@ pub struct Broker {
     active: AtomicBool,
     watcher: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stats: BrokerStats,
+    /// Per global key: what the global bucket granted this region, as an agent's report
+    /// says what it admitted (see [`Broker::watch`]).
+    totals: Mutex<HashMap<String, KeyReport>>,
 }
 
 impl Broker {
@@ -81,6 +84,7 @@ impl Broker {
             active: AtomicBool::new(false),
             watcher: Mutex::new(None),
             stats: BrokerStats::default(),
+            totals: Mutex::new(HashMap::new()),
         })
     }
 
@@ -157,11 +161,28 @@ impl Broker {
     }
 
     /// Reads the keys agents announce while active: every [`WATCH_EVERY`], the entries
-    /// newer than the last seen; entries older than a minute are trimmed.
+    /// newer than the last seen; entries older than a minute are trimmed. Once a second
+    /// it also reports to the global store, as an agent reports to its coordinator, what
+    /// the global bucket granted this region per key: a coordinator of the global store
+    /// accounts every region's grants against `B + r*W` (grants bound admissions).
     async fn watch(self: Arc<Self>) {
         let mut since = 0u64;
         let mut trimmed = Instant::now();
+        let mut reported_s = 0u64;
         while self.active.load(Ordering::Relaxed) {
+            let wall_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            if wall_ms / 1000 != reported_s {
+                reported_s = wall_ms / 1000;
+                let text = {
+                    let totals = self.totals.lock();
+                    Report::encode(wall_ms, totals.iter().map(|(k, r)| (k.as_str(), *r)))
+                };
+                if let Err(e) = self.global.report(self.id, wall_ms, &text).await {
+                    tracing::debug!(error = %e, "report to the global store failed");
+                }
+            }
             let mut read = redis::cmd("ZRANGEBYSCORE");
             read.arg(WANTED_KEY)
                 .arg(since)
@@ -246,7 +267,8 @@ impl Broker {
                 }
                 Some(BrokerCall::Global(req)) => {
                     self.stats.global_calls.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("leasehold_broker_global_calls_total").increment(1);
+                    metrics::counter!("leasehold_broker_global_calls_total", "region" => self.region.clone())
+                        .increment(1);
                     match tokio::time::timeout(
                         call_timeout,
                         self.global.call(&global_key, &global_p, &req),
@@ -257,15 +279,27 @@ impl Broker {
                             self.stats
                                 .granted
                                 .fetch_add(reply.granted, Ordering::Relaxed);
+                            metrics::counter!("leasehold_broker_granted_tokens_total", "region" => self.region.clone())
+                                .increment(reply.granted);
                             policy.on_global_reply(self.now_us(), &self.config, &global_p, &reply);
+                            let mut totals = self.totals.lock();
+                            let t = totals.entry(global_key.as_str().to_owned()).or_default();
+                            t.admitted += reply.granted;
+                            t.calls += 1;
+                            t.demand_milli = policy.demand_milli();
+                            t.held = policy.held() + reply.granted;
                         }
                         Ok(Err(e)) => {
                             tracing::debug!(error = %e, key = %key.for_logs(), "global acquire failed");
+                            metrics::counter!("leasehold_broker_global_failures_total", "region" => self.region.clone())
+                                .increment(1);
                             self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
                             policy.on_failure();
                             tokio::time::sleep(tick).await;
                         }
                         Err(_) => {
+                            metrics::counter!("leasehold_broker_global_failures_total", "region" => self.region.clone())
+                                .increment(1);
                             self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
                             policy.on_failure();
                         }

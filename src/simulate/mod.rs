@@ -999,7 +999,7 @@ pub(crate) fn table(r: &RunReport) -> String {
         out.push_str(&format!(
             "across {} regions ({:.0} ms round trip to the global store): {} calls to it, \
              {:.1}/s, {:.3} per 1k decisions, {} key(s) brokered; back above 95% of the rate \
-             after each phase change: {}\n",
+             after each phase change: {}; regions even again after each heal: {}\n",
             g.regions,
             g.rtt_ms,
             g.cross_calls,
@@ -1010,6 +1010,15 @@ pub(crate) fn table(r: &RunReport) -> String {
                 "-".to_owned()
             } else {
                 rec.join(", ")
+            },
+            if g.even_after_heal_ms.is_empty() {
+                "-".to_owned()
+            } else {
+                g.even_after_heal_ms
+                    .iter()
+                    .map(|m| m.map_or_else(|| "never".to_owned(), |m| format!("{m} ms")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             }
         ));
     }

@@ -37,6 +37,9 @@ pub(crate) struct RegionsSummary {
     /// After each change of phase: ms until a 100 ms window worldwide admitted at least
     /// 95% of the rate (`None`: not within the phase).
     pub(crate) recovery_ms: Vec<Option<u64>>,
+    /// After each `heal-region`: ms until every region admits within 15% of an even
+    /// part of what the world admits (500 ms windows); `None`: not by the run's end.
+    pub(crate) even_after_heal_ms: Vec<Option<u64>>,
 }
 
 fn region_name(k: usize) -> String {
@@ -189,8 +192,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             .map(|p| recovery(&world.series, p.at, &sc.phases, rate, duration_ms))
             .collect();
         let mut systems: Vec<(String, SystemReport)> = vec![("world".into(), world)];
+        let mut region_series = Vec::new();
         for (k, r) in per_region.into_iter().enumerate() {
             let mut rep = report::analyze(r, capacity, rate, duration_ms, 0);
+            region_series.push(rep.series.clone());
             // A region alone has no bound or ideal of its own: only the world's count.
             rep.overshoot_1s = f64::NAN;
             rep.overshoot_10s = f64::NAN;
@@ -198,6 +203,12 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             rep.denied_below_limit = 0;
             systems.push((format!("region {}", region_name(k)), rep));
         }
+        let even_after_heal_ms = sc
+            .faults
+            .iter()
+            .filter(|f| f.action == "heal-region")
+            .map(|f| even_after(&region_series, f.at, duration_ms))
+            .collect();
         Ok(RunReport {
             systems,
             coordinator: None,
@@ -209,8 +220,22 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 cross_calls_per_1k_decisions: cross_calls as f64 * 1000.0 / decisions.max(1) as f64,
                 keys,
                 recovery_ms,
+                even_after_heal_ms,
             }),
         })
+    })
+}
+
+/// Ms from fraction `at` of the run until, over 500 ms, every region's admissions are
+/// within 15% of the regions' mean (`series`: tokens/s per 100 ms, per region).
+fn even_after(series: &[Vec<f64>], at: f64, total_ms: u64) -> Option<u64> {
+    let from = (at * total_ms as f64 / 100.0).ceil() as usize;
+    let len = series.iter().map(Vec::len).min().unwrap_or(0);
+    (from..len.saturating_sub(5)).find_map(|i| {
+        let sums: Vec<f64> = series.iter().map(|s| s[i..i + 5].iter().sum()).collect();
+        let mean = sums.iter().sum::<f64>() / sums.len() as f64;
+        (mean > 0.0 && sums.iter().all(|x| (x - mean).abs() <= 0.15 * mean))
+            .then(|| ((i - from) as u64) * 100)
     })
 }
 

@@ -217,7 +217,7 @@ impl Broker {
     /// One key until it is idle, its rule is gone or no longer global, or the lead is lost.
     async fn run(self: Arc<Self>, key: BucketKey) {
         let global_key = key.global_of();
-        let mut policy = KeyBroker::new(self.id);
+        let mut policy = KeyBroker::new(self.id, self.now_us());
         let tick = Duration::from_micros((self.config.refresh_us / 10).clamp(1_000, 20_000));
         let call_timeout = Duration::from_secs(2);
         while self.active.load(Ordering::Relaxed) {

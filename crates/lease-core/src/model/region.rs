@@ -166,11 +166,13 @@ pub struct KeyBroker {
 }
 
 impl KeyBroker {
-    /// A broker for one key, acting at the global bucket as `agent` (random per process).
-    pub fn new(agent: AgentId) -> Self {
+    /// A broker for one key, acting at the global bucket as `agent` (random per process),
+    /// its sequence numbers starting after `first_seq`: a key brokered again by the same
+    /// process must start above what it sent before (the broker's clock in µs does).
+    pub fn new(agent: AgentId, first_seq: u64) -> Self {
         Self {
             agent,
-            seq: 0,
+            seq: first_seq,
             phase: Phase::Reading,
             sample: None,
             held: 0,
@@ -197,8 +199,10 @@ impl KeyBroker {
 
     /// Whether the key has had no demand and held nothing since `since` (broker clock):
     /// its broker may be dropped.
+    /// A key whose call fails (a global store out of reach) is never idle: its region
+    /// still needs it once the link is back.
     pub fn idle_since(&self, since: u64) -> bool {
-        self.last_busy < since && !self.in_flight
+        self.last_busy < since && !self.in_flight && matches!(self.phase, Phase::Idle { .. })
     }
 
     /// The call to send now, if any. `global` are the rule's parameters at the global

@@ -325,7 +325,7 @@ impl Fleet {
                 regions.push(Region {
                     bucket: GlobalBucket::new(),
                     clock: Clock::draw(&mut clocks),
-                    broker: KeyBroker::new(AgentId(0xB000 + k as u64)),
+                    broker: KeyBroker::new(AgentId(0xB000 + k as u64), 0),
                     broker_clock: Clock::draw(&mut clocks),
                     global: None,
                 });

@@ -45,6 +45,14 @@ fn three_regions_share_one_global_bucket_through_a_partition() {
         .collect();
     support::runtime().block_on(async {
         let rules = support::rules(RULES);
+        // A plain coordinator on the global store: the brokers' reports give it every
+        // region's grants, which it accounts against B + r*W (the global picture).
+        let home_coordinator = Arc::new(Coordinator::new(
+            support::store(&global.url()).await,
+            rules.clone(),
+            CoordinatorConfig::default(),
+        ))
+        .spawn();
         let mut coordinators = Vec::new();
         let mut brokers = Vec::new();
         let mut agents = Vec::new();
@@ -151,6 +159,24 @@ fn three_regions_share_one_global_bucket_through_a_partition() {
         for c in coordinators {
             c.stop().await;
         }
+        let home = home_coordinator.coordinator().snapshot().read().clone();
+        home_coordinator.stop().await;
+        let key = leasehold_core::BucketKey::new(
+            &leasehold_core::RuleName::new("api").unwrap(),
+            "tenant",
+        )
+        .unwrap();
+        let g = home
+            .keys
+            .get(key.as_str())
+            .expect("the global key in the home coordinator's view");
+        println!(
+            "home coordinator: {} regions report, {} granted, worst overshoot {}",
+            g.stats.agents, g.stats.admitted_total, g.stats.worst_overshoot
+        );
+        assert_eq!(g.stats.agents, REGIONS);
+        assert!(g.stats.admitted_total > 0);
+        assert_eq!(g.stats.worst_overshoot, 0.0);
         let per_ms: Vec<Vec<u64>> = log
             .iter()
             .map(|l| {

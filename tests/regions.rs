@@ -238,3 +238,68 @@ fn three_regions_share_one_global_bucket_through_a_partition() {
         }
     });
 }
+
+/// A broker feeds at most its `max_keys`: a further key is refused (counted) and its
+/// region serves it at its floor only (none here: denied), not at the global store's cost.
+#[test]
+fn a_broker_feeds_at_most_its_max_keys() {
+    let global = support::server();
+    let store = support::server();
+    support::runtime().block_on(async {
+        let rules = support::rules(RULES);
+        let regional = support::store(&store.url()).await;
+        let c = Coordinator::new(
+            regional.clone(),
+            rules.clone(),
+            CoordinatorConfig::default(),
+        );
+        let broker = Broker::new(
+            "r0",
+            regional,
+            support::store(&global.url()).await,
+            c.rules(),
+            BrokerConfig::default(),
+        );
+        broker.set_max_keys(1);
+        let running = Arc::new(c.with_broker(broker.clone())).spawn();
+        let l = Limiter::builder()
+            .redis(store.url())
+            .rules(rules)
+            .config({
+                let mut c = LimiterConfig::default();
+                c.store = support::config();
+                c.region = Some("r0".into());
+                c
+            })
+            .build()
+            .await
+            .expect("limiter");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (mut first, mut second) = (0, 0);
+        let fed = |a: u64, b: u64| a + b > 0;
+        while Instant::now() < deadline
+            && (!fed(first, second) || broker.stats().keys_refused.load(Ordering::Relaxed) == 0)
+        {
+            if let Decision::Allowed { .. } = l.check("first", "api", 1).await.unwrap() {
+                first += 1;
+            }
+            if let Decision::Allowed { .. } = l.check("second", "api", 1).await.unwrap() {
+                second += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        println!(
+            "first {first}, second {second}, keys {}, refused {}",
+            broker.keys(),
+            broker.stats().keys_refused.load(Ordering::Relaxed)
+        );
+        assert_eq!(broker.keys(), 1);
+        assert!(broker.stats().keys_refused.load(Ordering::Relaxed) > 0);
+        // One of the two keys is fed, the other is not (whichever was announced first).
+        assert!(
+            (first > 0) != (second > 0),
+            "first {first}, second {second}"
+        );
+        running.stop().await;
+    });
+}

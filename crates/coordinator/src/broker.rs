@@ -27,6 +27,10 @@ use parking_lot::Mutex;
 /// A key idle this long (nothing held, no demand) stops being brokered.
 pub const IDLE_AFTER: Duration = Duration::from_secs(10);
 
+/// The most keys a broker feeds at once by default (`--region-max-keys`): each costs
+/// about ten calls a second to the global store.
+pub const DEFAULT_MAX_KEYS: usize = 10_000;
+
 /// How often the broker reads the keys agents announce.
 pub const WATCH_EVERY: Duration = Duration::from_millis(20);
 
@@ -41,6 +45,8 @@ pub struct BrokerStats {
     pub granted: AtomicU64,
     /// Calls to the region's store.
     pub region_calls: AtomicU64,
+    /// Keys not brokered because [`Broker::with_max_keys`] were already.
+    pub keys_refused: AtomicU64,
 }
 
 /// A region's broker.
@@ -60,6 +66,7 @@ pub struct Broker {
     /// Per global key: what the global bucket granted this region, as an agent's report
     /// says what it admitted (see [`Broker::watch`]).
     totals: Mutex<HashMap<String, KeyReport>>,
+    max_keys: std::sync::atomic::AtomicUsize,
 }
 
 impl Broker {
@@ -85,7 +92,15 @@ impl Broker {
             watcher: Mutex::new(None),
             stats: BrokerStats::default(),
             totals: Mutex::new(HashMap::new()),
+            max_keys: std::sync::atomic::AtomicUsize::new(DEFAULT_MAX_KEYS),
         })
+    }
+
+    /// Feeds at most `max_keys` keys at once (at least 1; default [`DEFAULT_MAX_KEYS`]);
+    /// past it a new key is refused (counted, logged every 10 000 refusals) until one
+    /// goes idle, and its region serves it at its floor only.
+    pub fn set_max_keys(&self, max_keys: usize) {
+        self.max_keys.store(max_keys.max(1), Ordering::Relaxed);
     }
 
     /// The region it serves.
@@ -141,6 +156,23 @@ impl Broker {
             let Some((bucket, _)) = BucketKey::parse(key).filter(|(b, _)| b.is_region()) else {
                 continue;
             };
+            let max_keys = self.max_keys.load(Ordering::Relaxed);
+            if running.len() >= max_keys {
+                if self
+                    .stats
+                    .keys_refused
+                    .fetch_add(1, Ordering::Relaxed)
+                    .is_multiple_of(10_000)
+                {
+                    tracing::warn!(
+                        max_keys,
+                        "the broker feeds as many keys as it may; new global keys get only their floor"
+                    );
+                }
+                metrics::counter!("leasehold_broker_keys_refused_total", "region" => self.region.clone())
+                    .increment(1);
+                continue;
+            }
             let me = self.clone();
             running.insert(
                 key.to_owned(),

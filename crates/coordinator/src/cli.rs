@@ -47,6 +47,10 @@ pub struct Args {
     /// With `--region`: how often each global key's budget is renewed, in milliseconds.
     #[arg(long, default_value_t = 100, env = "LEASEHOLD_REGION_REFRESH_MS")]
     pub region_refresh_ms: u64,
+    /// With `--region`: the most global keys brokered at once (each costs about
+    /// 1000 / region-refresh-ms calls a second to the global store).
+    #[arg(long, default_value_t = crate::broker::DEFAULT_MAX_KEYS, env = "LEASEHOLD_REGION_MAX_KEYS")]
+    pub region_max_keys: usize,
 }
 
 /// How log lines are written.
@@ -149,6 +153,7 @@ pub async fn run(
                 ..Default::default()
             },
         );
+        broker.set_max_keys(args.region_max_keys);
         coordinator = coordinator.with_broker(broker);
         println!("coordinator brokers region {region}");
     }

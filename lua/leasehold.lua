@@ -724,7 +724,7 @@ end
 -- lh_deposit: the broker of a region puts the tokens the global bucket granted it into the
 -- region's bucket, good until until_us (this server's time), once per seq (the grant's
 -- time on the global bucket; seq 0 reads). No agent record (ops.rs, deposit).
--- Reply: {deposited, term left (us), tokens + outstanding, 0, now_us, demand sum, 0, ...}
+-- Reply: {deposited, term left (us), tokens + outstanding, tokens, now_us, demand sum, 0, ...}
 local function deposit(keys, args)
   local p = params(args)
   local tokens = int(args[14], 'tokens', MAX_HELD)
@@ -749,6 +749,7 @@ local function deposit(keys, args)
   end
   reply[2] = math.max(s.ru - now, 0)
   reply[3] = s.tok + s.out
+  reply[4] = s.tok
   reply[6] = s.ds
   return finish(key, s, p, now, nil, reply)
 end

@@ -45,6 +45,9 @@ pub struct BrokerStats {
     pub granted: AtomicU64,
     /// Calls to the region's store.
     pub region_calls: AtomicU64,
+    /// Tokens the region's bucket took from deposits (less than granted when a term was
+    /// over on arrival, or the bucket was full).
+    pub deposited: AtomicU64,
     /// Keys not brokered because [`Broker::with_max_keys`] were already.
     pub keys_refused: AtomicU64,
 }
@@ -285,6 +288,9 @@ impl Broker {
                     .await
                     {
                         Ok(Ok(reply)) => {
+                            self.stats
+                                .deposited
+                                .fetch_add(reply.granted, Ordering::Relaxed);
                             policy.on_region_reply(self.now_us(), &self.config, &reply)
                         }
                         Ok(Err(e)) => {

@@ -482,6 +482,8 @@ pub(super) fn deposit(
         }
     }
     reply.remaining = s.level.tokens + s.outstanding;
+    // A deposit refuses nothing: the retry field carries the bucket's own tokens.
+    reply.retry_us = s.level.tokens;
     reply.ttl_us = s.term_until_us.saturating_sub(now);
     reply.scale_ppm = s.demand_sum;
     reply

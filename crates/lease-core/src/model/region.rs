@@ -75,6 +75,8 @@ pub struct RegionState {
     pub deposited: u64,
     /// What the region may still spend: the bucket's tokens plus what its agents hold.
     pub held: u64,
+    /// The bucket's own tokens (what its agents may still lease).
+    pub tokens: u64,
     /// The sum of its agents' demand, thousandths of a token per second.
     pub demand_milli: u64,
     /// The term left, µs (0: over).
@@ -89,6 +91,7 @@ impl RegionState {
         Self {
             deposited: r.granted,
             held: r.remaining,
+            tokens: r.retry_us,
             demand_milli: r.scale_ppm,
             term_left_us: r.ttl_us,
             now_us: r.now_us,
@@ -149,8 +152,9 @@ pub struct KeyBroker {
     phase: Phase,
     /// The region's server time and when (broker clock) its reply arrived.
     sample: Option<(u64, u64)>,
-    /// The region's held and demand, from its last reply.
+    /// The region's held and demand, from its last reply, and its bucket's own tokens.
     held: u64,
+    tokens: u64,
     demand_milli: u64,
     /// Consumption measured between deposits, thousandths of a token per second.
     spent_milli: u64,
@@ -176,6 +180,7 @@ impl KeyBroker {
             phase: Phase::Reading,
             sample: None,
             held: 0,
+            tokens: 0,
             demand_milli: 0,
             spent_milli: 0,
             last_reply_at: 0,
@@ -237,9 +242,11 @@ impl KeyBroker {
                     rate = rate.max(self.spent_milli.saturating_mul(2));
                 }
                 let need = u128::from(rate) * u128::from(horizon) / 1_000_000_000;
+                // What the bucket itself holds, not what its agents hold: their leases are
+                // being spent, and the region's other agents need tokens in the bucket.
                 let want = u64::try_from(need)
                     .unwrap_or(u64::MAX)
-                    .saturating_sub(self.held)
+                    .saturating_sub(self.tokens)
                     .clamp(1, global.capacity);
                 let req = Request {
                     agent: self.agent,
@@ -287,6 +294,7 @@ impl KeyBroker {
         }
         self.sample = Some((r.now_us, now));
         self.held = r.held;
+        self.tokens = r.tokens;
         self.demand_milli = r.demand_milli;
         self.last_reply_at = now;
         if self.held > 0 || self.demand_milli() > 0 {

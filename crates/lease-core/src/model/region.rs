@@ -165,6 +165,8 @@ pub struct KeyBroker {
     last_acquire: u64,
     /// The region spent about everything it had between its last two replies.
     starved: bool,
+    /// An acquire was sent.
+    acquired: bool,
     in_flight: bool,
     last_busy: u64,
 }
@@ -187,6 +189,7 @@ impl KeyBroker {
             rtt_us: 0,
             last_acquire: 0,
             starved: false,
+            acquired: false,
             in_flight: false,
             last_busy: 0,
         }
@@ -248,6 +251,15 @@ impl KeyBroker {
                     .unwrap_or(u64::MAX)
                     .saturating_sub(self.tokens)
                     .clamp(1, global.capacity);
+                // The first acquire reports no demand, as an agent's does: a bucket that
+                // does not exist and is told of demand takes itself for lost and starts
+                // empty, and a new key's bucket must start full.
+                let demand = if self.acquired {
+                    self.demand_milli().min(MAX_HELD)
+                } else {
+                    0
+                };
+                self.acquired = true;
                 let req = Request {
                     agent: self.agent,
                     seq: self.seq,
@@ -255,7 +267,7 @@ impl KeyBroker {
                         held: self.held.min(MAX_HELD),
                         want,
                         min: 1,
-                        demand: self.demand_milli().min(MAX_HELD),
+                        demand,
                     },
                 };
                 self.last_acquire = now;

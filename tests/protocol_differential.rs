@@ -212,29 +212,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 let on_part = part.is_some();
                 let p = part.unwrap_or(parent);
                 seqs[i] += 1;
-                let cap = p.capacity;
-                let op = match rng.random_range(0..10) {
-                    0..5 => {
-                        let want = rng.random_range(1..=cap);
-                        Op::Acquire {
-                            held: rng.random_range(0..=cap / 2 + 2),
-                            want,
-                            min: rng.random_range(1..=want),
-                            demand: rng.random_range(0..1_000_000),
-                        }
-                    }
-                    5..7 => Op::Release {
-                        returned: rng.random_range(0..=cap),
-                    },
-                    7 if !on_part && rng.random_range(0..4) == 0 => Op::Split {
-                        parts: rng.random_range(2..=3),
-                        salt: rng.random_range(0..2),
-                        until_us: last_now + rng.random_range(0..400_000),
-                    },
-                    _ => Op::Exact {
-                        cost: rng.random_range(1..=cap.min(10)),
-                    },
-                };
+                let op = agent_op(rng, p.capacity, (!on_part).then_some(last_now));
                 (
                     Request {
                         agent: agents[i],
@@ -253,38 +231,8 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
             (&key, &mut model)
         };
         let ctx = format!("in case {} step {step}: {req:?} with {p:?}", case.name);
-        match st.call(key, &p, &req).await {
-            Ok(reply) => {
-                let before = model.clone();
-                let mut expected = model
-                    .apply(&p, reply.now_us, &req)
-                    .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
-                // Redis judges expiry at the command's start, before the function reads
-                // TIME: a key that expired in that gap (a few ms on a busy machine) may
-                // still have been found. Accept that reading, only at that boundary, when
-                // it is the one that gives Redis's reply and hash (the replies of the two
-                // readings are often the same: a key expires full).
-                let now_ms = reply.now_us / 1000;
-                if let Some(at) = before.state().map(|s| s.expire_at_ms)
-                    && at < now_ms
-                    && now_ms - at <= EXPIRY_CLOCK_GAP_MS
-                {
-                    let mut alive = before.alive_until(now_ms);
-                    if let Ok(r) = alive.apply(&p, reply.now_us, &req)
-                        && r == reply
-                    {
-                        let (redis, _, _) = read(server, key);
-                        let fits = |m: &GlobalBucket| {
-                            redis == leasehold_store::wire::hash_fields(m.state())
-                        };
-                        if (reply != expected || !fits(model)) && fits(&alive) {
-                            println!("expiry read at the command's start {ctx}");
-                            *model = alive;
-                            expected = r;
-                        }
-                    }
-                }
-                assert_eq!(reply, expected, "reply differs {ctx}");
+        match call_same(server, &st, key, model, &p, &req, last_now, &ctx).await {
+            Some(reply) => {
                 if last[i].is_some_and(|(prev, _, _)| prev.seq >= req.seq) {
                     replays += 1;
                 }
@@ -299,21 +247,14 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 }
                 last_now = last_now.max(reply.now_us);
             }
-            Err(StoreError::Refused { code, message }) => {
-                assert_eq!(code, "LH_STALE", "{message} {ctx}");
-                let model_says = model.apply(&p, last_now, &req);
-                assert!(
-                    matches!(model_says, Err(ProtocolError::StaleSequence { .. })),
-                    "Redis said stale, model said {model_says:?} {ctx}"
-                );
+            None => {
                 stales += 1;
+                check_same(server, key, model, &ctx);
             }
-            Err(e) => panic!("store error {e} {ctx}"),
         }
         if last[i].is_none_or(|(prev, _, _)| req.seq > prev.seq) {
             last[i] = Some((req, p, on_part));
         }
-        check_same(server, key, model, &ctx);
         if rng.random_range(0..10) == 0 {
             tokio::time::sleep(Duration::from_millis(
                 rng.random_range(0..=case.max_pause_ms),
@@ -517,9 +458,45 @@ fn differential_lua_matches_model() {
     });
 }
 
+/// A random operation of an agent on a bucket of capacity `cap`; a split (the
+/// coordinator's) only when `split_from` gives the time its term is counted from.
+fn agent_op(rng: &mut StdRng, cap: u64, split_from: Option<u64>) -> Op {
+    match rng.random_range(0..10) {
+        0..5 => {
+            let want = rng.random_range(1..=cap);
+            Op::Acquire {
+                held: rng.random_range(0..=cap / 2 + 2),
+                want,
+                min: rng.random_range(1..=want),
+                demand: rng.random_range(0..1_000_000),
+            }
+        }
+        5..7 => Op::Release {
+            returned: rng.random_range(0..=cap),
+        },
+        7 if let Some(from) = split_from
+            && rng.random_range(0..4) == 0 =>
+        {
+            Op::Split {
+                parts: rng.random_range(2..=3),
+                salt: rng.random_range(0..2),
+                until_us: from + rng.random_range(0..400_000),
+            }
+        }
+        _ => Op::Exact {
+            cost: rng.random_range(1..=cap.min(10)),
+        },
+    }
+}
+
 /// Sends `req` to Redis and applies it to `model` at the server time the reply reports:
-/// the replies must be the same, then the hash and its expiry (a key that expired in the
-/// gap between the command's start and the function's `TIME` may be read either way).
+/// the replies must be the same, then the hash and its expiry. `None`: Redis refused it
+/// as a stale sequence number, and so does the model (at `last_now`); the state is
+/// unchanged. Any other error fails the test.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a test step with its whole context"
+)]
 async fn call_same(
     server: &RedisServer,
     st: &leasehold_agent::RedisStore,
@@ -527,13 +504,31 @@ async fn call_same(
     model: &mut GlobalBucket,
     p: &BucketParams,
     req: &Request,
+    last_now: u64,
     ctx: &str,
-) -> Result<leasehold_core::model::Reply, StoreError> {
-    let reply = st.call(key, p, req).await?;
+) -> Option<leasehold_core::model::Reply> {
+    let reply = match st.call(key, p, req).await {
+        Ok(reply) => reply,
+        Err(StoreError::Refused { code, message }) => {
+            assert_eq!(code, "LH_STALE", "{message} {ctx}");
+            let model_says = model.apply(p, last_now, req);
+            assert!(
+                matches!(model_says, Err(ProtocolError::StaleSequence { .. })),
+                "Redis said stale, model said {model_says:?} {ctx}"
+            );
+            return None;
+        }
+        Err(e) => panic!("store error {e} {ctx}"),
+    };
     let before = model.clone();
     let mut expected = model
         .apply(p, reply.now_us, req)
         .unwrap_or_else(|e| panic!("model refused what Redis accepted ({e}) {ctx}"));
+    // Redis judges expiry at the command's start, before the function reads TIME: a key
+    // that expired in that gap (a few ms on a busy machine) may still have been found.
+    // Accept that reading, only at that boundary, when it is the one that gives Redis's
+    // reply and hash (the replies of the two readings are often the same: a key expires
+    // full).
     let now_ms = reply.now_us / 1000;
     if let Some(at) = before.state().map(|s| s.expire_at_ms)
         && at < now_ms
@@ -546,6 +541,7 @@ async fn call_same(
             let (redis, _, _) = read(server, key);
             let fits = |m: &GlobalBucket| redis == leasehold_store::wire::hash_fields(m.state());
             if (reply != expected || !fits(model)) && fits(&alive) {
+                println!("expiry read at the command's start {ctx}");
                 *model = alive;
                 expected = r;
             }
@@ -553,7 +549,7 @@ async fn call_same(
     }
     assert_eq!(reply, expected, "reply differs {ctx}");
     check_same(server, key, model, ctx);
-    Ok(reply)
+    Some(reply)
 }
 
 /// A region's bucket (`lh:{RULE|SUBJECT|region}`): agents acquire, release and decide
@@ -650,51 +646,32 @@ fn differential_region_bucket_matches_model() {
                     prev
                 } else {
                     seqs[i] += 1;
-                    let op = match rng.random_range(0..10) {
-                        0..5 => {
-                            let want = rng.random_range(1..=cap);
-                            Op::Acquire {
-                                held: rng.random_range(0..=cap / 2 + 2),
-                                want,
-                                min: rng.random_range(1..=want),
-                                demand: rng.random_range(0..1_000_000),
-                            }
-                        }
-                        5..7 => Op::Release { returned: rng.random_range(0..=cap) },
-                        _ => Op::Exact { cost: rng.random_range(1..=cap.min(10)) },
-                    };
+                    let op = agent_op(&mut rng, cap, None);
                     let req = Request { agent: agents[i], seq: seqs[i], op };
                     last[i] = Some((req, p));
                     req
                 };
                 let ctx = format!("in case {name} step {step}: {req:?} with {p:?}");
-                match call_same(&server, &st, &key, &mut model, &p, &req, &ctx).await {
-                    Ok(reply) => {
-                        last_now = last_now.max(reply.now_us);
-                        let state = model.state();
-                        if state.is_some_and(|s| s.term_until_us != 0 && s.term_until_us <= reply.now_us) {
-                            past_term += 1;
-                        }
-                        if matches!(req.op, Op::Deposit { .. }) && reply.granted > 0 {
-                            fed += 1;
-                        }
-                        if !matches!(req.op, Op::Deposit { .. } | Op::Release { .. })
-                            && reply.granted == 0
-                        {
-                            denials += 1;
-                            assert!(reply.retry_us > 0, "denial without retry time {ctx}");
-                        }
+                // None: a replayed request whose record changed since, refused by both.
+                if let Some(reply) =
+                    call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx).await
+                {
+                    last_now = last_now.max(reply.now_us);
+                    let state = model.state();
+                    if state
+                        .is_some_and(|s| s.term_until_us != 0 && s.term_until_us <= reply.now_us)
+                    {
+                        past_term += 1;
                     }
-                    // A replayed request whose record changed since: the model must agree.
-                    Err(StoreError::Refused { code, message }) => {
-                        assert_eq!(code, "LH_STALE", "{message} {ctx}");
-                        let says = model.apply(&p, last_now, &req);
-                        assert!(
-                            matches!(says, Err(ProtocolError::StaleSequence { .. })),
-                            "Redis said stale, model said {says:?} {ctx}"
-                        );
+                    if matches!(req.op, Op::Deposit { .. }) && reply.granted > 0 {
+                        fed += 1;
                     }
-                    Err(e) => panic!("store error {e} {ctx}"),
+                    if !matches!(req.op, Op::Deposit { .. } | Op::Release { .. })
+                        && reply.granted == 0
+                    {
+                        denials += 1;
+                        assert!(reply.retry_us > 0, "denial without retry time {ctx}");
+                    }
                 }
                 if rng.random_range(0..10) == 0 {
                     tokio::time::sleep(Duration::from_millis(rng.random_range(0..=max_pause))).await;

@@ -749,36 +749,55 @@ impl CoordinatorRun {
     }
 }
 
+/// Each system's report by its name, as the JSON report holds them.
+fn systems_json(systems: &[(String, SystemReport)]) -> serde_json::Map<String, serde_json::Value> {
+    systems
+        .iter()
+        .map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default()))
+        .collect()
+}
+
+/// Writes the JSON report and the plot the options ask for.
+fn write_outputs(
+    opts: &Options,
+    json: &serde_json::Value,
+    title: &str,
+    rate: f64,
+    systems: &[(String, SystemReport)],
+) -> Result<(), String> {
+    if let Some(path) = &opts.json {
+        let text = serde_json::to_string_pretty(json).map_err(|e| e.to_string())?;
+        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if let Some(path) = &opts.plot {
+        let series: Vec<(String, Vec<f64>)> = systems
+            .iter()
+            .map(|(n, r)| (n.clone(), r.series.clone()))
+            .collect();
+        std::fs::write(path, report::svg(title, rate, &series))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// Runs every system on the scenario and reports.
 pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     if opts.scenario.regions.is_some() {
         let report = regions::run(opts)?;
-        if let Some(path) = &opts.json {
-            let json = serde_json::json!({
-                "scenario": opts.scenario.name,
-                "agents": opts.scenario.agents,
-                "duration_s": opts.duration.as_secs_f64(),
-                "seed": opts.seed,
-                "systems": report.systems.iter().map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
-                "regions": report.regions,
-            });
-            let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
-            std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
-        }
-        if let Some(path) = &opts.plot {
-            let rate = opts.scenario.validate()?.rate().per_sec_f64();
-            let series: Vec<(String, Vec<f64>)> = report
-                .systems
-                .iter()
-                .map(|(n, r)| (n.clone(), r.series.clone()))
-                .collect();
-            let title = format!(
-                "{}: admitted tokens/s for tenant-0, worldwide and per region",
-                opts.scenario.name
-            );
-            std::fs::write(path, report::svg(&title, rate, &series))
-                .map_err(|e| format!("{}: {e}", path.display()))?;
-        }
+        let json = serde_json::json!({
+            "scenario": opts.scenario.name,
+            "agents": opts.scenario.agents,
+            "duration_s": opts.duration.as_secs_f64(),
+            "seed": opts.seed,
+            "systems": systems_json(&report.systems),
+            "regions": report.regions,
+        });
+        let title = format!(
+            "{}: admitted tokens/s for tenant-0, worldwide and per region",
+            opts.scenario.name
+        );
+        let rate = opts.scenario.validate()?.rate().per_sec_f64();
+        write_outputs(opts, &json, &title, rate, &report.systems)?;
         return Ok(report);
     }
     let rule = opts.scenario.validate()?;
@@ -918,25 +937,14 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "seed": opts.seed,
         "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
         "machine": { "cores": cores },
-        "systems": systems.iter().map(|(n, r)| (n.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
+        "systems": systems_json(&systems),
         "coordinator": summary,
     });
-    if let Some(path) = &opts.json {
-        let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
-    }
-    if let Some(path) = &opts.plot {
-        let series: Vec<(String, Vec<f64>)> = systems
-            .iter()
-            .map(|(n, r)| (n.clone(), r.series.clone()))
-            .collect();
-        let title = format!(
-            "{}: admitted tokens/s for tenant-0, {} agents, {} store",
-            opts.scenario.name, opts.scenario.agents, store
-        );
-        std::fs::write(path, report::svg(&title, rate, &series))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-    }
+    let title = format!(
+        "{}: admitted tokens/s for tenant-0, {} agents, {} store",
+        opts.scenario.name, opts.scenario.agents, store
+    );
+    write_outputs(opts, &json, &title, rate, &systems)?;
     Ok(RunReport {
         systems,
         coordinator: summary,

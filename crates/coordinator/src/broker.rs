@@ -20,6 +20,7 @@ use arc_swap::ArcSwap;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::AgentId;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
+use leasehold_core::rule::BucketParams;
 use leasehold_store::report::{KeyReport, Report, WANTED_KEY};
 use leasehold_store::{RedisStore, Rules};
 use parking_lot::Mutex;
@@ -249,101 +250,119 @@ impl Broker {
         }
     }
 
+    /// The key's parameters at the global bucket and at the region's, by the rules in
+    /// force; `None` when its rule is gone or not of global scope.
+    fn params_of(
+        &self,
+        rules: &Rules,
+        rule: &str,
+        global_key: &BucketKey,
+    ) -> Option<(BucketParams, BucketParams)> {
+        let rule = rules.resolve_key(rule, global_key).ok()?;
+        let regional = rule.in_region(Some(&self.region)).ok()?;
+        regional.region_fed()?;
+        Some((rule.bucket_params(), regional.bucket_params()))
+    }
+
     /// One key until it is idle, its rule is gone or no longer global, or the lead is lost.
     async fn run(self: Arc<Self>, key: BucketKey) {
         let global_key = key.global_of();
+        let Some((_, rule)) = BucketKey::parse(key.as_str()) else {
+            return;
+        };
         let mut policy = KeyBroker::new(self.id, self.now_us());
         let tick = Duration::from_micros((self.config.refresh_us / 10).clamp(1_000, 20_000));
         let call_timeout = Duration::from_secs(2);
+        // Resolved again only when the rules are replaced (a reload).
+        let mut rules = self.rules.load_full();
+        let Some(mut params) = self.params_of(&rules, rule.as_str(), &global_key) else {
+            return;
+        };
         while self.active.load(Ordering::Relaxed) {
-            let Some((_, rule)) = BucketKey::parse(key.as_str()) else {
-                return;
-            };
-            let rules = self.rules.load();
-            let Ok(rule) = rules.resolve_key(rule.as_str(), &global_key) else {
-                return;
-            };
-            let Ok(regional) = rule.in_region(Some(&self.region)) else {
-                return;
-            };
-            if regional.region_fed().is_none() {
-                return;
+            let current = self.rules.load_full();
+            if !Arc::ptr_eq(&current, &rules) {
+                rules = current;
+                let Some(p) = self.params_of(&rules, rule.as_str(), &global_key) else {
+                    return;
+                };
+                params = p;
             }
-            let (global_p, region_p) = (rule.bucket_params(), regional.bucket_params());
-            drop(rules);
+            let (global_p, region_p) = &params;
             let now = self.now_us();
             if policy.idle_since(now.saturating_sub(IDLE_AFTER.as_micros() as u64))
                 && now > IDLE_AFTER.as_micros() as u64
             {
                 return;
             }
-            match policy.poll(now, &self.config, &global_p) {
-                None => tokio::time::sleep(tick).await,
+            // A call that fails is sent again by the next poll; one refused at once waits
+            // a tick first, one that timed out has waited already.
+            let failed = |policy: &mut KeyBroker, e: Option<leasehold_store::StoreError>| {
+                policy.on_failure();
+                e.inspect(
+                    |e| tracing::debug!(error = %e, key = %key.for_logs(), "broker call failed"),
+                )
+                .is_some()
+            };
+            let pause = match policy.poll(now, &self.config, global_p) {
+                None => true,
                 Some(BrokerCall::Region(req)) => {
                     self.stats.region_calls.fetch_add(1, Ordering::Relaxed);
-                    match tokio::time::timeout(
-                        call_timeout,
-                        self.regional.call(&key, &region_p, &req),
-                    )
-                    .await
-                    {
-                        Ok(Ok(reply)) => {
+                    match within(call_timeout, self.regional.call(&key, region_p, &req)).await {
+                        Ok(reply) => {
                             self.stats
                                 .deposited
                                 .fetch_add(reply.granted, Ordering::Relaxed);
-                            policy.on_region_reply(self.now_us(), &self.config, &reply)
+                            policy.on_region_reply(self.now_us(), &self.config, &reply);
+                            false
                         }
-                        Ok(Err(e)) => {
-                            tracing::debug!(error = %e, key = %key.for_logs(), "deposit failed");
-                            policy.on_failure();
-                            tokio::time::sleep(tick).await;
-                        }
-                        Err(_) => {
-                            policy.on_failure();
-                        }
+                        Err(e) => failed(&mut policy, e),
                     }
                 }
                 Some(BrokerCall::Global(req)) => {
                     self.stats.global_calls.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("leasehold_broker_global_calls_total", "region" => self.region.clone())
+                    let region = self.region.clone();
+                    metrics::counter!("leasehold_broker_global_calls_total", "region" => region.clone())
                         .increment(1);
-                    match tokio::time::timeout(
-                        call_timeout,
-                        self.global.call(&global_key, &global_p, &req),
-                    )
-                    .await
+                    match within(call_timeout, self.global.call(&global_key, global_p, &req)).await
                     {
-                        Ok(Ok(reply)) => {
+                        Ok(reply) => {
                             self.stats
                                 .granted
                                 .fetch_add(reply.granted, Ordering::Relaxed);
-                            metrics::counter!("leasehold_broker_granted_tokens_total", "region" => self.region.clone())
+                            metrics::counter!("leasehold_broker_granted_tokens_total", "region" => region)
                                 .increment(reply.granted);
-                            policy.on_global_reply(self.now_us(), &self.config, &global_p, &reply);
+                            policy.on_global_reply(self.now_us(), &self.config, global_p, &reply);
                             let mut totals = self.totals.lock();
                             let t = totals.entry(global_key.as_str().to_owned()).or_default();
                             t.admitted += reply.granted;
                             t.calls += 1;
                             t.demand_milli = policy.demand_milli();
                             t.held = policy.held() + reply.granted;
+                            false
                         }
-                        Ok(Err(e)) => {
-                            tracing::debug!(error = %e, key = %key.for_logs(), "global acquire failed");
-                            metrics::counter!("leasehold_broker_global_failures_total", "region" => self.region.clone())
+                        Err(e) => {
+                            metrics::counter!("leasehold_broker_global_failures_total", "region" => region)
                                 .increment(1);
                             self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
-                            policy.on_failure();
-                            tokio::time::sleep(tick).await;
-                        }
-                        Err(_) => {
-                            metrics::counter!("leasehold_broker_global_failures_total", "region" => self.region.clone())
-                                .increment(1);
-                            self.stats.global_failures.fetch_add(1, Ordering::Relaxed);
-                            policy.on_failure();
+                            failed(&mut policy, e)
                         }
                     }
                 }
+            };
+            if pause {
+                tokio::time::sleep(tick).await;
             }
         }
+    }
+}
+
+/// `call` within `limit`: its reply, or its error (`None`: it timed out).
+async fn within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, leasehold_store::StoreError>>,
+) -> Result<T, Option<leasehold_store::StoreError>> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => r.map_err(Some),
+        Err(_) => Err(None),
     }
 }

@@ -15,11 +15,18 @@ use std::collections::HashMap;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+/// Slots a thread records before it first sums them (16 bytes each).
+const COMPACT_AT: usize = 1 << 18;
+
 /// One thread's record of a run.
 #[derive(Clone)]
 pub(crate) struct Recording {
-    /// `key << 32 | ms` -> [tokens arriving, tokens admitted].
-    slots: HashMap<u64, [u32; 2], foldhash::fast::RandomState>,
+    /// (`key << 32 | ms`, tokens arriving, tokens admitted), in the order recorded; a
+    /// slot may appear more than once until [`Recording::compact`] sums them. A push per
+    /// decision costs the workload far less than a hash map of a million keys would.
+    slots: Vec<(u64, u32, u32)>,
+    /// Length at which `add` compacts `slots` next.
+    compact_at: usize,
     pub(crate) latency: Histogram<u64>,
     pub(crate) decisions: u64,
     pub(crate) admitted: u64,
@@ -30,7 +37,8 @@ pub(crate) struct Recording {
 impl Recording {
     pub(crate) fn new() -> Self {
         Self {
-            slots: HashMap::default(),
+            slots: Vec::new(),
+            compact_at: COMPACT_AT,
             // 1 ns .. 60 s, 3 significant digits.
             latency: Histogram::new_with_bounds(1, 60_000_000_000, 3).unwrap_or_else(|_| {
                 // The bounds above are valid constants; new_with_bounds only fails on bad ones.
@@ -45,22 +53,38 @@ impl Recording {
 
     #[inline]
     pub(crate) fn add(&mut self, key: u32, ms: u64, cost: u64, admitted: bool) {
-        let slot = self
-            .slots
-            .entry((u64::from(key) << 32) | ms.min(u64::from(u32::MAX)))
-            .or_default();
-        slot[0] += cost as u32;
-        if admitted {
-            slot[1] += cost as u32;
+        let slot = (u64::from(key) << 32) | ms.min(u64::from(u32::MAX));
+        let taken = if admitted { cost as u32 } else { 0 };
+        match self.slots.last_mut() {
+            Some(last) if last.0 == slot => {
+                last.1 += cost as u32;
+                last.2 += taken;
+            }
+            _ => {
+                self.slots.push((slot, cost as u32, taken));
+                if self.slots.len() >= self.compact_at {
+                    self.compact();
+                    self.compact_at = (self.slots.len() * 2).max(COMPACT_AT);
+                }
+            }
         }
     }
 
+    /// Sorts the slots and sums the entries of each.
+    fn compact(&mut self) {
+        self.slots.sort_unstable_by_key(|s| s.0);
+        self.slots.dedup_by(|next, kept| {
+            let same = next.0 == kept.0;
+            if same {
+                kept.1 += next.1;
+                kept.2 += next.2;
+            }
+            same
+        });
+    }
+
     pub(crate) fn merge(&mut self, other: Recording) {
-        for (k, v) in other.slots {
-            let s = self.slots.entry(k).or_default();
-            s[0] += v[0];
-            s[1] += v[1];
-        }
+        self.slots.extend(other.slots);
         let _ = self.latency.add(&other.latency);
         self.decisions += other.decisions;
         self.admitted += other.admitted;
@@ -116,11 +140,13 @@ pub(crate) fn analyze(
 ) -> SystemReport {
     let mut by_key: HashMap<u32, Vec<(u32, u32, u32)>, foldhash::fast::RandomState> =
         HashMap::default();
-    for (k, [arrived, admitted]) in &rec.slots {
+    let mut rec = rec;
+    rec.compact();
+    for &(k, arrived, admitted) in &rec.slots {
         by_key.entry((k >> 32) as u32).or_default().push((
             (k & 0xffff_ffff) as u32,
-            *arrived,
-            *admitted,
+            arrived,
+            admitted,
         ));
     }
     let (mut over_1s, mut over_10s, mut ideal, mut admitted_tokens) = (0f64, 0f64, 0f64, 0f64);

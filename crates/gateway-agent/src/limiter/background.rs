@@ -130,13 +130,15 @@ pub(super) async fn report(limiter: Limiter) {
     };
     let at_ms = wall_ms();
     let now = limiter.now_ns();
+    // The sweep's list holds every key reported (KeyState::active): a pass over the
+    // whole map would touch every cold key once a second.
     let mut keys: Vec<(u64, Arc<KeyState>)> = {
-        let guard = limiter.inner.keys.guard();
         limiter
             .inner
-            .keys
-            .iter(&guard)
-            .map(|(_, ks)| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
+            .swept
+            .lock()
+            .iter()
+            .map(|ks| (ks.last_io_ns.load(Ordering::Relaxed), ks.clone()))
             // Leased keys: exact decisions are exact by construction, and cold keys are
             // most keys.
             // A region's bucket of a global key, leased or not: the region's broker feeds
@@ -217,17 +219,17 @@ impl Limiter {
         let inner = &self.inner;
         let now = self.now_ns();
         let rules = inner.rules.load_full();
-        let swept = std::mem::take(&mut *inner.swept.lock());
+        // The list stays locked through the pass (no await in it), so the report never
+        // reads it half made; `track` waits meanwhile.
+        let mut swept = inner.swept.lock();
         let mut keep = Vec::with_capacity(swept.len());
-        for ks in swept {
-            if !ks.hot.load(Ordering::SeqCst) && ks.lease.held() == 0 {
-                // Cold again and holding nothing: it leaves the list, unless it turned
-                // hot meanwhile (then whichever of this and `track` sets the flag second
-                // sees the other, and the key stays listed once).
+        for ks in std::mem::take(&mut *swept) {
+            if !ks.active(now) {
+                // Inactive: it leaves the list, unless it turned active meanwhile (then
+                // whichever of this and `track` sets the flag second sees the other, and
+                // the key stays listed once).
                 ks.in_sweep.store(false, Ordering::SeqCst);
-                if !(ks.hot.load(Ordering::SeqCst) || ks.lease.held() > 0)
-                    || ks.in_sweep.swap(true, Ordering::SeqCst)
-                {
+                if !ks.active(now) || ks.in_sweep.swap(true, Ordering::SeqCst) {
                     continue;
                 }
             }
@@ -237,6 +239,10 @@ impl Limiter {
                 continue;
             }
             keep.push(ks.clone());
+            if !ks.hot.load(Ordering::SeqCst) && ks.lease.held() == 0 {
+                // Listed for the report only: nothing to reclaim or renew.
+                continue;
+            }
             let entry = ks.entry.load_full();
             let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
@@ -285,7 +291,8 @@ impl Limiter {
                 }
             }
         }
-        inner.swept.lock().extend(keep);
+        *swept = keep;
+        drop(swept);
         if now >= inner.full_sweep_ns.load(Ordering::Relaxed) {
             let every =
                 (inner.config.forget_after / FULL_SWEEPS_PER_FORGET).max(inner.config.sweep_every);
@@ -307,7 +314,7 @@ impl Limiter {
         for (id, ks) in inner.keys.iter(&guard) {
             // Most keys are cold and hold nothing: all they need is to be forgotten once
             // idle for long, checked without a lock or a rule lookup.
-            if !ks.hot.load(Ordering::Acquire) && ks.lease.held() == 0 {
+            if !ks.active(now) {
                 if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
                     && ks.waiters.load(Ordering::Acquire) == 0
                 {

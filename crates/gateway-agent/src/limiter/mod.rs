@@ -389,6 +389,18 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// Whether the sweep visits this key every tick and the coordinator's report covers
+    /// it: it leases or holds tokens, admitted without the store since the last report,
+    /// or is a region's bucket used lately (its broker feeds the keys reported).
+    fn active(&self, now: u64) -> bool {
+        self.hot.load(Ordering::SeqCst)
+            || self.lease.held() > 0
+            || self.without_store.load(Ordering::SeqCst) > 0
+            || (now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed))
+                < crate::report::REPORT_TTL_MS * 1_000_000
+                && self.entry.load().params.region.is_some())
+    }
+
     fn new(
         rule: &str,
         entry: &Arc<RuleEntry>,
@@ -904,9 +916,11 @@ impl Limiter {
         entry: Arc<RuleEntry>,
         cost: u64,
     ) -> Decision {
-        // A key that leases reaches the store before its first lease: from here on the
-        // sweep visits it every tick.
-        if ks.hot.load(Ordering::Relaxed) && !ks.in_sweep.load(Ordering::Relaxed) {
+        // A key that leases reaches the store before its first lease, and a region's
+        // bucket before its first report: from here on the sweep visits it every tick.
+        if (ks.hot.load(Ordering::Relaxed) || entry.params.region.is_some())
+            && !ks.in_sweep.load(Ordering::Relaxed)
+        {
             self.track(&ks);
         }
         // A region's bucket the region's broker may not feed yet: tell it now rather than
@@ -1004,7 +1018,7 @@ impl Limiter {
     /// A decision the store did not answer within the rule's timeout: the timeout counts
     /// against the shard only if nothing on it succeeded since this decision began, and
     /// the failure policy decides.
-    fn timed_out(&self, ks: &KeyState, entry: &RuleEntry, cost: u64) -> Decision {
+    fn timed_out(&self, ks: &Arc<KeyState>, entry: &RuleEntry, cost: u64) -> Decision {
         let began = self
             .now_ns()
             .saturating_sub(entry.rule.timeout().as_nanos() as u64);
@@ -1367,14 +1381,22 @@ impl Limiter {
         }
     }
 
+    /// Counts an admission made without the store, for the next report.
+    fn admitted_without_store(&self, ks: &Arc<KeyState>, cost: u64) {
+        ks.without_store.fetch_add(cost, Ordering::SeqCst);
+        if !ks.transient {
+            self.track(ks);
+        }
+    }
+
     /// The decision while the store cannot be used, by the rule's failure policy.
-    fn degraded(&self, ks: &KeyState, entry: &RuleEntry, cost: u64) -> Decision {
+    fn degraded(&self, ks: &Arc<KeyState>, entry: &RuleEntry, cost: u64) -> Decision {
         let c = &entry.counters;
         let now = self.now_ns();
         match entry.rule.failure_policy() {
             FailurePolicy::FailOpen => {
                 c.incr(Counter::AdmittedFailOpen);
-                ks.without_store.fetch_add(cost, Ordering::Relaxed);
+                self.admitted_without_store(ks, cost);
                 Decision::Allowed {
                     remaining: 0,
                     via: Admission::FailOpen,
@@ -1417,7 +1439,7 @@ impl Limiter {
                 e.at_ns = now;
                 if e.level.tokens >= cost {
                     e.level = e.level.take(cost);
-                    ks.without_store.fetch_add(cost, Ordering::Relaxed);
+                    self.admitted_without_store(ks, cost);
                     c.incr(Counter::AdmittedEmergency);
                     Decision::Allowed {
                         remaining: e.level.tokens,

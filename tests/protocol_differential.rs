@@ -62,7 +62,7 @@ type Hash = std::collections::BTreeMap<String, String>;
 /// between separate reads on a slow machine.
 fn read(server: &RedisServer, key: &BucketKey) -> (Hash, i64, u64) {
     let mut c = server.connection().expect("connection");
-    let (pairs, at, time): (Vec<String>, i64, Vec<u64>) = redis::Script::new(&format!(
+    let (pairs, at, time): (Vec<Vec<u8>>, i64, Vec<u64>) = redis::Script::new(&format!(
         "local v \
          if redis.call('TYPE', KEYS[1])['ok'] == 'string' then \
            v = {{'{}', redis.call('GET', KEYS[1])}} \
@@ -73,9 +73,18 @@ fn read(server: &RedisServer, key: &BucketKey) -> (Hash, i64, u64) {
     .key(key.as_str())
     .invoke(&mut c)
     .expect("read the bucket");
+    let text = |b: &[u8]| String::from_utf8(b.to_vec()).expect("text");
     let redis: Hash = pairs
         .chunks(2)
-        .map(|kv| (kv[0].clone(), kv[1].clone()))
+        .map(|kv| {
+            let name = text(&kv[0]);
+            let value = if name == leasehold_store::wire::COMPACT {
+                leasehold_store::wire::compact_text(&kv[1]).expect("a compact bucket")
+            } else {
+                text(&kv[1])
+            };
+            (name, value)
+        })
         .collect();
     (redis, at, time[0] * 1000 + time[1] / 1000)
 }
@@ -815,63 +824,90 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
     assert_eq!(exists, 0, "a refused call wrote the key");
 }
 
-/// `lh_exact_many` validates the whole batch before it writes anything: a bad item late
+/// `lh_exact_packed` validates the whole batch before it writes anything: a bad item late
 /// in the batch leaves the good keys before it untouched.
 #[test]
 fn lua_refuses_bad_batches_and_writes_nothing() {
     let server = server_with_library();
-    let rule = ["10", "1", "1000000", "100000", "0"];
-    let cases: &[(&[&str], &[&str], &str)] = &[
+    let pack = leasehold_store::wire::pack_numbers;
+    // seq 1, one rule: capacity 10, 1 token per s, grace 100 ms, strict.
+    let head: &[u64] = &[1, 1, 10, 1, 1_000_000, 100_000, 0];
+    let numbers = |items: &[u64]| pack(&[head, items].concat());
+    let cases: Vec<(&[&str], Vec<u8>, &str)> = vec![
         (
             &["lh:{t|a}", "lh:{t|a}"],
-            &["1", "1", "1", "1", "1", "1"],
+            numbers(&[1, 1, 1, 1, 1, 1]),
             "LH_ARG a key appears twice",
         ),
         (
             &["lh:{t|a}", "lh:{t|b}"],
-            &["1", "1", "1", "1", "1", "11"],
+            numbers(&[1, 1, 1, 1, 1, 11]),
             "LH_CAPACITY 11",
         ),
         (
             &["lh:{t|a}", "lh:{t|b|1.0}"],
-            &["1", "1", "1", "1", "1", "1"],
+            numbers(&[1, 1, 1, 1, 1, 1]),
             "LH_ARG not a bucket key",
         ),
         (
             &["lh:{t|a}", "app:user:1"],
-            &["1", "1", "1", "1", "1", "1"],
+            numbers(&[1, 1, 1, 1, 1, 1]),
             "LH_ARG not a bucket key",
         ),
         (
             &["lh:{t|a}"],
-            &["1", "1", "1", "7"],
-            "LH_ARG 1 arguments left over",
+            numbers(&[1, 1, 1, 7]),
+            "LH_ARG 1 numbers left over",
         ),
         (
             &["lh:{t|a}"],
-            &["2", "1", "1"],
+            numbers(&[2, 1, 1]),
             "LH_ARG invalid argument rule = 2",
         ),
-        (&["lh:{t|a}"], &["1", "0"], "LH_ARG invalid batch item 1"),
         (
             &["lh:{t|a}"],
-            &["1", "1", "0"],
+            numbers(&[1, 0]),
+            "LH_ARG invalid batch item 1",
+        ),
+        (
+            &["lh:{t|a}"],
+            numbers(&[1, 1, 0]),
             "LH_ARG invalid argument cost = 0",
+        ),
+        // Numbers cut short, or none: the packed string must hold whole 8-byte integers.
+        (
+            &["lh:{t|a}"],
+            numbers(&[1, 1, 1])[..50].to_vec(),
+            "LH_ARG invalid argument numbers: 50 bytes",
+        ),
+        (
+            &["lh:{t|a}"],
+            Vec::new(),
+            "LH_ARG invalid argument numbers: 0 bytes",
+        ),
+        // A number past 2^53 - 1 (Lua's exact integers).
+        (
+            &["lh:{t|a}"],
+            numbers(&[1, 1, 1 << 60]),
+            "LH_ARG invalid argument cost",
+        ),
+        // Text where the numbers belong, as an older agent would send them.
+        (
+            &["lh:{t|a}"],
+            b"1".to_vec(),
+            "LH_ARG invalid argument numbers",
         ),
     ];
     let mut conn = server.connection().expect("connection");
-    for (keys, items, want) in cases {
+    for (keys, items, want) in &cases {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_many")
+        cmd.arg("lh_exact_packed")
             .arg(keys.len() + 1)
             .arg(format!("{}:b:00ab:1", keys[0]));
         for k in *keys {
             cmd.arg(*k);
         }
-        cmd.arg("00ab").arg("1").arg("1");
-        for a in rule.iter().chain(items.iter()) {
-            cmd.arg(*a);
-        }
+        cmd.arg("00ab").arg(items.as_slice());
         let err = cmd
             .query::<redis::Value>(&mut conn)
             .expect_err("a bad batch must be refused");
@@ -889,6 +925,19 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
             assert_eq!(exists, 0, "a refused batch wrote {k}");
         }
     }
+    // Arguments past the packed numbers are refused too.
+    let err = redis::cmd("FCALL")
+        .arg("lh_exact_packed")
+        .arg(2)
+        .arg("lh:{t|a}:b:00ab:1")
+        .arg("lh:{t|a}")
+        .arg("00ab")
+        .arg(numbers(&[1, 1, 1]))
+        .arg("1")
+        .query::<redis::Value>(&mut conn)
+        .expect_err("extra arguments must be refused");
+    let text = refusal(&err);
+    assert!(text.starts_with("LH_ARG 1 arguments left over"), "{text}");
 }
 
 /// A bucket key that holds something else (a string that is not a compact bucket, a
@@ -909,13 +958,15 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     ] {
         // The foreign key second: the first key must not be written either.
         let err = redis::cmd("FCALL")
-            .arg("lh_exact_many")
+            .arg("lh_exact_packed")
             .arg(3)
             .arg("lh:{t|a}:b:00ab:1")
             .arg("lh:{t|a}")
             .arg(foreign)
-            .arg(&["00ab", "1", "1", "10", "1", "1000000", "100000", "0"])
-            .arg(&["1", "1", "1", "1", "1", "1"])
+            .arg("00ab")
+            .arg(leasehold_store::wire::pack_numbers(&[
+                1, 1, 10, 1, 1_000_000, 100_000, 0, 1, 1, 1, 1, 1, 1,
+            ]))
             .query::<redis::Value>(&mut conn)
             .expect_err("a batch over a foreign value must be refused");
         let text = refusal(&err);
@@ -958,33 +1009,33 @@ fn a_compact_bucket_becomes_the_hash_when_leased() {
     let mut conn = server.connection().expect("connection");
     let key = "lh:{t|c}";
     let _: redis::Value = redis::cmd("FCALL")
-        .arg("lh_exact_many")
+        .arg("lh_exact_packed")
         .arg(2)
         .arg(format!("{key}:b:00ab:1"))
         .arg(key)
-        .arg(&[
-            "00ab",
-            "1",
-            "1",
-            "10",
-            "1",
-            "1000000000",
-            "100000",
-            "0",
-            "1",
-            "1",
-            "3",
-        ])
+        .arg("00ab")
+        .arg(leasehold_store::wire::pack_numbers(&[
+            1,
+            1,
+            10,
+            1,
+            1_000_000_000,
+            100_000,
+            0,
+            1,
+            1,
+            3,
+        ]))
         .query(&mut conn)
         .expect("batch");
     let ty: String = server.cmd(&["TYPE", key]).expect("TYPE");
     assert_eq!(ty, "string");
-    let v: String = server.cmd(&["GET", key]).expect("GET");
+    let v: Vec<u8> = server.cmd(&["GET", key]).expect("GET");
     let f = leasehold_store::wire::compact_fields(&v).expect("a compact bucket");
     assert_eq!(
         (f["tok"].as_str(), f["p"].as_str()),
         ("7", "1000000000"),
-        "{v}"
+        "{v:?}"
     );
     let reply: Vec<i64> = redis::cmd("FCALL")
         .arg("lh_acquire")
@@ -1011,4 +1062,61 @@ fn a_compact_bucket_becomes_the_hash_when_leased() {
     assert_eq!(h["tok"], (7 - granted).to_string(), "{h:?}");
     assert_eq!(h["out"], granted.to_string(), "{h:?}");
     assert_eq!(h["00ab:h"], granted.to_string(), "{h:?}");
+}
+
+/// Through a rolling upgrade the library serves the previous version's batches (decimal
+/// arguments, `lh_exact_many`) and reads the compact buckets it wrote (`tok,car,ts,p`):
+/// the same decisions as the packed form, and the bucket is written in the new form.
+#[test]
+fn the_previous_versions_batches_and_buckets_are_served() {
+    let server = server_with_library();
+    let mut conn = server.connection().expect("connection");
+    let now_us = {
+        let t: Vec<u64> = server.cmd(&["TIME"]).expect("TIME");
+        t[0] * 1_000_000 + t[1]
+    };
+    // 4 tokens left of 10, one token per 1 000 s: no refill during the test.
+    let old = format!("4,0,{now_us},1000000000");
+    let _: () = server
+        .cmd(&["SET", "lh:{t|o}", &old, "PX", "60000"])
+        .expect("SET");
+    let text = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>();
+    // Key o: costs 3 and 2 (3 admitted, 2 refused: 1 left); key n (new): cost 1.
+    let numbers = [1, 1, 10, 1, 1_000_000_000, 100_000, 0, 1, 2, 3, 2, 1, 1, 1];
+    let reply: Vec<u64> = redis::cmd("FCALL")
+        .arg("lh_exact_many")
+        .arg(3)
+        .arg("lh:{t|o}:b:00ab:1")
+        .arg("lh:{t|o}")
+        .arg("lh:{t|n}")
+        .arg("00ab")
+        .arg(text(&numbers))
+        .query(&mut conn)
+        .expect("a batch in decimal arguments");
+    // Per key: status, time past now, remaining, scale, then a retry per cost.
+    assert_eq!(reply[1..5], [0, 0, 1, 0], "{reply:?}");
+    assert_eq!(reply[5], 0, "cost 3 admitted: {reply:?}");
+    assert!(reply[6] > 0, "cost 2 refused: {reply:?}");
+    assert_eq!(reply[7..12], [0, 0, 9, 0, 0], "{reply:?}");
+    for key in ["lh:{t|o}", "lh:{t|n}"] {
+        let v: Vec<u8> = server.cmd(&["GET", key]).expect("GET");
+        let f = leasehold_store::wire::compact_numbers(&v).expect("written in the new form");
+        assert_eq!(f[3], 1_000_000_000, "{key}: {f:?}");
+    }
+    // The same batch packed is a new one (seq 2) on the new form: 1 left on o, 8 on n.
+    let mut packed = numbers;
+    packed[0] = 2;
+    let reply: Vec<u64> = redis::cmd("FCALL")
+        .arg("lh_exact_packed")
+        .arg(3)
+        .arg("lh:{t|o}:b:00ab:2")
+        .arg("lh:{t|o}")
+        .arg("lh:{t|n}")
+        .arg("00ab")
+        .arg(leasehold_store::wire::pack_numbers(&packed))
+        .query(&mut conn)
+        .expect("a packed batch");
+    assert_eq!(reply[3], 1, "{reply:?}");
+    assert!(reply[5] > 0 && reply[6] > 0, "{reply:?}");
+    assert_eq!(reply[9], 8, "{reply:?}");
 }

@@ -210,7 +210,7 @@ fn i7_each_call_touches_exactly_its_own_key() {
         );
     }
     // ... and `key` is only ever bound to KEYS[1], directly or through `the_key`, which
-    // checks it and returns it, or (lh_exact_many) to each bucket key of a batch, which is
+    // checks it and returns it, or (a batch) to each bucket key of a batch, which is
     // checked as a bucket key before anything is read; `dkey`, the batch's dedup key, must
     // be its first bucket key's name plus `:b:AGENT:SEQ` (same slot, never a foreign key).
     for line in LIBRARY.lines().filter(|l| l.contains(" key =")) {
@@ -225,10 +225,10 @@ fn i7_each_call_touches_exactly_its_own_key() {
         );
     }
     let batch = LIBRARY
-        .split("local function exact_many(keys, args)")
+        .split("local function exact_batch(keys, id, args)")
         .nth(1)
         .and_then(|body| body.split("\nend\n").next())
-        .expect("exact_many");
+        .expect("exact_batch");
     assert!(
         batch.contains(
             "if #key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then"

@@ -64,7 +64,7 @@ pub fn hash(server: &RedisServer, key: &str) -> BTreeMap<String, String> {
     let mut c = server.connection().expect("connection");
     let ty: String = redis::cmd("TYPE").arg(key).query(&mut c).expect("TYPE");
     if ty == "string" {
-        let v: String = redis::cmd("GET").arg(key).query(&mut c).expect("GET");
+        let v: Vec<u8> = redis::cmd("GET").arg(key).query(&mut c).expect("GET");
         return leasehold_store::wire::compact_fields(&v).expect("a compact bucket");
     }
     redis::cmd("HGETALL")

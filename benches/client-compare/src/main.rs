@@ -1,7 +1,7 @@
-//! The batched cold path's call, `FCALL lh_exact_many`, through redis-rs's multiplexed
-//! connection and through fred's client, in one run, against one redis-server (which
-//! must be one you can write to: it loads the function library and makes bucket keys
-//! `lh:{cmp|...}`). Tasks call flat out, each call on fresh keys; it reports decisions/s
+//! A batched cold path's call (`FCALL lh_exact_many`, the batch's decimal form), through
+//! redis-rs's multiplexed connection and through fred's client, in one run, against one
+//! redis-server (which must be one you can write to: it loads the function library and
+//! makes bucket keys `lh:{cmp|...}`). Tasks call flat out, each call on fresh keys; it reports decisions/s
 //! and this process's CPU per call (user + system).
 //!
 //! `cargo run --release -- REDIS_URL [SECONDS]`; ONLY=TASKS,KEYS runs one shape.

@@ -809,7 +809,7 @@ impl RedisStore {
         items: &[ExactItem<'_>],
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_many")
+        cmd.arg("lh_exact_packed")
             .arg(items.len() + 1)
             .arg(wire::batch_key(items[0].key, agent, seq));
         for it in items {
@@ -971,7 +971,7 @@ impl RedisStore {
             // A compact bucket: the hash it stands for.
             let mut get = redis::cmd("GET");
             get.arg(key.as_str());
-            let v: Option<String> =
+            let v: Option<Vec<u8>> =
                 redis::from_redis_value(self.conn.query(&get).await.map_err(classify)?)
                     .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
             match v {

@@ -11,13 +11,14 @@
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
 //!   drop; zeros when none).
-//! - Exact batches: `FCALL lh_exact_many N DEDUP KEY...` ([`batch_key`]) then
+//! - Exact batches: `FCALL lh_exact_packed N DEDUP KEY...` ([`batch_key`]) then
 //!   [`exact_many_args`]; the reply is read by [`exact_many_reply`]; the dedup key holds
 //!   [`batch_numbers`] (MessagePack).
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
-//!   holds it. A compact bucket (a string `tok,car,ts,p`, see
-//!   [`BucketState::compact`]) renders as one entry named [`COMPACT`];
-//!   [`compact_fields`] reads such a string as the hash it stands for.
+//!   holds it. A compact bucket (a 34-byte string, [`compact_value`], see
+//!   [`BucketState::compact`]) renders as one entry named [`COMPACT`] whose value is
+//!   `tok,car,ts,p` ([`compact_text`] reads Redis's string so); [`compact_fields`] reads
+//!   such a string as the hash it stands for.
 
 use std::collections::BTreeMap;
 
@@ -264,26 +265,68 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     f
 }
 
-/// The hash a compact bucket's string stands for (its four fields; every other field is
-/// 0), or `None` if `v` is not one.
-pub fn compact_fields(v: &str) -> Option<BTreeMap<String, String>> {
-    let parts: Vec<&str> = v.split(',').collect();
-    let [tok, car, ts, p] = parts[..] else {
-        return None;
-    };
-    let mut f = BTreeMap::new();
-    for (k, v) in [
-        (h::TOKENS, tok),
-        (h::CARRY, car),
-        (h::UPDATED, ts),
-        (h::PERIOD, p),
-    ] {
-        if v.is_empty() || v.len() > 16 || !v.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        f.insert(k.to_owned(), v.to_owned());
+/// The tag that begins a compact bucket's string.
+pub const COMPACT_TAG: &[u8; 2] = b"L1";
+
+/// A compact bucket's string as a batch writes it: [`COMPACT_TAG`], then tokens,
+/// carry, updated (µs) and period (µs) as little-endian unsigned 64-bit integers (Lua's
+/// `struct` reads and writes it far faster than decimal text).
+pub fn compact_value(tokens: u64, carry: u64, updated_us: u64, period_us: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(34);
+    v.extend_from_slice(COMPACT_TAG);
+    for n in [tokens, carry, updated_us, period_us] {
+        v.extend_from_slice(&n.to_le_bytes());
     }
-    Some(f)
+    v
+}
+
+/// A compact bucket's four numbers (tokens, carry, updated, period), or `None` if `v` is
+/// not one.
+pub fn compact_numbers(v: &[u8]) -> Option<[u64; 4]> {
+    let (tag, rest) = v.split_at_checked(2)?;
+    if tag != COMPACT_TAG || rest.len() != 32 {
+        return None;
+    }
+    let mut out = [0u64; 4];
+    for (o, b) in out.iter_mut().zip(rest.chunks_exact(8)) {
+        *o = u64::from_le_bytes(b.try_into().ok()?);
+    }
+    Some(out)
+}
+
+/// A compact bucket's string as [`hash_fields`] renders it (`tok,car,ts,p`), or `None`.
+pub fn compact_text(v: &[u8]) -> Option<String> {
+    compact_numbers(v).map(|n| join(&n))
+}
+
+/// The hash a compact bucket's string stands for (its four fields; every other field is
+/// 0), or `None` if `v` is not one. The decimal form `tok,car,ts,p` of the version before
+/// is read too (the library reads it, and writes it anew in the binary form).
+pub fn compact_fields(v: &[u8]) -> Option<BTreeMap<String, String>> {
+    let decimal = || -> Option<[u64; 4]> {
+        let text = std::str::from_utf8(v).ok()?;
+        let n: Vec<u64> = text
+            .split(',')
+            .map(|d| {
+                (!d.is_empty() && d.len() <= 16 && d.bytes().all(|b| b.is_ascii_digit()))
+                    .then(|| d.parse().ok())
+                    .flatten()
+            })
+            .collect::<Option<_>>()?;
+        n.try_into().ok()
+    };
+    let [tok, car, ts, p] = compact_numbers(v).or_else(decimal)?;
+    Some(
+        [
+            (h::TOKENS, tok),
+            (h::CARRY, car),
+            (h::UPDATED, ts),
+            (h::PERIOD, p),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_string()))
+        .collect(),
+    )
 }
 
 /// One key of an exact batch: its bucket, the rule's parameters and the costs of the
@@ -298,7 +341,8 @@ pub struct ExactItem<'a> {
     pub costs: &'a [u64],
 }
 
-/// The arguments of `FCALL lh_exact_many` after the keys: agent, seq, the distinct rule
+/// The arguments of `FCALL lh_exact_packed` after the keys: the agent, then one string of
+/// little-endian unsigned 64-bit integers ([`pack_numbers`]): seq, the distinct rule
 /// parameters (capacity, rate tokens, rate period µs, grace µs, max outstanding), then
 /// per key its rule's index (from 1), its number of costs and the costs. Every key once.
 pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec<Vec<u8>> {
@@ -318,9 +362,8 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
         index.push(i + 1);
     }
     let n = 3 + rules.len() * 5 + items.iter().map(|it| 2 + it.costs.len()).sum::<usize>();
-    let mut out = Vec::with_capacity(n);
-    out.push(agent.to_string().into_bytes());
-    let mut num = |v: u64| out.push(v.to_string().into_bytes());
+    let mut numbers = Vec::with_capacity(n - 1);
+    let mut num = |v: u64| numbers.push(v);
     num(seq);
     num(rules.len() as u64);
     for p in &rules {
@@ -345,7 +388,12 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
             num(c);
         }
     }
-    out
+    vec![agent.to_string().into_bytes(), pack_numbers(&numbers)]
+}
+
+/// Integers as `lh_exact_packed` reads its numbers: little-endian, 8 bytes each.
+pub fn pack_numbers(numbers: &[u64]) -> Vec<u8> {
+    numbers.iter().flat_map(|n| n.to_le_bytes()).collect()
 }
 
 /// The dedup key of `agent`'s batch `seq` whose first key is `first`: beside it, in its
@@ -354,7 +402,7 @@ pub fn batch_key(first: &BucketKey, agent: AgentId, seq: u64) -> String {
     format!("{}:b:{agent}:{seq}", first.as_str())
 }
 
-/// The reply of `lh_exact_many` (server time, then per key: status, time past the server
+/// The reply of `lh_exact_packed` (server time, then per key: status, time past the server
 /// time, remaining, scale, each cost's wait), one outcome per item;
 /// `None` if its shape does not match the items.
 pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
@@ -401,6 +449,39 @@ pub fn batch_numbers(r: &BatchRecord) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compact_values_round_trip_and_refuse_other_strings() {
+        let v = compact_value(7, 12_345, 1_796_154_857_347_044, 1_000_000);
+        assert_eq!(v.len(), 34);
+        assert_eq!(
+            compact_numbers(&v),
+            Some([7, 12_345, 1_796_154_857_347_044, 1_000_000])
+        );
+        assert_eq!(
+            compact_text(&v).as_deref(),
+            Some("7,12345,1796154857347044,1000000")
+        );
+        assert_eq!(
+            compact_fields(&v).map(|f| f["ts"].clone()).as_deref(),
+            Some("1796154857347044")
+        );
+        let mut other = v.clone();
+        other[0] = b'X';
+        for bad in [&other[..], &v[..33], b"7,0,1,1000000", b"", b"hello"] {
+            assert_eq!(compact_numbers(bad), None, "{bad:?}");
+        }
+        // The decimal form of the version before: read as the hash, nothing else is.
+        let old = compact_fields(b"7,0,1,1000000").expect("the decimal form");
+        assert_eq!((old["tok"].as_str(), old["p"].as_str()), ("7", "1000000"));
+        for bad in [&b"7,0,1"[..], b"7,0,1,x", b"7,,1,1", b"hello", &other[..]] {
+            assert_eq!(compact_fields(bad), None, "{bad:?}");
+        }
+        assert_eq!(
+            pack_numbers(&[1, 258]),
+            [1, 0, 0, 0, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]
+        );
+    }
 
     #[test]
     fn replies_round_trip_with_and_without_a_split() {

@@ -1,7 +1,7 @@
 //! Cold keys' exact decisions, batched per shard.
 //!
 //! A decision on a cold key joins its shard's queue and waits for its answer; it holds no
-//! lock while it waits. A task sends the queue to the store as one `lh_exact_many` call,
+//! lock while it waits. A task sends the queue to the store as one `lh_exact_packed` call,
 //! then sends what queued meanwhile, and ends when the queue is empty; a second task
 //! joins while the first has a call in flight, so Redis never idles for a round trip
 //! between batches. So a batch forms from whatever arrived while the previous calls were
@@ -220,7 +220,7 @@ impl Limiter {
         }
     }
 
-    /// One `lh_exact_many` call through the shard's breaker; a retry of an unknown
+    /// One `lh_exact_packed` call through the shard's breaker; a retry of an unknown
     /// outcome reuses the sequence number. The call ends when its last decision stops
     /// waiting: then, as a cancelled per-key call, it leaves no verdict on the shard (each
     /// decision that timed out counted its own).

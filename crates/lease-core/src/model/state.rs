@@ -64,9 +64,10 @@ pub struct BucketState {
     /// On a region's bucket: the rate the region gets, by its last deposit (thousandths
     /// of a token per second; 0: unknown), which its agents' shares divide.
     pub region_rate_milli: u64,
-    /// Stored compact, as the string `tok,car,ts,p` instead of the hash: made so by
-    /// `lh_exact_many` for a new key and kept while only it writes the key (such a key has
-    /// no records, demand or split); any other operation stores the hash.
+    /// Stored compact, as a string of `tok`, `car`, `ts` and `p` instead of the hash
+    /// (`leasehold_store::wire::compact_value`): made so by a batch of exact decisions
+    /// for a new key and kept while only batches write the key (such a key has no
+    /// records, demand or split); any other operation stores the hash.
     pub compact: bool,
 }
 

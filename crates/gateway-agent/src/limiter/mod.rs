@@ -386,6 +386,8 @@ struct KeyState {
     in_sweep: AtomicBool,
     /// A region's bucket of a global key, announced to the region's broker.
     announced: AtomicBool,
+    /// The bucket is a region's (`lh:{RULE|SUBJECT|region}`).
+    region: bool,
 }
 
 impl KeyState {
@@ -396,9 +398,9 @@ impl KeyState {
         self.hot.load(Ordering::SeqCst)
             || self.lease.held() > 0
             || self.without_store.load(Ordering::SeqCst) > 0
-            || (now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed))
-                < crate::report::REPORT_TTL_MS * 1_000_000
-                && self.entry.load().params.region.is_some())
+            || (self.region
+                && now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed))
+                    < crate::report::REPORT_TTL_MS * 1_000_000)
     }
 
     fn new(
@@ -408,6 +410,7 @@ impl KeyState {
         now: u64,
         transient: bool,
     ) -> Self {
+        let region = bucket.is_region();
         Self {
             rule: rule.into(),
             capacity: AtomicU64::new(entry.params.capacity),
@@ -434,6 +437,7 @@ impl KeyState {
             batch_after_ns: AtomicU64::new(0),
             announced: AtomicBool::new(false),
             in_sweep: AtomicBool::new(false),
+            region,
         }
     }
 }

@@ -147,9 +147,7 @@ pub(super) async fn report(limiter: Limiter) {
                 let recent = now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000;
                 ks.lease.held() > 0
                     || ks.without_store.load(Ordering::Relaxed) > 0
-                    || (recent
-                        && (ks.hot.load(Ordering::Relaxed)
-                            || ks.entry.load().params.region.is_some()))
+                    || (recent && (ks.hot.load(Ordering::Relaxed) || ks.region))
             })
             .collect()
     };
@@ -205,10 +203,12 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
 const FULL_SWEEPS_PER_FORGET: u32 = 30;
 
 impl Limiter {
-    /// Puts `ks` (a key that leases or holds tokens) among the keys the sweep visits
-    /// every tick, once.
+    /// Puts `ks` (an active key, [`KeyState::active`]) among the keys the sweep visits
+    /// every tick, once. A key already listed costs a load, not a write: a load that sees
+    /// it listed comes before the sweep's unlisting, whose second look then sees the key
+    /// active.
     pub(super) fn track(&self, ks: &Arc<KeyState>) {
-        if !ks.in_sweep.swap(true, Ordering::SeqCst) {
+        if !ks.in_sweep.load(Ordering::SeqCst) && !ks.in_sweep.swap(true, Ordering::SeqCst) {
             self.inner.swept.lock().push(ks.clone());
         }
     }
@@ -326,9 +326,7 @@ impl Limiter {
                 forget.push(id.clone());
                 continue;
             }
-            if !ks.in_sweep.load(Ordering::SeqCst) {
-                self.track(ks);
-            }
+            self.track(ks);
         }
         for id in forget {
             inner.keys.remove(&id, &guard);

@@ -922,9 +922,7 @@ impl Limiter {
     ) -> Decision {
         // A key that leases reaches the store before its first lease, and a region's
         // bucket before its first report: from here on the sweep visits it every tick.
-        if (ks.hot.load(Ordering::Relaxed) || entry.params.region.is_some())
-            && !ks.in_sweep.load(Ordering::Relaxed)
-        {
+        if ks.hot.load(Ordering::Relaxed) || ks.region {
             self.track(&ks);
         }
         // A region's bucket the region's broker may not feed yet: tell it now rather than

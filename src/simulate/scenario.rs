@@ -292,6 +292,16 @@ fn region_rule() -> RuleSpec {
     r
 }
 
+/// A fault of the whole run (no agent, no region) at `at`.
+fn fault(at: f64, action: &str) -> Fault {
+    Fault {
+        at,
+        action: action.into(),
+        agent: None,
+        region: None,
+    }
+}
+
 fn phase(at: f64, offered: f64, active: Option<Vec<usize>>) -> Phase {
     Phase {
         at,
@@ -389,10 +399,8 @@ impl Scenario {
                     vec![phase(0.0, 0.0, None)],
                 );
                 s.faults.push(Fault {
-                    at: 0.5,
-                    action: "crash-agent".into(),
                     agent: Some(0),
-                    region: None,
+                    ..fault(0.5, "crash-agent")
                 });
                 s
             }
@@ -404,12 +412,7 @@ impl Scenario {
                     vec![phase(0.0, 0.0, None)],
                 );
                 for (at, action) in [(0.3, "kill-store"), (0.6, "restore-store")] {
-                    s.faults.push(Fault {
-                        at,
-                        action: action.into(),
-                        agent: None,
-                        region: None,
-                    });
+                    s.faults.push(fault(at, action));
                 }
                 s
             }
@@ -431,12 +434,7 @@ impl Scenario {
                 let mut s = base(spec, keys(1, "uniform"), vec![phase(0.0, 0.0, None)]);
                 s.store = Some("spawn-replica".into());
                 for (at, action) in [(0.45, "stall-replication"), (0.5, "promote-replica")] {
-                    s.faults.push(Fault {
-                        at,
-                        action: action.into(),
-                        agent: None,
-                        region: None,
-                    });
+                    s.faults.push(fault(at, action));
                 }
                 s
             }
@@ -460,12 +458,7 @@ impl Scenario {
                 s.store = Some("cluster-spawn".into());
                 s.split_above = Some(500.0);
                 for (at, action) in [(0.6, "stop-coordinator"), (0.8, "start-coordinator")] {
-                    s.faults.push(Fault {
-                        at,
-                        action: action.into(),
-                        agent: None,
-                        region: None,
-                    });
+                    s.faults.push(fault(at, action));
                 }
                 s
             }
@@ -530,10 +523,8 @@ impl Scenario {
                 s.regions = Some(3);
                 for (at, action) in [(0.35, "partition-region"), (0.65, "heal-region")] {
                     s.faults.push(Fault {
-                        at,
-                        action: action.into(),
-                        agent: None,
                         region: Some(0),
+                        ..fault(at, action)
                     });
                 }
                 s
@@ -731,12 +722,7 @@ mod tests {
         s.keys.distribution = "pareto".into();
         assert!(s.validate().unwrap_err().contains("pareto"));
         let mut s = Scenario::built_in("hot-key").unwrap();
-        s.faults.push(Fault {
-            at: 0.5,
-            action: "reboot-datacenter".into(),
-            agent: None,
-            region: None,
-        });
+        s.faults.push(fault(0.5, "reboot-datacenter"));
         assert!(s.validate().unwrap_err().contains("reboot-datacenter"));
         let mut s = Scenario::built_in("hot-key").unwrap();
         s.rule.capacity = 0;

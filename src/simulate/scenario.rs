@@ -490,7 +490,7 @@ impl Scenario {
             }
             // One worldwide tenant (scope global) served from three regions, 1.3x its
             // limit in all; 70% of the demand is in one region, and that region changes
-            // every third of the run.
+            // every twelfth of the run (every 5 s in a 60 s run).
             "regions" => {
                 let per_region = |lead: usize| -> Vec<f64> {
                     (0..9)
@@ -500,10 +500,10 @@ impl Scenario {
                         })
                         .collect()
                 };
-                let phases = (0..3)
+                let phases = (0..12)
                     .map(|k| Phase {
-                        rates: Some(per_region(k)),
-                        ..phase(k as f64 / 3.0, 0.0, None)
+                        rates: Some(per_region(k % 3)),
+                        ..phase(k as f64 / 12.0, 0.0, None)
                     })
                     .collect();
                 let mut s = base(region_rule(), keys(1, "uniform"), phases);

@@ -99,6 +99,12 @@ impl RegionState {
     }
 }
 
+/// The rule's rate, thousandths of a token per second.
+fn rule_milli(global: &BucketParams) -> u64 {
+    let r = u128::from(global.rate.tokens()) * 1_000_000_000 / u128::from(global.rate.period_us());
+    u64::try_from(r).unwrap_or(u64::MAX)
+}
+
 /// How a broker runs its keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BrokerConfig {
@@ -132,10 +138,14 @@ pub enum BrokerCall {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    /// Waiting until `due` (the broker's clock) to acquire; a region reply is known.
+    /// Waiting until `due` (the broker's clock) to read the region's bucket, then acquire.
     Idle { due: u64 },
-    /// The first read of the region's bucket.
+    /// A read of the region's bucket, sent or to send: each acquire declares what the
+    /// region holds as of a read just before it, so the declaration is an upper bound
+    /// that is stale by no more than the read's own round trip.
     Reading,
+    /// The region's bucket was just read: acquire now.
+    Read,
     /// An acquire sent first at `sent`, not answered.
     Acquiring { req: Request, sent: u64 },
     /// A deposit not answered; resent until it is (it is idempotent).
@@ -156,9 +166,12 @@ pub struct KeyBroker {
     held: u64,
     tokens: u64,
     demand_milli: u64,
-    /// Consumption measured between deposits, thousandths of a token per second.
+    /// Consumption measured between reads, thousandths of a token per second.
     spent_milli: u64,
-    last_reply_at: u64,
+    /// When the region's bucket was last read (broker clock; 0: never), and what it held
+    /// then plus what deposits added since.
+    last_read_at: u64,
+    counted: u64,
     /// The last acquire's round trip, µs.
     rtt_us: u64,
     /// When the last acquire was first sent (broker clock).
@@ -185,7 +198,8 @@ impl KeyBroker {
             tokens: 0,
             demand_milli: 0,
             spent_milli: 0,
-            last_reply_at: 0,
+            last_read_at: 0,
+            counted: 0,
             rtt_us: 0,
             last_acquire: 0,
             starved: false,
@@ -235,6 +249,10 @@ impl KeyBroker {
                 },
             }),
             Phase::Idle { due } if now >= due => {
+                self.phase = Phase::Reading;
+                return self.poll(now, cfg, global);
+            }
+            Phase::Read => {
                 self.seq += 1;
                 // Enough for the next renewals and a round trip at the region's rate; a
                 // region that ran dry asks for twice what it could spend (its agents'
@@ -243,6 +261,12 @@ impl KeyBroker {
                 let mut rate = self.demand_milli();
                 if self.starved {
                     rate = rate.max(self.spent_milli.saturating_mul(2));
+                }
+                // A key new to the region: nothing measured yet, and its agents are
+                // refused until this grant arrives. Ask for the rule's rate over the
+                // horizon (a round trip of a token at a time would cost a renewal).
+                if !self.acquired && rate == 0 {
+                    rate = rule_milli(global);
                 }
                 let need = u128::from(rate) * u128::from(horizon) / 1_000_000_000;
                 // What the bucket itself holds, not what its agents hold: their leases are
@@ -294,27 +318,34 @@ impl KeyBroker {
     pub fn on_region_reply(&mut self, now: u64, cfg: &BrokerConfig, reply: &Reply) {
         self.in_flight = false;
         let r = RegionState::from_reply(reply);
-        // Spent since the last reply: what it held, plus what this deposit added, less
-        // what it holds now.
-        if self.sample.is_some() && now > self.last_reply_at {
-            let spent = (self.held + r.deposited).saturating_sub(r.held);
-            let rate = u128::from(spent) * 1_000_000_000 / u128::from(now - self.last_reply_at);
+        self.sample = Some((r.now_us, now));
+        self.held = r.held;
+        self.tokens = r.tokens;
+        self.demand_milli = r.demand_milli;
+        if self.held > 0 || self.demand_milli() > 0 {
+            self.last_busy = now;
+        }
+        if self.phase != Phase::Reading {
+            // A deposit: the next read counts what it added.
+            self.counted += r.deposited;
+            self.phase = Phase::Idle {
+                due: self.last_acquire + cfg.refresh_us,
+            };
+            return;
+        }
+        // Spent since the last read: what it held then, plus what deposits added since,
+        // less what it holds now.
+        if self.last_read_at > 0 && now > self.last_read_at {
+            let spent = self.counted.saturating_sub(r.held);
+            let rate = u128::from(spent) * 1_000_000_000 / u128::from(now - self.last_read_at);
             let rate = u64::try_from(rate).unwrap_or(u64::MAX);
             self.spent_milli = (self.spent_milli + rate) / 2;
             // Dry: what is left would not last another such interval.
             self.starved = spent > 0 && r.held <= spent;
         }
-        self.sample = Some((r.now_us, now));
-        self.held = r.held;
-        self.tokens = r.tokens;
-        self.demand_milli = r.demand_milli;
-        self.last_reply_at = now;
-        if self.held > 0 || self.demand_milli() > 0 {
-            self.last_busy = now;
-        }
-        self.phase = Phase::Idle {
-            due: self.last_acquire + cfg.refresh_us,
-        };
+        self.counted = r.held;
+        self.last_read_at = now.max(1);
+        self.phase = Phase::Read;
     }
 
     /// The global bucket answered the acquire: the deposit to make.
@@ -336,10 +367,8 @@ impl KeyBroker {
             Op::Acquire { demand, .. } => demand,
             _ => 0,
         };
-        let rule_milli =
-            u128::from(global.rate.tokens()) * 1_000_000_000 / u128::from(global.rate.period_us());
         let share = u128::from(demand) * u128::from(reply.scale_ppm) / 1_000_000;
-        let rate_milli = u64::try_from(share.min(rule_milli))
+        let rate_milli = u64::try_from(share.min(u128::from(rule_milli(global))))
             .unwrap_or(u64::MAX)
             .min(MAX_HELD);
         self.rtt_us = now.saturating_sub(sent);
@@ -366,5 +395,93 @@ impl KeyBroker {
     /// The call in flight failed or timed out: it is sent again by the next poll.
     pub fn on_failure(&mut self) {
         self.in_flight = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests fail by panicking
+
+    use super::*;
+    use crate::rule::{Rule, RuleSpec};
+
+    fn global() -> BucketParams {
+        let mut spec = RuleSpec::new(20_000, "20000/s");
+        spec.leasing = Some("lease".into());
+        Rule::from_spec("global", &spec).unwrap().bucket_params()
+    }
+
+    /// A region's reply: it holds `held`, `tokens` of them in the bucket itself.
+    fn region(held: u64, tokens: u64, demand_milli: u64, deposited: u64) -> Reply {
+        Reply {
+            granted: deposited,
+            remaining: held,
+            retry_us: tokens,
+            scale_ppm: demand_milli,
+            now_us: 5_000_000_000,
+            ttl_us: 1_000_000,
+            ..Reply::default()
+        }
+    }
+
+    fn acquire(call: Option<BrokerCall>) -> (u64, u64, u64) {
+        match call {
+            Some(BrokerCall::Global(Request {
+                op: Op::Acquire {
+                    held, want, demand, ..
+                },
+                ..
+            })) => (held, want, demand),
+            other => panic!("expected an acquire, got {other:?}"),
+        }
+    }
+
+    fn is_read(call: Option<BrokerCall>) -> bool {
+        matches!(call, Some(BrokerCall::Region(Request { seq: 0, .. })))
+    }
+
+    #[test]
+    fn a_new_key_asks_for_the_rules_rate_over_the_horizon_at_once() {
+        let (cfg, g) = (BrokerConfig::default(), global());
+        let mut b = KeyBroker::new(AgentId(7), 0);
+        assert!(is_read(b.poll(1_000, &cfg, &g)));
+        b.on_region_reply(1_500, &cfg, &region(0, 0, 0, 0));
+        let (held, want, demand) = acquire(b.poll(1_500, &cfg, &g));
+        // Nothing measured yet: 20 000/s over two renewals (no round trip measured yet),
+        // and no demand declared (a bucket told of demand at birth starts empty).
+        assert_eq!((held, want, demand), (0, 4_000, 0));
+    }
+
+    #[test]
+    fn each_acquire_declares_what_a_read_just_before_it_saw() {
+        let (cfg, g) = (BrokerConfig::default(), global());
+        let mut b = KeyBroker::new(AgentId(7), 0);
+        assert!(is_read(b.poll(1_000, &cfg, &g)));
+        b.on_region_reply(1_000, &cfg, &region(0, 0, 0, 0));
+        acquire(b.poll(1_000, &cfg, &g));
+        let grant = Reply {
+            granted: 4_000,
+            ttl_us: 2_000_000,
+            now_us: 9,
+            scale_ppm: 1_000_000,
+            ..Reply::default()
+        };
+        b.on_global_reply(81_000, &cfg, &g, &grant);
+        assert!(matches!(
+            b.poll(81_000, &cfg, &g),
+            Some(BrokerCall::Region(Request { seq: 9, .. }))
+        ));
+        // The deposit's reply: the region holds 4 000.
+        b.on_region_reply(82_000, &cfg, &region(4_000, 4_000, 5_000_000, 4_000));
+        assert_eq!(b.poll(90_000, &cfg, &g), None, "not due before the refresh");
+        // Due: the region is read again first, and the acquire declares that read's
+        // holding (1 000 left after 3 000 spent), not the deposit's 4 000.
+        assert!(is_read(b.poll(101_000, &cfg, &g)));
+        b.on_region_reply(101_500, &cfg, &region(1_000, 1_000, 5_000_000, 0));
+        let (held, _, demand) = acquire(b.poll(101_500, &cfg, &g));
+        assert_eq!(held, 1_000);
+        // Spent between the two reads: 3 000 in 100.5 ms, 29 851/s, averaged with the
+        // nothing measured before: 14 925/s, more than the agents' 5 000/s, so reported.
+        assert_eq!(demand, 14_925_373);
     }
 }

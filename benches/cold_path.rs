@@ -194,16 +194,24 @@ fn main() {
         );
         for (workload_name, n) in [("lone", 1), ("concurrent", clients)] {
             for (name, cmd, sys) in &systems {
-                let calls_before = limiter.stats("cold").unwrap().store_calls;
+                let before = limiter.stats("cold").unwrap();
                 let (usec0, calls0, cpu0) = redis_usage(&redis, cmd);
                 let s = workload(sys, &cdf, n, secs).await;
                 let (usec1, calls1, cpu1) = redis_usage(&redis, cmd);
+                let after = limiter.stats("cold").unwrap();
                 let decisions = s.h.len() as f64;
                 let store_calls = if *name == "leasehold" {
-                    (limiter.stats("cold").unwrap().store_calls - calls_before) as f64
+                    (after.store_calls - before.store_calls) as f64
                 } else {
                     (calls1 - calls0) as f64
                 };
+                // Decisions answered without the store (the breaker open: fail-open,
+                // emergency or 503) are not a figure of the store path: say so.
+                let degraded = |st: &leasehold::agent::counters::RuleStats| {
+                    st.admitted_fail_open + st.admitted_emergency + st.unavailable
+                };
+                let without_store = degraded(&after) - degraded(&before);
+                let errors = after.store_errors - before.store_errors;
                 println!(
                     "{workload_name:<10} ({n:>2} in flight) {name:<9} {:>8.0} decisions/s  p50 {:>5} µs  p99 {:>5} µs  \
                      store calls/decision {:.3}  redis µs/decision: script {:.1}, server {:.1}",
@@ -214,6 +222,12 @@ fn main() {
                     (usec1 - usec0) / decisions,
                     (cpu1 - cpu0) * 1e6 / decisions,
                 );
+                if without_store > 0 || errors > 0 {
+                    println!(
+                        "    not a store figure: {without_store} decisions answered without the \
+                         store (breaker open), {errors} store errors"
+                    );
+                }
             }
         }
     });

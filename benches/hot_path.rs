@@ -1,6 +1,9 @@
 //! The hot path: a decision on a key whose local lease covers it, against governor's keyed
 //! limiter (local only, no global budget) in the same group, with 1 and 2 threads over
-//! 10 000 keys. Each thread walks the keys round-robin.
+//! 10 000 keys, then 1 000. Each thread walks the keys round-robin. At 10 000 keys the
+//! agent's per-key state is spread over megabytes of heap (each key's creation allocates
+//! its driver and the store call's buffers between one key's state and the next), so the
+//! two sizes show memory locality apart from the work per decision.
 //!
 //! `cargo bench --bench hot_path`; compare the two lines of each group: absolute times
 //! on a shared 2-core machine prove little.
@@ -15,10 +18,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
 use leasehold::agent::{Decision, Limiter, Rules};
 
-const KEYS: usize = 10_000;
-
-fn keys() -> Arc<Vec<String>> {
-    Arc::new((0..KEYS).map(|i| format!("tenant-{i}")).collect())
+fn keys(n: usize) -> Arc<Vec<String>> {
+    Arc::new((0..n).map(|i| format!("tenant-{i}")).collect())
 }
 
 fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
@@ -74,34 +75,41 @@ fn hot_path(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let keys = keys();
-    let ours = leasehold_limiter(&rt, &keys);
-    let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap());
-    let governor = RateLimiter::keyed(quota);
-    for k in keys.iter() {
-        let _ = governor.check_key(k);
-    }
-    for threads in [1usize, 2] {
-        let mut g = c.benchmark_group(format!("decision/{threads}-thread"));
-        g.throughput(criterion::Throughput::Elements(1));
-        g.bench_function("leasehold check (leased key)", |b| {
-            b.iter_custom(|iters| {
-                threaded(threads, iters, |t, i| {
-                    let k = &keys[(i as usize * 7 + t * 4999) % KEYS];
-                    let d = ours.try_check(k, "bench", 1).unwrap();
-                    black_box(matches!(d, Some(Decision::Allowed { .. })));
+    for n in [10_000usize, 1_000] {
+        let keys = keys(n);
+        let ours = leasehold_limiter(&rt, &keys);
+        let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap());
+        let governor = RateLimiter::keyed(quota);
+        for k in keys.iter() {
+            let _ = governor.check_key(k);
+        }
+        let suffix = if n == 10_000 {
+            String::new()
+        } else {
+            format!(", {n} keys")
+        };
+        for threads in [1usize, 2] {
+            let mut g = c.benchmark_group(format!("decision/{threads}-thread{suffix}"));
+            g.throughput(criterion::Throughput::Elements(1));
+            g.bench_function("leasehold check (leased key)", |b| {
+                b.iter_custom(|iters| {
+                    threaded(threads, iters, |t, i| {
+                        let k = &keys[(i as usize * 7 + t * 4999) % n];
+                        let d = ours.try_check(k, "bench", 1).unwrap();
+                        black_box(matches!(d, Some(Decision::Allowed { .. })));
+                    })
                 })
-            })
-        });
-        g.bench_function("governor check_key", |b| {
-            b.iter_custom(|iters| {
-                threaded(threads, iters, |t, i| {
-                    let k = &keys[(i as usize * 7 + t * 4999) % KEYS];
-                    black_box(governor.check_key(k).is_ok());
+            });
+            g.bench_function("governor check_key", |b| {
+                b.iter_custom(|iters| {
+                    threaded(threads, iters, |t, i| {
+                        let k = &keys[(i as usize * 7 + t * 4999) % n];
+                        black_box(governor.check_key(k).is_ok());
+                    })
                 })
-            })
-        });
-        g.finish();
+            });
+            g.finish();
+        }
     }
 }
 

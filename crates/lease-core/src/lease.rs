@@ -117,6 +117,14 @@ impl LocalLease {
         self.tokens.swap(0, Ordering::AcqRel)
     }
 
+    /// Empties the lease for a new holder: no tokens, no deadline; the epoch moves on, so
+    /// no refund counted against the old holder applies.
+    pub fn reset(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.tokens.store(0, Ordering::Release);
+        self.deadline_ns.store(0, Ordering::Release);
+    }
+
     /// Counts the reports of this lease to the store ([`LocalLease::declare`] and
     /// [`LocalLease::take_all`]); read it before a spend to refund that spend later.
     pub fn epoch(&self) -> u64 {

@@ -145,9 +145,9 @@ pub(super) async fn report(limiter: Limiter) {
             // the keys reported.
             .filter(|(last, ks)| {
                 let recent = now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000;
-                ks.lease.held() > 0
+                ks.hot().lease.held() > 0
                     || ks.without_store.load(Ordering::Relaxed) > 0
-                    || (recent && (ks.hot.load(Ordering::Relaxed) || ks.region))
+                    || (recent && (ks.hot().hot.load(Ordering::Relaxed) || ks.region))
             })
             .collect()
     };
@@ -160,7 +160,7 @@ pub(super) async fn report(limiter: Limiter) {
         driver
             .policy
             .admitted_without_store(ks.without_store.swap(0, Ordering::Relaxed));
-        let held = ks.lease.held();
+        let held = ks.hot().lease.held();
         let t = driver.policy.totals(held);
         if t.calls == 0 && t.admitted == 0 {
             continue;
@@ -188,8 +188,8 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
         // Checked under the key's lock, which shutdown takes after setting `shut`: a
         // refill queued before a shutdown leases nothing after it.
         if limiter.is_hot(&ks, entry)
-            && ks.hot.load(Ordering::Acquire)
-            && ks.lease.held() < ks.low_water.load(Ordering::Relaxed)
+            && ks.hot().hot.load(Ordering::Acquire)
+            && ks.hot().lease.held() < ks.hot().low_water.load(Ordering::Relaxed)
         {
             let _ = limiter.acquire(&ks, &mut driver, entry, 0).await;
         }
@@ -239,7 +239,7 @@ impl Limiter {
                 continue;
             }
             keep.push(ks.clone());
-            if !ks.hot.load(Ordering::SeqCst) && ks.lease.held() == 0 {
+            if !ks.hot().hot.load(Ordering::SeqCst) && ks.hot().lease.held() == 0 {
                 // Listed for the report only: nothing to reclaim or renew.
                 continue;
             }
@@ -247,12 +247,12 @@ impl Limiter {
             let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
             };
-            let held = ks.lease.held();
+            let held = ks.hot().lease.held();
             let action = driver.policy.sweep(
                 &entry.rule,
                 &inner.policy,
                 now,
-                &ks.lease,
+                &ks.hot().lease,
                 ks.denied_tokens.load(Ordering::Relaxed),
                 ks.last_io_ns.load(Ordering::Relaxed),
             );
@@ -261,7 +261,7 @@ impl Limiter {
                 SweepAction::Keep => {}
                 SweepAction::Idle => {
                     if entry.rule.leasing() == Leasing::Auto {
-                        ks.hot.store(false, Ordering::Release);
+                        ks.hot().hot.store(false, Ordering::Release);
                     }
                     if held > 0 {
                         tokio::spawn(async move {
@@ -308,10 +308,9 @@ impl Limiter {
     /// leases and is not listed yet.
     fn sweep_all(&self, now: u64, rules: &RuleTable) {
         let inner = &self.inner;
-        let guard = inner.keys.guard();
         let mut forget = Vec::new();
         let forget_after = inner.config.forget_after.as_nanos() as u64;
-        for (id, ks) in inner.keys.iter(&guard) {
+        inner.keys.for_each(|id, ks| {
             // Most keys are cold and hold nothing: all they need is to be forgotten once
             // idle for long, checked without a lock or a rule lookup.
             if !ks.active(now) {
@@ -320,49 +319,46 @@ impl Limiter {
                 {
                     forget.push(id.clone());
                 }
-                continue;
+                return;
             }
             if rules.get(&ks.rule).is_err() {
                 forget.push(id.clone());
-                continue;
+                return;
             }
             self.track(ks);
-        }
+        });
         for id in forget {
-            inner.keys.remove(&id, &guard);
+            inner.keys.remove(&id);
         }
-        self.make_room(now, &guard);
+        self.make_room(now);
     }
 
     /// Above 90% of `max_keys`, drops idle cold keys (no lease, no waiter), the longest
     /// idle first, down to 80%.
-    fn make_room(&self, now: u64, guard: &impl papaya::Guard) {
+    fn make_room(&self, now: u64) {
         let inner = &self.inner;
         let max = inner.config.max_keys;
         let len = inner.keys.len();
         if len * 10 <= max * 9 {
             return;
         }
-        let mut cold: Vec<(u64, KeyId)> = inner
-            .keys
-            .iter(guard)
-            .filter(|(_, ks)| {
-                !ks.hot.load(Ordering::Acquire)
-                    && ks.lease.held() == 0
-                    && ks.waiters.load(Ordering::Acquire) == 0
-            })
-            .map(|(id, ks)| {
+        let mut cold: Vec<(u64, KeyId)> = Vec::new();
+        inner.keys.for_each(|id, ks| {
+            if !ks.hot().hot.load(Ordering::Acquire)
+                && ks.hot().lease.held() == 0
+                && ks.waiters.load(Ordering::Acquire) == 0
+            {
                 let idle = now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed));
-                (u64::MAX - idle, id.clone())
-            })
-            .collect();
+                cold.push((u64::MAX - idle, id.clone()));
+            }
+        });
         let excess = (len - max * 8 / 10).min(cold.len());
         if excess == 0 {
             return;
         }
         cold.select_nth_unstable_by_key(excess - 1, |(k, _)| *k);
         for (_, id) in &cold[..excess] {
-            inner.keys.remove(id, guard);
+            inner.keys.remove(id);
         }
         inner
             .keys_evicted

@@ -277,12 +277,8 @@ impl LimiterBuilder {
             ),
             rules_file: self.rules_file,
             rules_mtime: parking_lot::Mutex::new(None),
-            // Blocking resizes: an incremental resize advances only on writes, and until
-            // it ends every lookup searches both tables (the hot path paid up to 5x).
-            keys: papaya::HashMap::builder()
-                .hasher(foldhash::fast::RandomState::default())
-                .resize_mode(papaya::ResizeMode::Blocking)
-                .build(),
+            keys: super::keymap::KeyMap::new(),
+            cells: Arc::default(),
             base: clock.raw(),
             clock,
             breakers,

@@ -46,6 +46,7 @@ use crate::store::{EmbeddedStore, Store};
 mod background;
 mod batch;
 mod builder;
+mod keymap;
 mod route;
 
 use background::background;
@@ -322,8 +323,8 @@ impl std::hash::Hash for KeyRef<'_> {
     }
 }
 
-impl papaya::Equivalent<KeyId> for KeyRef<'_> {
-    fn equivalent(&self, key: &KeyId) -> bool {
+impl KeyRef<'_> {
+    fn matches(&self, key: &KeyId) -> bool {
         let (rule, subject) = key.bytes.split_at(key.rule_len);
         self.rule.as_bytes() == rule && self.subject == subject
     }
@@ -345,17 +346,11 @@ struct Emergency {
     at_ns: u64,
 }
 
-/// One key's state. The fields the hot path reads come first and fit one cache line
-/// (the struct is aligned to it), so a decision touches one line of its key.
-#[repr(C, align(64))]
+/// One key's state. What the hot path reads is in its [`keymap::Hot`] cell, in an arena
+/// shared with other keys; the rest is touched only off the hot path.
 struct KeyState {
-    lease: leasehold_core::LocalLease,
-    /// The rule's capacity, so the hot path needs no rule lookup; 0 once the rule is
-    /// removed, which sends checks to the full path and its `UnknownRule`.
-    capacity: AtomicU64,
-    low_water: AtomicU64,
+    cell: keymap::Cell,
     counters: Arc<RuleCounters>,
-    hot: AtomicBool,
     prefetching: AtomicBool,
     rule: Box<str>,
     bucket: BucketKey,
@@ -391,12 +386,18 @@ struct KeyState {
 }
 
 impl KeyState {
+    /// The fields the hot path reads.
+    #[inline]
+    fn hot(&self) -> &keymap::Hot {
+        self.cell.get()
+    }
+
     /// Whether the sweep visits this key every tick and the coordinator's report covers
     /// it: it leases or holds tokens, admitted without the store since the last report,
     /// or is a region's bucket used lately (its broker feeds the keys reported).
     fn active(&self, now: u64) -> bool {
-        self.hot.load(Ordering::SeqCst)
-            || self.lease.held() > 0
+        self.hot().hot.load(Ordering::SeqCst)
+            || self.hot().lease.held() > 0
             || self.without_store.load(Ordering::SeqCst) > 0
             || (self.region
                 && now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed))
@@ -404,6 +405,7 @@ impl KeyState {
     }
 
     fn new(
+        cells: &Arc<keymap::Cells>,
         rule: &str,
         entry: &Arc<RuleEntry>,
         bucket: BucketKey,
@@ -413,16 +415,16 @@ impl KeyState {
         let region = bucket.is_region();
         Self {
             rule: rule.into(),
-            capacity: AtomicU64::new(entry.params.capacity),
+            cell: cells.take(
+                entry.params.capacity,
+                !transient && entry.rule.leasing() == Leasing::Lease,
+            ),
             counters: entry.counters.clone(),
             slot: bucket.slot(),
             bucket,
-            lease: leasehold_core::LocalLease::new(),
-            hot: AtomicBool::new(!transient && entry.rule.leasing() == Leasing::Lease),
             deny_until_ns: AtomicU64::new(0),
             denied_tokens: AtomicU64::new(0),
             prefetch_after_ns: AtomicU64::new(0),
-            low_water: AtomicU64::new(1),
             prefetching: AtomicBool::new(false),
             share_milli: AtomicU64::new(0),
             without_store: AtomicU64::new(0),
@@ -449,7 +451,8 @@ struct Inner {
     rules: ArcSwap<RuleTable>,
     rules_file: Option<PathBuf>,
     rules_mtime: parking_lot::Mutex<Option<SystemTime>>,
-    keys: papaya::HashMap<KeyId, Arc<KeyState>, foldhash::fast::RandomState>,
+    keys: keymap::KeyMap,
+    cells: Arc<keymap::Cells>,
     clock: quanta::Clock,
     base: u64,
     breakers: Breakers,
@@ -630,7 +633,7 @@ impl Limiter {
         let mut tightest: Option<(u64, Admission, usize)> = None;
         for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
             let before = self.key(rule, subject);
-            let epoch = before.as_ref().map(|ks| ks.lease.epoch());
+            let epoch = before.as_ref().map(|ks| ks.hot().lease.epoch());
             let decided = self.check(subject, rule, cost).await;
             if let Ok(d) = decided {
                 each.push(d);
@@ -651,7 +654,7 @@ impl Limiter {
                     // view still covers them. Exact and degraded admissions stay spent.
                     for (ks, cost, epoch) in taken {
                         let _driver = ks.driver.lock().await;
-                        ks.lease.refund(cost, epoch);
+                        ks.hot().lease.refund(cost, epoch);
                     }
                     return other.map(|d| (d, i));
                 }
@@ -709,28 +712,26 @@ impl Limiter {
     }
 
     fn key(&self, rule: &str, subject: &[u8]) -> Option<Arc<KeyState>> {
-        let guard = self.inner.keys.guard();
-        self.inner
-            .keys
-            .get(&KeyRef { rule, subject }, &guard)
-            .cloned()
+        self.inner.keys.get(&KeyRef { rule, subject })
     }
 
     #[inline]
     fn decide_locally(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
-        let keys = &self.inner.keys;
-        let guard = keys.guard();
         let key = KeyRef { rule, subject };
         // The hot path: a live key whose lease covers the cost.
-        if let Some(ks) = keys.get(&key, &guard)
-            && cost != 0
-            && cost <= ks.capacity.load(Ordering::Relaxed)
-            && ks.hot.load(Ordering::Relaxed)
-            && let Some(d) = self.spend_leased(ks, cost, self.now_ns())
+        if cost != 0
+            && let Some(Some(d)) = self.inner.keys.with(&key, |slot| {
+                let hot = slot.hot();
+                if cost <= hot.capacity.load(Ordering::Relaxed) && hot.hot.load(Ordering::Relaxed) {
+                    self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+                } else {
+                    None
+                }
+            })
         {
             return Ok(Local::Decided(d));
         }
-        self.look_up(subject, rule, cost, &guard)
+        self.look_up(subject, rule, cost)
     }
 
     /// For the HTTP layer: decides every check without waiting, all or nothing, or
@@ -749,28 +750,34 @@ impl Limiter {
         let give_back = |taken: &mut smallvec::SmallVec<[(Arc<KeyState>, u64, u64); 2]>| {
             for (ks, cost, epoch) in taken.drain(..) {
                 if let Ok(_driver) = ks.driver.try_lock() {
-                    ks.lease.refund(cost, epoch);
+                    ks.hot().lease.refund(cost, epoch);
                 }
             }
         };
         for c in checks {
             let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
-            let keys = &self.inner.keys;
-            let guard = keys.guard();
             // The hot path, as in `check`: a live key whose lease covers the cost.
-            if let Some(ks) = keys.get(&KeyRef { rule, subject }, &guard)
-                && cost != 0
-                && cost <= ks.capacity.load(Ordering::Relaxed)
-                && ks.hot.load(Ordering::Relaxed)
-            {
-                let epoch = ks.lease.epoch();
-                if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
-                    taken.push((ks.clone(), cost, epoch));
-                    decided.push((d, ks.entry.load_full()));
-                    continue;
-                }
+            let spent = if cost == 0 {
+                None
+            } else {
+                self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
+                    let hot = slot.hot();
+                    if cost > hot.capacity.load(Ordering::Relaxed)
+                        || !hot.hot.load(Ordering::Relaxed)
+                    {
+                        return None;
+                    }
+                    let epoch = hot.lease.epoch();
+                    self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+                        .map(|d| (d, slot.ks.clone(), epoch))
+                })
+            };
+            if let Some(Some((d, ks, epoch))) = spent {
+                decided.push((d, ks.entry.load_full()));
+                taken.push((ks, cost, epoch));
+                continue;
             }
-            let looked = self.look_up(subject, rule, cost, &guard);
+            let looked = self.look_up(subject, rule, cost);
             match looked {
                 Ok(Local::Decided(d)) => {
                     let entry = self.key(rule, subject).map(|ks| ks.entry.load_full());
@@ -820,13 +827,26 @@ impl Limiter {
     /// task for more.
     #[inline]
     fn spend_leased(&self, ks: &Arc<KeyState>, cost: u64, now: u64) -> Option<Decision> {
-        let Spend::Spent { left } = ks.lease.try_spend(cost, now) else {
+        self.spend(ks.hot(), &ks.counters, ks, cost, now)
+    }
+
+    /// Takes `cost` from the lease in `hot` (the key `ks`'s), if it covers it.
+    #[inline]
+    fn spend(
+        &self,
+        hot: &keymap::Hot,
+        counters: &RuleCounters,
+        ks: &Arc<KeyState>,
+        cost: u64,
+        now: u64,
+    ) -> Option<Decision> {
+        let Spend::Spent { left } = hot.lease.try_spend(cost, now) else {
             return None;
         };
-        if left < ks.low_water.load(Ordering::Relaxed) {
+        if left < hot.low_water.load(Ordering::Relaxed) {
             self.request_prefetch(ks, now);
         }
-        ks.counters.incr(Counter::AdmittedLease);
+        counters.incr(Counter::AdmittedLease);
         Some(Decision::Allowed {
             remaining: left,
             via: Admission::Lease,
@@ -834,17 +854,11 @@ impl Limiter {
     }
 
     /// Everything the hot path does not cover: validation, new keys, the negative cache.
-    fn look_up(
-        &self,
-        subject: &[u8],
-        rule: &str,
-        cost: u64,
-        guard: &impl papaya::Guard,
-    ) -> Result<Local, CheckError> {
+    fn look_up(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
         let rules = self.inner.rules.load();
         let set = rules.get(rule)?;
-        let existing = self.inner.keys.get(&KeyRef { rule, subject }, guard);
-        let entry = match existing {
+        let existing = self.inner.keys.get(&KeyRef { rule, subject });
+        let entry = match &existing {
             Some(ks) => ks.entry.load_full(),
             None => set.resolve(subject).clone(),
         };
@@ -872,7 +886,7 @@ impl Limiter {
                 ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return Ok(Local::Decided(entry.enforce(denied(until - now))));
             }
-            return Ok(Local::NeedsStore(ks.clone(), entry));
+            return Ok(Local::NeedsStore(ks, entry));
         }
         let bucket = entry.key(subject)?;
         if keys.len() >= self.inner.config.max_keys {
@@ -880,16 +894,29 @@ impl Limiter {
             // call without keeping its state, and the sweep makes room, idle cold keys
             // first. Memory stays bounded whatever the callers send.
             self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
-            let ks = Arc::new(KeyState::new(rule, &entry, bucket, now, true));
+            let ks = Arc::new(KeyState::new(
+                &self.inner.cells,
+                rule,
+                &entry,
+                bucket,
+                now,
+                true,
+            ));
             return Ok(Local::NeedsStore(ks, entry));
         }
-        let ks = keys.get_or_insert_with(
-            KeyId::new(rule, subject),
-            || Arc::new(KeyState::new(rule, &entry, bucket, now, false)),
-            guard,
-        );
+        let ks = keys.get_or_insert_with(KeyId::new(rule, subject), || {
+            Arc::new(KeyState::new(
+                &self.inner.cells,
+                rule,
+                &entry,
+                bucket,
+                now,
+                false,
+            ))
+        });
         // Another caller may have inserted it first, with the same entry.
-        Ok(Local::NeedsStore(ks.clone(), ks.entry.load_full()))
+        let entry = ks.entry.load_full();
+        Ok(Local::NeedsStore(ks, entry))
     }
 
     fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
@@ -910,7 +937,7 @@ impl Limiter {
         match entry.rule.leasing() {
             Leasing::Lease => true,
             Leasing::Exact => false,
-            Leasing::Auto => ks.hot.load(Ordering::Acquire),
+            Leasing::Auto => ks.hot().hot.load(Ordering::Acquire),
         }
     }
 
@@ -922,7 +949,7 @@ impl Limiter {
     ) -> Decision {
         // A key that leases reaches the store before its first lease, and a region's
         // bucket before its first report: from here on the sweep visits it every tick.
-        if ks.hot.load(Ordering::Relaxed) || ks.region {
+        if ks.hot().hot.load(Ordering::Relaxed) || ks.region {
             self.track(&ks);
         }
         // A region's bucket the region's broker may not feed yet: tell it now rather than
@@ -1113,7 +1140,7 @@ impl Limiter {
         if hot {
             ks.share_milli
                 .store(driver.policy.share_milli(), Ordering::Relaxed);
-            ks.hot.store(true, Ordering::Release);
+            ks.hot().hot.store(true, Ordering::Release);
         }
     }
 
@@ -1160,7 +1187,7 @@ impl Limiter {
             &entry.rule,
             &self.inner.policy,
             sent,
-            &ks.lease,
+            &ks.hot().lease,
             ks.denied_tokens.load(Ordering::Relaxed),
             needed,
         );
@@ -1175,14 +1202,14 @@ impl Limiter {
         let ending = term_ending(driver, &reply);
         let g = driver.policy.granted(
             &self.inner.policy,
-            &ks.lease,
+            &ks.hot().lease,
             sent,
             self.now_ns(),
             needed,
             &reply,
             ending,
         );
-        ks.low_water.store(g.low_water, Ordering::Relaxed);
+        ks.hot().low_water.store(g.low_water, Ordering::Relaxed);
         ks.share_milli
             .store(driver.policy.share_milli(), Ordering::Relaxed);
         if let Some(until) = g.deny_until_ns {
@@ -1212,8 +1239,8 @@ impl Limiter {
         withdraw: bool,
     ) -> Result<(), CallError> {
         let now = self.now_ns();
-        let expired = now >= ks.lease.deadline_ns();
-        let taken = ks.lease.take_all();
+        let expired = now >= ks.hot().lease.deadline_ns();
+        let taken = ks.hot().lease.take_all();
         let withdraw = driver.policy.released(taken, withdraw);
         // An expired lease is forfeited: it can no longer be spent, so saying so early
         // only frees room.
@@ -1259,7 +1286,7 @@ impl Limiter {
                 // goes to the next part, so parts no agent starts on are drained too.
                 let ending = matches!(op, Op::Acquire { .. }) && reply.ttl_us == 0;
                 let refused = reply.granted == 0 && !ending;
-                let empty = ks.lease.held() == 0
+                let empty = ks.hot().lease.held() == 0
                     && matches!(op, Op::Exact { .. } | Op::Acquire { held: 0, .. });
                 if let Some(r) = &driver.route
                     && refused
@@ -1487,8 +1514,7 @@ impl Limiter {
             }
         };
         self.inner.rules.store(table.clone());
-        let guard = self.inner.keys.guard();
-        for (id, ks) in self.inner.keys.iter(&guard) {
+        self.inner.keys.for_each(|id, ks| {
             let capacity = match table.get(&ks.rule) {
                 Ok(set) => {
                     let entry = set.resolve(&id.bytes[id.rule_len..]);
@@ -1501,8 +1527,8 @@ impl Limiter {
                 }
                 Err(_) => 0,
             };
-            ks.capacity.store(capacity, Ordering::Relaxed);
-        }
+            ks.hot().capacity.store(capacity, Ordering::Relaxed);
+        });
     }
 
     /// Counters of one rule.
@@ -1531,12 +1557,9 @@ impl Limiter {
         self.inner.shut.store(true, Ordering::Release);
         self.inner.stop.notify_one();
         let keys: Vec<Arc<KeyState>> = {
-            let guard = self.inner.keys.guard();
-            self.inner
-                .keys
-                .iter(&guard)
-                .map(|(_, v)| v.clone())
-                .collect()
+            let mut all = Vec::with_capacity(self.inner.keys.len());
+            self.inner.keys.for_each(|_, ks| all.push(ks.clone()));
+            all
         };
         for ks in keys {
             let entry = ks.entry.load_full();

@@ -1,0 +1,235 @@
+//! The agent's map of keys: shards of hashbrown tables, each under a read-write lock,
+//! with the key's bytes and a pointer to its state inline in the table's slots.
+//!
+//! A decision on a leased key reads one shard lock, one control group and one slot
+//! (tables are arrays, so 10 000 keys' slots lie in about 1 MB), then the key's state.
+//! A map that boxes each entry (papaya) adds a pointer chase into memory scattered by
+//! every allocation made between two keys' creations: at 10 000 keys that was most of a
+//! decision's time. Writers (a key's creation, forgetting) take one shard's write lock.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use crossbeam_utils::CachePadded;
+use leasehold_core::LocalLease;
+use parking_lot::{Mutex, RwLock};
+
+use super::{KeyId, KeyRef, KeyState};
+use crate::counters::RuleCounters;
+
+type Hasher = foldhash::fast::RandomState;
+type Table = hashbrown::HashTable<Slot>;
+
+/// A key in the map: its bytes, its state, and what the hot path reads (its cell and its
+/// rule's counters) without touching the state.
+pub(super) struct Slot {
+    id: KeyId,
+    pub(super) ks: Arc<KeyState>,
+    chunk: Arc<Chunk>,
+    index: u32,
+    pub(super) counters: Arc<RuleCounters>,
+}
+
+impl Slot {
+    #[inline]
+    pub(super) fn hot(&self) -> &Hot {
+        &self.chunk.cells[self.index as usize]
+    }
+}
+
+/// Shards: enough that two threads rarely meet on one lock.
+const SHARDS: usize = 64;
+
+pub(super) struct KeyMap {
+    shards: Box<[CachePadded<RwLock<Table>>]>,
+    hasher: Hasher,
+    len: AtomicUsize,
+}
+
+impl KeyMap {
+    pub(super) fn new() -> Self {
+        let hasher = Hasher::default();
+        Self {
+            shards: (0..SHARDS)
+                .map(|_| CachePadded::new(RwLock::new(Table::new())))
+                .collect(),
+            hasher,
+            len: AtomicUsize::new(0),
+        }
+    }
+
+    fn shard(&self, hash: u64) -> &RwLock<Table> {
+        // The table uses the hash's low bits and its top 7; the shard takes bits below.
+        &self.shards[(hash >> 48) as usize % SHARDS]
+    }
+
+    /// `f` of the key's slot, under the shard's read lock (no reference count touched).
+    #[inline]
+    pub(super) fn with<R>(&self, key: &KeyRef<'_>, f: impl FnOnce(&Slot) -> R) -> Option<R> {
+        let hash = self.hasher.hash_one(key);
+        let table = self.shard(hash).read();
+        table.find(hash, |slot| key.matches(&slot.id)).map(f)
+    }
+
+    /// The key's state.
+    pub(super) fn get(&self, key: &KeyRef<'_>) -> Option<Arc<KeyState>> {
+        self.with(key, |slot| slot.ks.clone())
+    }
+
+    /// The key's state, made by `make` if absent (by this caller or one that raced it).
+    pub(super) fn get_or_insert_with(
+        &self,
+        id: KeyId,
+        make: impl FnOnce() -> Arc<KeyState>,
+    ) -> Arc<KeyState> {
+        let hash = self.hasher.hash_one(&id);
+        let mut table = self.shard(hash).write();
+        let entry = table.entry(
+            hash,
+            |slot| slot.id == id,
+            |slot| self.hasher.hash_one(&slot.id),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => e.get().ks.clone(),
+            hashbrown::hash_table::Entry::Vacant(e) => {
+                self.len.fetch_add(1, Ordering::Relaxed);
+                let ks = make();
+                let (chunk, index) = ks.cell.share();
+                e.insert(Slot {
+                    id,
+                    ks: ks.clone(),
+                    chunk,
+                    index,
+                    counters: ks.counters.clone(),
+                });
+                ks
+            }
+        }
+    }
+
+    /// Forgets the key.
+    pub(super) fn remove(&self, id: &KeyId) {
+        let hash = self.hasher.hash_one(id);
+        let mut table = self.shard(hash).write();
+        if let Ok(e) = table.find_entry(hash, |slot| slot.id == *id) {
+            e.remove();
+            self.len.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// Visits every key, one shard at a time under its read lock (a writer to that shard
+    /// waits for the shard's visit, never for the whole map's).
+    pub(super) fn for_each(&self, mut f: impl FnMut(&KeyId, &Arc<KeyState>)) {
+        for shard in self.shards.iter() {
+            for slot in shard.read().iter() {
+                f(&slot.id, &slot.ks);
+            }
+        }
+    }
+}
+
+/// What a decision on a leased key reads and writes, one cache line per key, in chunks
+/// shared by many keys: the hot path never touches memory a key's other allocations
+/// scattered.
+#[repr(C, align(64))]
+pub(super) struct Hot {
+    pub(super) lease: LocalLease,
+    /// The rule's capacity, so the hot path needs no rule lookup; 0 once the rule is
+    /// removed, which sends checks to the full path and its `UnknownRule`.
+    pub(super) capacity: AtomicU64,
+    pub(super) low_water: AtomicU64,
+    /// The key leases (a cold key of an `auto` rule turns hot when it is busy).
+    pub(super) hot: AtomicBool,
+}
+
+const CELLS_PER_CHUNK: usize = 256;
+
+pub(super) struct Chunk {
+    cells: Box<[Hot]>,
+}
+
+/// The arena of [`Hot`] cells: chunks of 256, a cell reused once its key's state is
+/// dropped (nothing else refers to it then).
+#[derive(Default)]
+pub(super) struct Cells {
+    free: Mutex<Vec<(Arc<Chunk>, u32)>>,
+}
+
+/// A key's cell, given back to the arena when dropped.
+pub(super) struct Cell {
+    chunk: Arc<Chunk>,
+    index: u32,
+    cells: Arc<Cells>,
+}
+
+impl Cells {
+    /// A cell, empty, set for a key of `capacity` that `hot` leases.
+    pub(super) fn take(self: &Arc<Self>, capacity: u64, hot: bool) -> Cell {
+        let (chunk, index) = {
+            let mut free = self.free.lock();
+            match free.pop() {
+                Some(cell) => cell,
+                None => {
+                    let chunk = Arc::new(Chunk {
+                        cells: (0..CELLS_PER_CHUNK)
+                            .map(|_| Hot {
+                                lease: LocalLease::new(),
+                                capacity: AtomicU64::new(0),
+                                low_water: AtomicU64::new(1),
+                                hot: AtomicBool::new(false),
+                            })
+                            .collect(),
+                    });
+                    free.extend(
+                        (1..CELLS_PER_CHUNK as u32)
+                            .rev()
+                            .map(|i| (chunk.clone(), i)),
+                    );
+                    (chunk, 0)
+                }
+            }
+        };
+        let cell = Cell {
+            chunk,
+            index,
+            cells: self.clone(),
+        };
+        let h = cell.get();
+        h.lease.reset();
+        h.capacity.store(capacity, Ordering::Relaxed);
+        h.low_water.store(1, Ordering::Relaxed);
+        h.hot.store(hot, Ordering::Release);
+        cell
+    }
+}
+
+impl Cell {
+    #[inline]
+    pub(super) fn get(&self) -> &Hot {
+        &self.chunk.cells[self.index as usize]
+    }
+
+    fn share(&self) -> (Arc<Chunk>, u32) {
+        (self.chunk.clone(), self.index)
+    }
+}
+
+impl Drop for Cell {
+    fn drop(&mut self) {
+        self.cells
+            .free
+            .lock()
+            .push((self.chunk.clone(), self.index));
+    }
+}
+
+impl std::fmt::Debug for Cell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cell").field("index", &self.index).finish()
+    }
+}

@@ -26,15 +26,20 @@ type Table = hashbrown::HashTable<Slot>;
 pub(super) struct Slot {
     id: KeyId,
     pub(super) ks: Arc<KeyState>,
-    chunk: Arc<Chunk>,
-    index: u32,
+    cell: CellRef,
     pub(super) counters: Arc<RuleCounters>,
 }
 
 impl Slot {
+    /// The key's cell when its lease may cover `cost`: the key leases, and `cost` is
+    /// neither 0 nor more than the rule's capacity.
     #[inline]
-    pub(super) fn hot(&self) -> &Hot {
-        &self.chunk.cells[self.index as usize]
+    pub(super) fn leased_for(&self, cost: u64) -> Option<&Hot> {
+        let hot = self.cell.get();
+        (cost != 0
+            && cost <= hot.capacity.load(Ordering::Relaxed)
+            && hot.hot.load(Ordering::Relaxed))
+        .then_some(hot)
     }
 }
 
@@ -95,13 +100,11 @@ impl KeyMap {
             hashbrown::hash_table::Entry::Vacant(e) => {
                 self.len.fetch_add(1, Ordering::Relaxed);
                 let ks = make();
-                let (chunk, index) = ks.cell.share();
                 e.insert(Slot {
                     id,
-                    ks: ks.clone(),
-                    chunk,
-                    index,
+                    cell: ks.cell.at.clone(),
                     counters: ks.counters.clone(),
+                    ks: ks.clone(),
                 });
                 ks
             }
@@ -157,20 +160,33 @@ pub(super) struct Chunk {
 /// dropped (nothing else refers to it then).
 #[derive(Default)]
 pub(super) struct Cells {
-    free: Mutex<Vec<(Arc<Chunk>, u32)>>,
+    free: Mutex<Vec<CellRef>>,
+}
+
+/// Where a cell is.
+#[derive(Clone)]
+struct CellRef {
+    chunk: Arc<Chunk>,
+    index: u32,
+}
+
+impl CellRef {
+    #[inline]
+    fn get(&self) -> &Hot {
+        &self.chunk.cells[self.index as usize]
+    }
 }
 
 /// A key's cell, given back to the arena when dropped.
 pub(super) struct Cell {
-    chunk: Arc<Chunk>,
-    index: u32,
+    at: CellRef,
     cells: Arc<Cells>,
 }
 
 impl Cells {
     /// A cell, empty, set for a key of `capacity` that `hot` leases.
     pub(super) fn take(self: &Arc<Self>, capacity: u64, hot: bool) -> Cell {
-        let (chunk, index) = {
+        let at = {
             let mut free = self.free.lock();
             match free.pop() {
                 Some(cell) => cell,
@@ -185,18 +201,16 @@ impl Cells {
                             })
                             .collect(),
                     });
-                    free.extend(
-                        (1..CELLS_PER_CHUNK as u32)
-                            .rev()
-                            .map(|i| (chunk.clone(), i)),
-                    );
-                    (chunk, 0)
+                    free.extend((1..CELLS_PER_CHUNK as u32).rev().map(|index| CellRef {
+                        chunk: chunk.clone(),
+                        index,
+                    }));
+                    CellRef { chunk, index: 0 }
                 }
             }
         };
         let cell = Cell {
-            chunk,
-            index,
+            at,
             cells: self.clone(),
         };
         let h = cell.get();
@@ -211,25 +225,20 @@ impl Cells {
 impl Cell {
     #[inline]
     pub(super) fn get(&self) -> &Hot {
-        &self.chunk.cells[self.index as usize]
-    }
-
-    fn share(&self) -> (Arc<Chunk>, u32) {
-        (self.chunk.clone(), self.index)
+        self.at.get()
     }
 }
 
 impl Drop for Cell {
     fn drop(&mut self) {
-        self.cells
-            .free
-            .lock()
-            .push((self.chunk.clone(), self.index));
+        self.cells.free.lock().push(self.at.clone());
     }
 }
 
 impl std::fmt::Debug for Cell {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cell").field("index", &self.index).finish()
+        f.debug_struct("Cell")
+            .field("index", &self.at.index)
+            .finish()
     }
 }

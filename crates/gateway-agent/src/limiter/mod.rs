@@ -719,16 +719,10 @@ impl Limiter {
     fn decide_locally(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
         let key = KeyRef { rule, subject };
         // The hot path: a live key whose lease covers the cost.
-        if cost != 0
-            && let Some(Some(d)) = self.inner.keys.with(&key, |slot| {
-                let hot = slot.hot();
-                if cost <= hot.capacity.load(Ordering::Relaxed) && hot.hot.load(Ordering::Relaxed) {
-                    self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
-                } else {
-                    None
-                }
-            })
-        {
+        if let Some(Some(d)) = self.inner.keys.with(&key, |slot| {
+            let hot = slot.leased_for(cost)?;
+            self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+        }) {
             return Ok(Local::Decided(d));
         }
         self.look_up(subject, rule, cost)
@@ -757,21 +751,12 @@ impl Limiter {
         for c in checks {
             let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
             // The hot path, as in `check`: a live key whose lease covers the cost.
-            let spent = if cost == 0 {
-                None
-            } else {
-                self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
-                    let hot = slot.hot();
-                    if cost > hot.capacity.load(Ordering::Relaxed)
-                        || !hot.hot.load(Ordering::Relaxed)
-                    {
-                        return None;
-                    }
-                    let epoch = hot.lease.epoch();
-                    self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
-                        .map(|d| (d, slot.ks.clone(), epoch))
-                })
-            };
+            let spent = self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
+                let hot = slot.leased_for(cost)?;
+                let epoch = hot.lease.epoch();
+                self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+                    .map(|d| (d, slot.ks.clone(), epoch))
+            });
             if let Some(Some((d, ks, epoch))) = spent {
                 decided.push((d, ks.entry.load_full()));
                 taken.push((ks, cost, epoch));

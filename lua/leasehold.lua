@@ -3,12 +3,11 @@
 -- Leasehold global bucket protocol, version 1: the only code that mutates global state.
 --
 -- Each function touches exactly one key, KEYS[1], holding one bucket (invariant I7), and
--- uses only the Redis server clock (I5); lh_exact_packed (and lh_exact_many), the batch
+-- uses only the Redis server clock (I5); lh_exact_batch (and its older forms), the batch
 -- of cold decisions, touches each of its keys as lh_exact would, each only from its own
 -- state. A bucket is a hash, or, while it has no lease record, demand or split and only
--- a batch has
--- written it, a compact string (COMPACT below: two commands a decision instead of three,
--- and no field table); any other function turns it into the hash. It is the twin of
+-- a batch has written it, a compact string (COMPACT below: two commands a decision
+-- instead of three, and no field table); any other function turns it into the hash. It is the twin of
 -- crates/lease-core/src/model/; the differential tests hold them to the same replies
 -- and the same stored values. Numbers are integers below 2^53 (rules are validated so);
 -- division goes through divmod() because Lua divides in floating point, and numbers are
@@ -261,14 +260,14 @@ local function no_split()
   return {parts = 0, salt = 0, gen = 0, untl = 0, tok = 0, out = 0, drop = 0}
 end
 
--- A compact bucket: the 34-byte string that lh_exact_many keeps for a key with no lease
+-- A compact bucket: the 34-byte string that an exact batch keeps for a key with no lease
 -- record, demand or split: the tag 'L1', then tok, car, ts and p (the fields of those
 -- names; every other field is 0) as little-endian unsigned 64-bit integers. struct packs
 -- and reads it for a tenth of what decimal text costs in Lua (wire.rs, compact_value).
 local COMPACT = '<c2I8I8I8I8'
 local COMPACT_TAG = 'L1'
 
--- A compact bucket's four numbers {tok, car, ts, p}; also read in the decimal form
+-- A compact bucket's four numbers: tok, car, ts, p; also read in the decimal form
 -- 'tok,car,ts,p' an earlier version wrote (the next write makes it binary).
 local function compact_of(key, v)
   local tag, a, b, c, d = nil, nil, nil, nil, nil
@@ -276,10 +275,10 @@ local function compact_of(key, v)
     tag, a, b, c, d = struct.unpack(COMPACT, v)
   elseif #v <= 80 then
     a, b, c, d = string.match(v, '^(%d+),(%d+),(%d+),(%d+)$')
-    if a then return {tonumber(a), tonumber(b), tonumber(c), tonumber(d)} end
+    if a then return tonumber(a), tonumber(b), tonumber(c), tonumber(d) end
   end
   if tag ~= COMPACT_TAG then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds another string') end
-  return {a, b, c, d}
+  return a, b, c, d
 end
 
 local function fresh(p, now)
@@ -302,8 +301,8 @@ local function begin(key, p, norecord)
   if f.err then
     -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
     -- a hash when this call writes it.
-    local c = compact_of(key, redis.call('GET', key))
-    f = {c[1], c[2], c[4], c[3]}
+    local tok, car, ts, per = compact_of(key, redis.call('GET', key))
+    f = {tok, car, per, ts}
     compact = true
   end
   local s
@@ -766,7 +765,7 @@ local function deposit(keys, args)
   return finish(key, s, p, now, nil, reply)
 end
 
--- lh_exact_packed: the exact decisions of one agent on many cold keys in one call (the
+-- lh_exact_batch: the exact decisions of one agent on many cold keys in one call (the
 -- keys may lie in several slots of this node). Each key is decided as lh_exact would,
 -- one cost after another, from its own state alone, but leaves no agent record: the
 -- batch's answer is kept once, in its own dedup key, for the grace, and a retry of the
@@ -781,22 +780,48 @@ end
 --       2^53 - 1): seq, rules, then per rule: capacity, rate_tokens, rate_period_us,
 --       grace_us, max_outstanding; then per key: rule (1-based), count, cost x count.
 --       (struct.unpack reads them at a fraction of what tonumber costs per number.)
---       lh_exact_many takes the same numbers as decimal arguments after the agent: the
---       agents of the version before, served while a rolling upgrade runs.
--- Reply: server_now_us, then per key 4 + count integers: status (0 decided, 1 moved),
---        now_us - server_now_us, remaining, scale_ppm, then per cost its retry_us
---        (0 = admitted).
--- Dedup key: seq and the reply, MessagePack (cmsgpack: fast, and exact for integers),
---            expiring after the longest grace.
+-- Reply: one string of little-endian unsigned 64-bit integers: server_now_us, then per
+--        key 4 + count: status (0 decided, 1 moved), now_us - server_now_us, remaining,
+--        scale_ppm, then per cost its retry_us (0 = admitted). Lua spends as long on each
+--        integer of an array reply as on a key's whole decision; a string is one value.
+-- Dedup key: BATCH_TAG, seq and the reply (the same integers), expiring after the
+--            longest grace.
+--
+-- The agents of the versions before call the same batch as lh_exact_packed (the same
+-- arguments, the reply as an array of integers) and lh_exact_many (its numbers as decimal
+-- arguments, each its own), served while a rolling upgrade runs.
 local MAX_BATCH_COSTS = 4096
 local NO_SPLIT = no_split()
+-- A dedup record's first byte: 0xc1, which no MessagePack value starts with (the records
+-- of the version before are MessagePack: seq, then the reply as an array).
+local BATCH_TAG = '\193'
 
 -- The fields exact_one reads of a hash key: tok car p ts nexp dx sp pt out mx ds.
 local HASH_FIELDS = {'tok', 'car', 'p', 'ts', 'nexp', 'dx', 'sp', 'pt', 'out', 'mx', 'ds'}
 
+-- struct formats of n little-endian unsigned 64-bit integers, made once each.
+local FORMATS = {}
+local function format_of(n)
+  local f = FORMATS[n]
+  if not f then
+    f = '<' .. string.rep('I8', n)
+    FORMATS[n] = f
+  end
+  return f
+end
+local ONE_COST = '<I8I8I8I8I8'
+
+-- A key's answer, packed (see Reply): status, time past the server's, remaining, scale,
+-- and count retry times, from rt[1 .. count] unless count is 1 (then retry).
+local function answer(status, dnow, remaining, scale, count, retry, rt)
+  if count == 1 then return struct.pack(ONE_COST, status, dnow, remaining, scale, retry) end
+  return struct.pack(format_of(4 + count), status, dnow, remaining, scale, unpack(rt, 1, count))
+end
+
 -- One key in general (lease records due to drop, stale demand, a new period), from the
--- fields exact_one read (g): the state as a table and the shared advance.
-local function exact_full(key, p, cost, first, count, server_now, out, g)
+-- fields exact_one read (g): the state as a table and the shared advance. Its costs are
+-- cost[first .. first + count - 1]; returns its answer.
+local function exact_full(key, p, cost, first, count, server_now, g, rt)
   local s = {tok = tonumber(g[1]) or p.cap, car = tonumber(g[2] or 0), p = tonumber(g[3] or 0),
     ts = tonumber(g[4] or 0), out = tonumber(g[9] or 0), nexp = tonumber(g[5] or 0),
     mx = tonumber(g[10] or 0), ds = tonumber(g[11] or 0), dx = tonumber(g[6] or 0),
@@ -806,26 +831,27 @@ local function exact_full(key, p, cost, first, count, server_now, out, g)
   -- Agents lease this key: say so, with their proportional scale (at least 1).
   local scale = 0
   if s.ds > 0 then scale = math.max(scale_ppm(p, 0, s.ds, 0), 1) end
-  local n = #out
+  local retry = 0
   for i = 1, count do
-    local c, retry = cost[first + i - 1], 0
+    local c = cost[first + i - 1]
+    retry = 0
     if s.tok >= c then s.tok = s.tok - c else retry = time_until(s, c, p) end
-    out[n + 4 + i] = retry
+    rt[i] = retry
   end
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, s.tok, scale
   redis.call('HSET', key, 'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
     'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx))
   -- I6: not before every lease record's drop, and full again; and, as lh_exact's record
   -- does, a grace after the call (a key used again soon is not made again).
   local busy = math.max(s.mx, now + p.grace)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
+  return answer(0, now - server_now, s.tok, scale, count, retry, rt)
 end
 
 -- A cold bucket's decisions (no lease record, demand or split): Level::refill from ts to
--- now, then the costs cost[first .. first + count - 1] in order, answered in out. Returns
--- the level, the time used and the key's expiry in ms (I6: full again, and a grace after
--- the call).
-local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
+-- now, then the costs cost[first .. first + count - 1] in order. Returns the level, the
+-- carry, the time used, the key's expiry in ms (I6: full again, and a grace after the
+-- call) and the answer.
+local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt)
   local per, rate, cap = p.per, p.n, p.cap
   local now = server_now
   if ts > now then now = ts end
@@ -837,85 +863,76 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
     local q, r = divmod(car + rate * (now - ts), per)
     tok, car = tok + q, r
   end
-  local n = #out
+  local retry = 0
   for i = 1, count do
-    local c, retry = cost[first + i - 1], 0
+    local c = cost[first + i - 1]
+    retry = 0
     if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
-    out[n + 4 + i] = retry
+    rt[i] = retry
   end
-  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 0, now - server_now, tok, 0
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  return tok, car, now, divmod(now + p.grace + full, 1000) + 1
+  return tok, car, now, divmod(now + p.grace + full, 1000) + 1,
+    answer(0, now - server_now, tok, 0, count, retry, rt)
 end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
--- the same period) runs on locals; the rest through exact_full.
-local function exact_one(key, p, cost, first, count, server_now, out)
+-- the same period) runs on locals; the rest through exact_full. Returns its answer.
+local function exact_one(key, p, cost, first, count, server_now, rt)
   local g = redis.call('HMGET', key, unpack(HASH_FIELDS))
   if g[7] or g[8] then
-    local n = #out
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4] = 1, 0, 0, 0
-    for i = 1, count do out[n + 4 + i] = 0 end
-    return
+    for i = 1, count do rt[i] = 0 end
+    return answer(1, 0, 0, 0, count, 0, rt)
   end
   -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
   if not g[1] or g[5] ~= '0' or g[6] ~= '0' or g[3] ~= p.pers then
-    return exact_full(key, p, cost, first, count, server_now, out, g)
+    return exact_full(key, p, cost, first, count, server_now, g, rt)
   end
-  local tok, car, now, at = decide_cold(p, tonumber(g[1]), tonumber(g[2]), tonumber(g[4]),
-    server_now, cost, first, count, out)
+  local tok, car, now, at, a = decide_cold(p, tonumber(g[1]), tonumber(g[2]),
+    tonumber(g[4]), server_now, cost, first, count, rt)
   redis.call('HSET', key, 'tok', fmt(tok), 'car', fmt(car), 'ts', fmt(now))
   redis.call('PEXPIREAT', key, fmt(at))
+  return a
 end
 
--- One compact key (c: its parsed value), or a new one (c false): decided, then written
--- back with its expiry in one SET.
-local function exact_compact(key, p, cost, first, count, server_now, out, c)
+-- One compact key (v: its value), or a new one (v false): decided, then written back with
+-- its expiry in one SET. Returns its answer.
+local function exact_compact(key, p, cost, first, count, server_now, v, rt)
   local tok, car, ts = p.cap, 0, server_now
-  if c then
-    tok, car, ts = c[1], c[2], c[3]
+  if v then
+    local per
+    tok, car, ts, per = compact_of(key, v)
     -- Advance: a rule with another period restarts the carry.
-    if c[4] ~= p.per then car = 0 end
+    if per ~= p.per then car = 0 end
   end
-  local now, at
-  tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
+  local now, at, a
+  tok, car, now, at, a = decide_cold(p, tok, car, ts, server_now, cost, first, count, rt)
   redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT', fmt(at))
+  return a
 end
 
 -- The formats of struct.unpack by count (at most UNPACK_AT a call: the Lua stack).
 local UNPACK_AT = 64
-local UNPACK = {}
 
--- The integers packed in a batch's argument (see ARGV), in a table.
-local function packed(blob)
+-- The integers packed in blob from byte at (see ARGV), in a table.
+local function packed(blob, at)
+  at = at or 1
   local len = 0
-  if type(blob) == 'string' then len = #blob end
-  if len == 0 or len % 8 ~= 0 then
-    fail('LH_ARG invalid argument numbers: ' .. fmt(len) ..
+  if type(blob) == 'string' then len = #blob - at + 1 end
+  if len <= 0 or len % 8 ~= 0 then
+    fail('LH_ARG invalid argument numbers: ' .. fmt(math.max(len, 0)) ..
       ' bytes, not a whole number of 8-byte integers')
   end
-  local n, out, pos = #blob / 8, nil, 1
-  while true do
+  local n, out, pos = len / 8, {}, at
+  while n > 0 do
     local k = math.min(n, UNPACK_AT)
-    local f = UNPACK[k]
-    if not f then
-      f = '<' .. string.rep('I8', k)
-      UNPACK[k] = f
-    end
-    if out == nil then
-      out = {struct.unpack(f, blob)}
-      pos = out[k + 1]
-      out[k + 1] = nil
-    else
-      local more = {struct.unpack(f, blob, pos)}
-      local base = #out
-      for j = 1, k do out[base + j] = more[j] end
-      pos = more[k + 1]
-    end
+    local more = {struct.unpack(format_of(k), blob, pos)}
+    local base = #out
+    for j = 1, k do out[base + j] = more[j] end
+    pos = more[k + 1]
     n = n - k
-    if n == 0 then return out end
   end
+  return out
 end
 
 -- A batch's number v (nil past the end), at most max.
@@ -932,11 +949,24 @@ local function batch_agent(args)
   return id
 end
 
--- The batch of agent id over its numbers (see ARGV).
+-- A kept dedup record's reply (packed), or nil if it is another batch's. The records of
+-- the version before are MessagePack (seq, then the reply as an array).
+local function kept_reply(kept, seq)
+  if string.byte(kept, 1) == 193 then
+    if #kept >= 17 and struct.unpack('<I8', kept, 2) == seq then return string.sub(kept, 10) end
+    return nil
+  end
+  local kseq, kout = cmsgpack.unpack(kept)
+  if kseq ~= seq then return nil end
+  return struct.pack(format_of(#kout), unpack(kout))
+end
+
+-- The batch of agent id over its numbers (see ARGV); its reply, packed.
 local function exact_batch(keys, id, args)
   local seq = num(args[1], 'seq', MAX)
-  local nrules = num(args[2], 'rules', #keys)
-  if #keys < 2 or nrules == 0 then fail('LH_ARG an exact batch needs keys and rules') end
+  local nkeys = #keys
+  local nrules = num(args[2], 'rules', nkeys)
+  if nkeys < 2 or nrules == 0 then fail('LH_ARG an exact batch needs keys and rules') end
   local rules, i, grace = {}, 3, 0
   for r = 1, nrules do
     local p = {cap = num(args[i], 'capacity', MAX), n = num(args[i + 1], 'rate_tokens', MAX),
@@ -952,25 +982,27 @@ local function exact_batch(keys, id, args)
     rules[r] = p
     i = i + 5
   end
-  local rule_of, first_of, count_of, cost, seen = {}, {}, {}, {}, {}
-  local total = 0
-  for k = 2, #keys do
+  -- The items are read where they lie, args[items ..]: per key its rule, count and costs.
+  local items, seen, total = i, {}, 0
+  for k = 2, nkeys do
     local key = keys[k]
-    local r = num(args[i], 'rule', nrules)
-    local count = num(args[i + 1], 'count', MAX_BATCH_COSTS)
+    local r, count = args[i], args[i + 1]
+    if r == nil or r > nrules or count == nil or count > MAX_BATCH_COSTS then
+      num(r, 'rule', nrules)
+      num(count, 'count', MAX_BATCH_COSTS)
+    end
     if r == 0 or count == 0 or total + count > MAX_BATCH_COSTS then
       fail('LH_ARG invalid batch item ' .. fmt(k - 1) .. ': rule ' .. fmt(r) .. ', ' ..
         fmt(count) .. ' costs')
     end
     local cap = rules[r].cap
-    rule_of[k], first_of[k], count_of[k] = rules[r], total + 1, count
-    for c = 1, count do
-      local v = num(args[i + 1 + c], 'cost', MAX)
-      if v == 0 then fail('LH_ARG invalid argument cost = 0') end
-      if v > cap then
+    for c = i + 2, i + 1 + count do
+      local v = args[c]
+      if v == nil or v == 0 or v > cap then
+        num(v, 'cost', MAX)
+        if v == 0 then fail('LH_ARG invalid argument cost = 0') end
         fail('LH_CAPACITY ' .. fmt(v) .. ' tokens requested, but the bucket holds at most ' .. fmt(cap))
       end
-      cost[total + c] = v
     end
     total = total + count
     i = i + 2 + count
@@ -989,53 +1021,63 @@ local function exact_batch(keys, id, args)
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local kept = redis.call('GET', dkey)
   if kept then
-    local kseq, kout = cmsgpack.unpack(kept)
-    if kseq == seq then return kout end
+    local reply = kept_reply(kept, seq)
+    if reply then return reply end
   end
   -- Every key read before any is written: a compact value (GET), none (false), or a hash
   -- (GET fails; a key of any other type is refused here).
   local found = {}
-  for k = 2, #keys do
+  for k = 2, nkeys do
     local key = keys[k]
     local v = redis.pcall('GET', key)
     if type(v) == 'string' then
-      found[k] = compact_of(key, v)
+      compact_of(key, v)
+      found[k] = v
     elseif type(v) == 'table' then
-      local t = redis.call('TYPE', key)
-      t = t['ok']
-      if t ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. t) end
+      local ty = redis.call('TYPE', key)
+      ty = ty['ok']
+      if ty ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty) end
       found[k] = true
     else
       found[k] = false
     end
   end
-  local out = {server_now}
-  for k = 2, #keys do
-    local f = found[k]
+  local parts, rt = {struct.pack('<I8', server_now)}, {}
+  i = items
+  for k = 2, nkeys do
+    local p, count, f = rules[args[i]], args[i + 1], found[k]
     if f == true then
-      exact_one(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out)
+      parts[k] = exact_one(keys[k], p, args, i + 2, count, server_now, rt)
     else
-      exact_compact(keys[k], rule_of[k], cost, first_of[k], count_of[k], server_now, out, f)
+      parts[k] = exact_compact(keys[k], p, args, i + 2, count, server_now, f, rt)
     end
+    i = i + 2 + count
   end
-  redis.call('SET', dkey, cmsgpack.pack(seq, out), 'PX', fmt(math.max(ceil_div(grace, 1000), 1)))
-  return out
+  local reply = table.concat(parts)
+  redis.call('SET', dkey, BATCH_TAG .. struct.pack('<I8', seq) .. reply, 'PX',
+    fmt(math.max(ceil_div(grace, 1000), 1)))
+  return reply
 end
 
--- lh_exact_packed: the batch, its numbers packed (what agents send).
+-- lh_exact_batch: the batch, its numbers packed, its reply packed (what agents send).
 local function exact_packed(keys, args)
   local id = batch_agent(args)
   if args[3] ~= nil then fail('LH_ARG ' .. fmt(#args - 2) .. ' arguments left over') end
   return exact_batch(keys, id, packed(args[2]))
 end
 
--- lh_exact_many: the same batch, its numbers as decimal arguments, each one its own
--- (agents of the version before packed numbers, served through a rolling upgrade).
+-- lh_exact_packed: the same, its reply as an array of integers (the version before).
+local function exact_packed_array(keys, args)
+  return packed(exact_packed(keys, args))
+end
+
+-- lh_exact_many: the same, its numbers as decimal arguments, each its own, its reply an
+-- array (two versions before).
 local function exact_many(keys, args)
   local id = batch_agent(args)
   local numbers = {}
   for i = 2, #args do numbers[i - 1] = int(args[i], 'at position ' .. fmt(i), MAX) end
-  return exact_batch(keys, id, numbers)
+  return packed(exact_batch(keys, id, numbers))
 end
 
 redis.register_function('lh_acquire', acquire)
@@ -1043,7 +1085,9 @@ redis.register_function('lh_release', release)
 redis.register_function('lh_exact', exact)
 redis.register_function('lh_split', split)
 redis.register_function('lh_deposit', deposit)
-redis.register_function{function_name = 'lh_exact_packed', callback = exact_packed,
+redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
+  flags = {'allow-cross-slot-keys'}}
+redis.register_function{function_name = 'lh_exact_packed', callback = exact_packed_array,
   flags = {'allow-cross-slot-keys'}}
 redis.register_function{function_name = 'lh_exact_many', callback = exact_many,
   flags = {'allow-cross-slot-keys'}}

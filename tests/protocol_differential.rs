@@ -388,14 +388,20 @@ async fn exact_batch(
     let grace = b.p.grace_us;
     let sizes: Vec<usize> = keys.iter().map(|k| k.2.len()).collect();
     let mut c = server.connection().expect("connection");
-    let (kept, at): (Vec<u64>, i64) = redis::Script::new(
-        "local v = redis.call('GET', KEYS[1]); if not v then return {{}, -2} end \
-         local s, o = cmsgpack.unpack(v); table.insert(o, 1, s); \
-         return {o, redis.call('PEXPIRETIME', KEYS[1])}",
-    )
-    .key(&dedup)
-    .invoke(&mut c)
-    .expect("read the dedup key");
+    let (raw, at): (Option<Vec<u8>>, i64) = redis::pipe()
+        .cmd("GET")
+        .arg(&dedup)
+        .cmd("PEXPIRETIME")
+        .arg(&dedup)
+        .query(&mut c)
+        .expect("read the dedup key");
+    let kept: Vec<u64> = match raw {
+        None => Vec::new(),
+        Some(v) => {
+            assert_eq!(v.first(), Some(&leasehold_store::wire::BATCH_TAG), "{ctx}");
+            leasehold_store::wire::unpack_numbers(&v[1..]).expect("whole integers")
+        }
+    };
     // With every key moved, only the dedup key tells the server time of the call.
     let decided = outs.iter().any(|o| matches!(o, ExactOutcome::Decided(_)));
     let server_now = match kept.get(1) {
@@ -824,7 +830,7 @@ fn lua_refuses_bad_arguments_and_writes_nothing() {
     assert_eq!(exists, 0, "a refused call wrote the key");
 }
 
-/// `lh_exact_packed` validates the whole batch before it writes anything: a bad item late
+/// `lh_exact_batch` validates the whole batch before it writes anything: a bad item late
 /// in the batch leaves the good keys before it untouched.
 #[test]
 fn lua_refuses_bad_batches_and_writes_nothing() {
@@ -901,7 +907,7 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
     let mut conn = server.connection().expect("connection");
     for (keys, items, want) in &cases {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_packed")
+        cmd.arg("lh_exact_batch")
             .arg(keys.len() + 1)
             .arg(format!("{}:b:00ab:1", keys[0]));
         for k in *keys {
@@ -927,7 +933,7 @@ fn lua_refuses_bad_batches_and_writes_nothing() {
     }
     // Arguments past the packed numbers are refused too.
     let err = redis::cmd("FCALL")
-        .arg("lh_exact_packed")
+        .arg("lh_exact_batch")
         .arg(2)
         .arg("lh:{t|a}:b:00ab:1")
         .arg("lh:{t|a}")
@@ -958,7 +964,7 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     ] {
         // The foreign key second: the first key must not be written either.
         let err = redis::cmd("FCALL")
-            .arg("lh_exact_packed")
+            .arg("lh_exact_batch")
             .arg(3)
             .arg("lh:{t|a}:b:00ab:1")
             .arg("lh:{t|a}")
@@ -1009,7 +1015,7 @@ fn a_compact_bucket_becomes_the_hash_when_leased() {
     let mut conn = server.connection().expect("connection");
     let key = "lh:{t|c}";
     let _: redis::Value = redis::cmd("FCALL")
-        .arg("lh_exact_packed")
+        .arg("lh_exact_batch")
         .arg(2)
         .arg(format!("{key}:b:00ab:1"))
         .arg(key)
@@ -1064,9 +1070,11 @@ fn a_compact_bucket_becomes_the_hash_when_leased() {
     assert_eq!(h["00ab:h"], granted.to_string(), "{h:?}");
 }
 
-/// Through a rolling upgrade the library serves the previous version's batches (decimal
-/// arguments, `lh_exact_many`) and reads the compact buckets it wrote (`tok,car,ts,p`):
-/// the same decisions as the packed form, and the bucket is written in the new form.
+/// Through a rolling upgrade the library serves the previous versions' batches (decimal
+/// arguments, `lh_exact_many`; packed arguments with an array reply, `lh_exact_packed`),
+/// replays their dedup records (MessagePack) and reads the compact buckets they wrote
+/// (`tok,car,ts,p`): the same decisions as `lh_exact_batch`, and the bucket is written in
+/// the new form.
 #[test]
 fn the_previous_versions_batches_and_buckets_are_served() {
     let server = server_with_library();
@@ -1119,4 +1127,45 @@ fn the_previous_versions_batches_and_buckets_are_served() {
     assert_eq!(reply[3], 1, "{reply:?}");
     assert!(reply[5] > 0 && reply[6] > 0, "{reply:?}");
     assert_eq!(reply[9], 8, "{reply:?}");
+    // A retry replays from the dedup key, now packed: the same array, nothing debited
+    // (key n, cost 1, a minute's grace so the record outlives a slow machine).
+    let long = |seq: u64| [seq, 1, 10, 1, 1_000_000_000, 60_000_000, 0, 1, 1, 1];
+    let packed_call = |conn: &mut redis::Connection| -> Vec<u64> {
+        redis::cmd("FCALL")
+            .arg("lh_exact_packed")
+            .arg(2)
+            .arg("lh:{t|n}:b:00ab:4")
+            .arg("lh:{t|n}")
+            .arg("00ab")
+            .arg(leasehold_store::wire::pack_numbers(&long(4)))
+            .query(conn)
+            .expect("a packed batch")
+    };
+    let first = packed_call(&mut conn);
+    assert_eq!(first[1..], [0, 0, 7, 0, 0], "{first:?}");
+    assert_eq!(packed_call(&mut conn), first, "replayed");
+    // A dedup record the previous version wrote (MessagePack: seq, then the reply) is
+    // replayed by the packed reply's form as well.
+    let _: () = redis::Script::new(
+        "redis.call('SET', KEYS[1], cmsgpack.pack(3, {7, 0, 0, 5, 0, 0}), 'PX', 60000)",
+    )
+    .key("lh:{t|o}:b:00ab:3")
+    .invoke(&mut conn)
+    .expect("an old record");
+    let old: Vec<u8> = redis::cmd("FCALL")
+        .arg("lh_exact_batch")
+        .arg(2)
+        .arg("lh:{t|o}:b:00ab:3")
+        .arg("lh:{t|o}")
+        .arg("00ab")
+        .arg(leasehold_store::wire::pack_numbers(&long(3)))
+        .query(&mut conn)
+        .expect("a replay of an old record");
+    assert_eq!(
+        leasehold_store::wire::unpack_numbers(&old),
+        Some(vec![7, 0, 0, 5, 0, 0])
+    );
+    let v: Vec<u8> = server.cmd(&["GET", "lh:{t|o}"]).expect("GET");
+    let f = leasehold_store::wire::compact_numbers(&v).expect("compact");
+    assert_eq!(f[0], 1, "nothing debited by the replay: {f:?}");
 }

@@ -89,7 +89,7 @@ impl EmbeddedStore {
         Ok(reply?)
     }
 
-    /// Runs one exact batch as `lh_exact_many` does: each key atomically at one server
+    /// Runs one exact batch as `lh_exact_batch` does: each key atomically at one server
     /// time, the answer kept in the batch's dedup log for a retry.
     pub fn exact_many(
         &self,

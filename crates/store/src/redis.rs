@@ -774,7 +774,7 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(limit))?
     }
 
-    /// Runs one exact batch (`lh_exact_many`) for `agent` with sequence number `seq`,
+    /// Runs one exact batch (`lh_exact_batch`) for `agent` with sequence number `seq`,
     /// within the call timeout: one outcome per item. The keys should lie on one node (a
     /// single Redis, or one cluster primary); should the cluster refuse the batch (a slot
     /// moved), it is sent again per slot (each group with its own dedup key). A retry of
@@ -809,7 +809,7 @@ impl RedisStore {
         items: &[ExactItem<'_>],
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg("lh_exact_packed")
+        cmd.arg("lh_exact_batch")
             .arg(items.len() + 1)
             .arg(wire::batch_key(items[0].key, agent, seq));
         for it in items {
@@ -817,8 +817,11 @@ impl RedisStore {
         }
         cmd.arg(wire::exact_many_args(agent, seq, items));
         let v = self.query_loaded(&cmd).await?;
-        let nums: Vec<u64> = redis::from_redis_value(v.clone())
-            .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
+        let nums = match &v {
+            Value::BulkString(b) => wire::unpack_numbers(b),
+            _ => None,
+        }
+        .ok_or_else(|| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
         wire::exact_many_reply(&nums, items).ok_or_else(|| {
             StoreError::Misconfigured(format!(
                 "unexpected exact batch reply of {} integers for {} keys",

@@ -11,9 +11,10 @@
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
 //!   drop; zeros when none).
-//! - Exact batches: `FCALL lh_exact_packed N DEDUP KEY...` ([`batch_key`]) then
-//!   [`exact_many_args`]; the reply is read by [`exact_many_reply`]; the dedup key holds
-//!   [`batch_numbers`] (MessagePack).
+//! - Exact batches: `FCALL lh_exact_batch N DEDUP KEY...` ([`batch_key`]) then
+//!   [`exact_many_args`]; the reply, one string of packed integers ([`unpack_numbers`]),
+//!   is read by [`exact_many_reply`]; the dedup key holds [`BATCH_TAG`], then
+//!   [`batch_numbers`] packed.
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
 //!   holds it. A compact bucket (a 34-byte string, [`compact_value`], see
 //!   [`BucketState::compact`]) renders as one entry named [`COMPACT`] whose value is
@@ -341,7 +342,7 @@ pub struct ExactItem<'a> {
     pub costs: &'a [u64],
 }
 
-/// The arguments of `FCALL lh_exact_packed` after the keys: the agent, then one string of
+/// The arguments of `FCALL lh_exact_batch` after the keys: the agent, then one string of
 /// little-endian unsigned 64-bit integers ([`pack_numbers`]): seq, the distinct rule
 /// parameters (capacity, rate tokens, rate period µs, grace µs, max outstanding), then
 /// per key its rule's index (from 1), its number of costs and the costs. Every key once.
@@ -391,10 +392,28 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
     vec![agent.to_string().into_bytes(), pack_numbers(&numbers)]
 }
 
-/// Integers as `lh_exact_packed` reads its numbers: little-endian, 8 bytes each.
+/// Integers as `lh_exact_batch` reads its numbers: little-endian, 8 bytes each.
 pub fn pack_numbers(numbers: &[u64]) -> Vec<u8> {
     numbers.iter().flat_map(|n| n.to_le_bytes()).collect()
 }
+
+/// The integers [`pack_numbers`] packed (an `lh_exact_batch` reply); `None` unless the
+/// bytes are a whole number of them.
+pub fn unpack_numbers(bytes: &[u8]) -> Option<Vec<u64>> {
+    let words = bytes.chunks_exact(8);
+    if !words.remainder().is_empty() {
+        return None;
+    }
+    Some(
+        words
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+            .collect(),
+    )
+}
+
+/// A batch dedup record's first byte, which no MessagePack value (the records of the
+/// version before) starts with.
+pub const BATCH_TAG: u8 = 0xc1;
 
 /// The dedup key of `agent`'s batch `seq` whose first key is `first`: beside it, in its
 /// slot.
@@ -402,7 +421,7 @@ pub fn batch_key(first: &BucketKey, agent: AgentId, seq: u64) -> String {
     format!("{}:b:{agent}:{seq}", first.as_str())
 }
 
-/// The reply of `lh_exact_packed` (server time, then per key: status, time past the server
+/// The reply of `lh_exact_batch`, unpacked (server time, then per key: status, time past the server
 /// time, remaining, scale, each cost's wait), one outcome per item;
 /// `None` if its shape does not match the items.
 pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
@@ -426,8 +445,8 @@ pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactO
     rest.is_empty().then_some(out)
 }
 
-/// What a batch's dedup key holds, as numbers: its seq, then its reply as
-/// `lh_exact_many` gives it (the key stores them MessagePack-encoded).
+/// What a batch's dedup key holds after [`BATCH_TAG`], as numbers: its seq, then its
+/// reply as `lh_exact_batch` gives it (packed as [`pack_numbers`] does).
 pub fn batch_numbers(r: &BatchRecord) -> Vec<u64> {
     let mut v = vec![r.seq, r.server_now_us];
     for (o, &n) in r.outcomes.iter().zip(&r.counts) {

@@ -1,7 +1,7 @@
 //! Cold keys' exact decisions, batched per shard.
 //!
 //! A decision on a cold key joins its shard's queue and waits for its answer; it holds no
-//! lock while it waits. A task sends the queue to the store as one `lh_exact_packed` call,
+//! lock while it waits. A task sends the queue to the store as one `lh_exact_batch` call,
 //! then sends what queued meanwhile, and ends when the queue is empty; a second task
 //! joins while the first has a call in flight once [`SECOND_SENDER_AT`] keys wait, so a
 //! busy agent's Redis does not idle for a round trip between batches, and agents that
@@ -227,7 +227,7 @@ impl Limiter {
         }
     }
 
-    /// One `lh_exact_packed` call through the shard's breaker; a retry of an unknown
+    /// One `lh_exact_batch` call through the shard's breaker; a retry of an unknown
     /// outcome reuses the sequence number. The call ends when its last decision stops
     /// waiting: then, as a cancelled per-key call, it leaves no verdict on the shard (each
     /// decision that timed out counted its own).

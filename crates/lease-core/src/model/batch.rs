@@ -1,4 +1,4 @@
-//! Exact decisions in batches (the Lua's `lh_exact_packed`): one agent's cold decisions on
+//! Exact decisions in batches (the Lua's `lh_exact_batch`): one agent's cold decisions on
 //! many keys in one call, each key decided as `lh_exact` would, one cost after another,
 //! from its own state alone.
 //!
@@ -92,7 +92,7 @@ pub fn validate_exact(p: &BucketParams, seq: u64, costs: &[u64]) -> Result<(), P
 
 impl GlobalBucket {
     /// Decides `costs` (in order) on this key at server time `server_now_us`, as one key
-    /// of an `lh_exact_packed` call: [`ExactOutcome::Decided`] or [`ExactOutcome::Moved`].
+    /// of an `lh_exact_batch` call: [`ExactOutcome::Decided`] or [`ExactOutcome::Moved`].
     pub fn exact_many(
         &mut self,
         p: &BucketParams,

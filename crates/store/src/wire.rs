@@ -404,11 +404,9 @@ pub fn unpack_numbers(bytes: &[u8]) -> Option<Vec<u64>> {
     if !words.remainder().is_empty() {
         return None;
     }
-    Some(
-        words
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-            .collect(),
-    )
+    words
+        .map(|w| w.try_into().ok().map(u64::from_le_bytes))
+        .collect()
 }
 
 /// A batch dedup record's first byte, which no MessagePack value (the records of the
@@ -468,6 +466,16 @@ pub fn batch_numbers(r: &BatchRecord) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn packed_numbers_round_trip_and_refuse_a_partial_integer() {
+        let v = [0, 1, u64::from(u32::MAX) + 7, (1 << 53) - 1];
+        let b = pack_numbers(&v);
+        assert_eq!(b.len(), 32);
+        assert_eq!(unpack_numbers(&b), Some(v.to_vec()));
+        assert_eq!(unpack_numbers(&[]), Some(Vec::new()));
+        assert_eq!(unpack_numbers(&b[..31]), None);
+    }
 
     #[test]
     fn compact_values_round_trip_and_refuse_other_strings() {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use governor::{Quota, RateLimiter};
-use leasehold::agent::{Decision, EmbeddedStore, Limiter, Rules, Store};
+use leasehold::agent::{Decision, EmbeddedStore, Limiter, LimiterConfig, Rules, Store};
 use leasehold::core::rule::Rule;
 use leasehold_redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 use parking_lot::Mutex;
@@ -257,19 +257,24 @@ enum Outcome {
 }
 
 impl System {
+    #[allow(clippy::too_many_arguments)] // one call per system and run
     async fn build(
         name: &str,
         rule: &Rule,
         rules: &Rules,
         agents: usize,
+        tuning: &scenario::AgentTuning,
         target: &Target,
         naive_offline: &Arc<AtomicBool>,
     ) -> Result<Self, String> {
         match name {
             "leasehold" => {
+                let config = tuning.apply(LimiterConfig::default())?;
                 let mut limiters = Vec::with_capacity(agents);
                 for _ in 0..agents {
-                    let b = Limiter::builder().rules(rules.clone());
+                    let b = Limiter::builder()
+                        .rules(rules.clone())
+                        .config(config.clone());
                     let b = match target {
                         Target::Embedded(store) => b.store(Store::Embedded(store.clone())),
                         Target::Redis(url) => b.redis(url),
@@ -866,6 +871,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                     &rule,
                     &rules,
                     opts.scenario.agents,
+                    &opts.scenario.agent,
                     &env.target(),
                     &naive_offline,
                 )

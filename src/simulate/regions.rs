@@ -115,7 +115,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 .redis(stores[k].url())
                 .rules(rules.clone())
                 .config({
-                    let mut c = LimiterConfig::default();
+                    let mut c = sc.agent.apply(LimiterConfig::default())?;
                     c.region = Some(region_name(k));
                     c
                 })

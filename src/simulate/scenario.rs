@@ -51,9 +51,16 @@
 //!
 //! `store = "cluster-spawn"` (or another `--store` value) names the store the scenario
 //! runs on when `--store` is not given.
+//!
+//! An `[agent]` table tunes every agent: `hot_above_per_sec = 100` (the local rate above
+//! which a cold key leases), `horizon = "200ms"` (how much demand a lease covers).
 
 use serde::{Deserialize, Serialize};
 
+use std::time::Duration;
+
+use leasehold::agent::LimiterConfig;
+use leasehold::core::rate::parse_duration;
 use leasehold::core::rule::{Rule, RuleSpec};
 
 /// A workload.
@@ -84,6 +91,45 @@ pub(crate) struct Scenario {
     /// The round trip between a region's broker and the global store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) region_rtt: Option<String>,
+    /// The agents' tuning where it differs from the defaults.
+    #[serde(default, skip_serializing_if = "AgentTuning::is_default")]
+    pub(crate) agent: AgentTuning,
+}
+
+/// The agents' tuning (`[agent]`); what is absent keeps `LimiterConfig`'s default.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AgentTuning {
+    /// A cold key becomes leased above this many tokens per second at one agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) hot_above_per_sec: Option<u64>,
+    /// A lease covers about this much of the agent's demand on its key ("100ms").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) horizon: Option<String>,
+}
+
+impl AgentTuning {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// `config` with this tuning applied, or what is wrong with it.
+    pub(crate) fn apply(&self, mut config: LimiterConfig) -> Result<LimiterConfig, String> {
+        if let Some(h) = self.hot_above_per_sec {
+            if h > 1_000_000_000 {
+                return Err(format!("agent.hot_above_per_sec = {h} must be at most 1e9"));
+            }
+            config.hot_above_per_sec = h;
+        }
+        if let Some(text) = &self.horizon {
+            let d = parse_duration(text).map_err(|e| format!("agent.horizon = {text:?}: {e}"))?;
+            if d < Duration::from_millis(1) || d > Duration::from_secs(60) {
+                return Err(format!("agent.horizon = {text:?} must be 1ms..=60s"));
+            }
+            config.horizon = d;
+        }
+        Ok(config)
+    }
 }
 
 /// Which keys requests go to.
@@ -335,6 +381,7 @@ impl Scenario {
             split_above: None,
             regions: None,
             region_rtt: None,
+            agent: AgentTuning::default(),
         };
         Ok(match name {
             // Ten tenants, offered 1.6x their limit, evenly, all the time.
@@ -587,6 +634,9 @@ impl Scenario {
                     .into(),
             );
         }
+        self.agent
+            .apply(LimiterConfig::default())
+            .map_err(|e| format!("scenario {}: {e}", self.name))?;
         if self.phases.is_empty() || self.phases[0].at != 0.0 {
             return err("the first phase must start at 0.0".into());
         }
@@ -730,6 +780,38 @@ mod tests {
         let mut s = Scenario::built_in("fleet").unwrap();
         s.phases[0].skew = Some("zipf:-1".into());
         assert!(s.validate().unwrap_err().contains("zipf:-1"));
+        let mut s = Scenario::built_in("zipf").unwrap();
+        s.agent.horizon = Some("soon".into());
+        assert!(
+            s.validate()
+                .unwrap_err()
+                .contains("agent.horizon = \"soon\"")
+        );
+        s.agent.horizon = Some("0s".into());
+        assert!(s.validate().unwrap_err().contains("1ms..=60s"));
+    }
+
+    #[test]
+    fn the_agent_table_tunes_every_agent() {
+        let s: Scenario = toml::from_str(
+            "name = \"t\"\n[rule]\ncapacity = 10\nrate = \"10/s\"\n[keys]\ncount = 1\n\
+             [[phases]]\nat = 0.0\n[agent]\nhot_above_per_sec = 100\nhorizon = \"250ms\"\n",
+        )
+        .unwrap();
+        s.validate().unwrap();
+        let c = s.agent.apply(LimiterConfig::default()).unwrap();
+        assert_eq!(c.hot_above_per_sec, 100);
+        assert_eq!(c.horizon, Duration::from_millis(250));
+        let back: Scenario = toml::from_str(&toml::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back.agent, s.agent);
+        let plain = toml::to_string(&Scenario::built_in("zipf").unwrap()).unwrap();
+        assert!(!plain.contains("[agent]"), "{plain}");
+        assert!(
+            toml::from_str::<Scenario>("name = \"t\"\n[agent]\nhorizon_ms = 5\n")
+                .unwrap_err()
+                .to_string()
+                .contains("horizon_ms")
+        );
     }
 
     #[test]

@@ -33,6 +33,12 @@ use crate::sizing::{self, LeaseRequest, Reclaim};
 /// queued callers divided by a few microseconds.
 const MEASURE_MIN_NS: u64 = 5_000_000;
 
+/// How long a short grant (the bucket dry) makes callers that find the lease empty
+/// denied at once rather than wait for the store ([`KeyPolicy::deny_while_refilling_until`]):
+/// about the time demand is averaged over, so an agent with a small share, whose acquires
+/// are far apart, keeps it from one to the next.
+const DRY_FOR_NS: u64 = 1_000_000_000;
+
 /// The agent's tuning that the policy reads (a subset of the agent's configuration).
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
@@ -106,6 +112,8 @@ pub enum SweepAction {
 #[derive(Clone, Debug, Default)]
 pub struct KeyPolicy {
     last_want: u64,
+    /// When an acquire last got less than it asked (agent clock; 0: never).
+    dry_at_ns: u64,
     /// When the last non-empty grant was installed (agent clock).
     granted_at_ns: u64,
     /// Demand for sizing: the measured rate, smoothed over two measurements.
@@ -222,6 +230,12 @@ impl KeyPolicy {
         }
         let held_after = lease.held();
         self.granted_total += reply.granted;
+        if ending || reply.moved {
+            // Not a dry bucket: this one leases nothing now (its callers go elsewhere).
+            self.dry_at_ns = 0;
+        } else if reply.granted < self.last_want {
+            self.dry_at_ns = now_ns;
+        }
         if reply.granted > 0 {
             self.granted_at_ns = now_ns;
         }
@@ -293,6 +307,7 @@ impl KeyPolicy {
     /// begins again there.
     pub fn moved(&mut self) {
         self.last_want = 0;
+        self.dry_at_ns = 0;
     }
 
     /// The lease gave back `taken` tokens (returned or forfeited); `withdraw` also clears
@@ -353,6 +368,21 @@ impl KeyPolicy {
             }
             r => SweepAction::Reclaim(r),
         }
+    }
+
+    /// Until when a caller that finds the lease empty is denied at once while a prefetch
+    /// refills it, rather than waiting for a store call of its own (agent clock; 0: not
+    /// at all): for [`DRY_FOR_NS`] after an acquire got less than it asked, the bucket
+    /// being dry. The agent's callers then want more than the bucket gives it, so one
+    /// denied now instead of admitted a round trip later changes nothing in what it
+    /// admits (the tokens the prefetch brings go to the next callers), and no decision
+    /// waits for the store. The store's shares are not asked: they bind only on the
+    /// demand agents report, which lags what is offered.
+    pub fn deny_while_refilling_until(&self) -> u64 {
+        if self.dry_at_ns == 0 {
+            return 0;
+        }
+        self.dry_at_ns + DRY_FOR_NS
     }
 
     /// True when the store last said the key is contended (shares below one).
@@ -421,4 +451,79 @@ pub struct Totals {
     pub calls: u64,
     /// Reported demand, thousandths of a token per second.
     pub demand_milli: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One acquire for a caller needing a token at `at_ns`, answered with `granted` (a
+    /// refusal waits 5 ms).
+    fn acquire_answered(
+        p: &mut KeyPolicy,
+        rule: &Rule,
+        lease: &LocalLease,
+        at_ns: u64,
+        granted: u64,
+    ) {
+        let cfg = PolicyConfig::default();
+        let args = p.acquire(rule, &cfg, at_ns, lease, 0, 1);
+        let reply = Reply {
+            granted,
+            ttl_us: 2_000_000,
+            retry_us: if granted == 0 { 5_000 } else { 0 },
+            ..Reply::default()
+        };
+        assert!(args.want >= 1);
+        p.granted(&cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
+    }
+
+    #[test]
+    fn a_short_grant_denies_callers_at_once_for_a_while() {
+        let rule = Rule::new("r", 1000, "100/s").unwrap();
+        let lease = LocalLease::new();
+        let mut p = KeyPolicy::new(1);
+        assert_eq!(p.deny_while_refilling_until(), 0, "nothing asked yet");
+        // Granted what it asked: the bucket is not dry.
+        let want = p
+            .acquire(&rule, &PolicyConfig::default(), 1_000, &lease, 0, 1)
+            .want;
+        let full = Reply {
+            granted: want,
+            ttl_us: 2_000_000,
+            ..Reply::default()
+        };
+        p.granted(
+            &PolicyConfig::default(),
+            &lease,
+            1_000,
+            2_000,
+            1,
+            &full,
+            false,
+        );
+        assert_eq!(p.deny_while_refilling_until(), 0, "a full grant");
+        // Refused: callers are denied at once for DRY_FOR_NS from the reply.
+        acquire_answered(&mut p, &rule, &lease, 10_000_000, 0);
+        assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
+        // A later full grant leaves the window where the last short one put it.
+        let want = p
+            .acquire(&rule, &PolicyConfig::default(), 20_000_000, &lease, 0, 1)
+            .want;
+        let full = Reply {
+            granted: want,
+            ttl_us: 2_000_000,
+            ..Reply::default()
+        };
+        p.granted(
+            &PolicyConfig::default(),
+            &lease,
+            20_000_000,
+            20_001_000,
+            1,
+            &full,
+            false,
+        );
+        assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
+    }
 }

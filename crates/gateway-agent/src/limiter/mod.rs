@@ -360,6 +360,8 @@ struct KeyState {
     denied_tokens: AtomicU64,
     /// A refused prefetch is not tried again before this time.
     prefetch_after_ns: AtomicU64,
+    /// The policy's [`KeyPolicy::deny_while_refilling_until`] as of the last acquire.
+    refill_denies_until_ns: AtomicU64,
     /// This agent's last granted share of the key (thousandths of a token per second),
     /// for the emergency limit.
     share_milli: AtomicU64,
@@ -425,6 +427,7 @@ impl KeyState {
             deny_until_ns: AtomicU64::new(0),
             denied_tokens: AtomicU64::new(0),
             prefetch_after_ns: AtomicU64::new(0),
+            refill_denies_until_ns: AtomicU64::new(0),
             prefetching: AtomicBool::new(false),
             share_milli: AtomicU64::new(0),
             without_store: AtomicU64::new(0),
@@ -871,6 +874,9 @@ impl Limiter {
                 ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return Ok(Local::Decided(entry.enforce(denied(until - now))));
             }
+            if let Some(d) = self.deny_while_refilling(&ks, &entry, cost, now) {
+                return Ok(Local::Decided(entry.enforce(d)));
+            }
             return Ok(Local::NeedsStore(ks, entry));
         }
         let bucket = entry.key(subject)?;
@@ -902,6 +908,48 @@ impl Limiter {
         // Another caller may have inserted it first, with the same entry.
         let entry = ks.entry.load_full();
         Ok(Local::NeedsStore(ks, entry))
+    }
+
+    /// A caller the lease cannot cover, on a key where the policy says so
+    /// ([`KeyPolicy::deny_while_refilling_until`]: saturated here, the bucket dry): denied
+    /// at once while a prefetch refills the lease, or until a refused prefetch may be
+    /// tried again, instead of waiting for a store call of its own. `None` when no
+    /// prefetch could be queued (the caller takes the store path).
+    fn deny_while_refilling(
+        &self,
+        ks: &Arc<KeyState>,
+        entry: &RuleEntry,
+        cost: u64,
+        now: u64,
+    ) -> Option<Decision> {
+        if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed)
+            || !self.is_hot(ks, entry)
+            || self.inner.breakers.for_slot(ks.slot).is_open(now)
+        {
+            // With the shard's breaker open the failure policy decides, as for any caller
+            // the lease cannot cover.
+            return None;
+        }
+        let after = ks.prefetch_after_ns.load(Ordering::Relaxed);
+        let wait = if now < after {
+            after - now
+        } else {
+            self.request_prefetch(ks, now);
+            if !ks.prefetching.load(Ordering::Acquire) {
+                return None;
+            }
+            // About when the agent's share brings the cost.
+            match ks.share_milli.load(Ordering::Relaxed) {
+                0 => Level::default().time_until(cost, entry.params.rate) * 1000,
+                share => {
+                    let ns = u128::from(cost) * 1_000_000_000_000 / u128::from(share);
+                    u64::try_from(ns).unwrap_or(u64::MAX)
+                }
+            }
+        };
+        entry.counters.incr(entry.denied);
+        ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+        Some(denied(wait.max(1)))
     }
 
     fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
@@ -1197,6 +1245,10 @@ impl Limiter {
         ks.hot().low_water.store(g.low_water, Ordering::Relaxed);
         ks.share_milli
             .store(driver.policy.share_milli(), Ordering::Relaxed);
+        ks.refill_denies_until_ns.store(
+            driver.policy.deny_while_refilling_until(),
+            Ordering::Relaxed,
+        );
         if let Some(until) = g.deny_until_ns {
             ks.deny_until_ns.store(until, Ordering::Release);
         }

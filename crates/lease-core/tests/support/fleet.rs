@@ -671,6 +671,22 @@ impl Fleet {
             self.deny(i, cost);
             return;
         }
+        if t < a.policy.deny_while_refilling_until() {
+            // Denied at once while a prefetch refills the lease.
+            if a.inflight.is_none() && t >= a.prefetch_after_ns {
+                self.start_acquire(i, t, 0);
+                if self.spend(i, cost, t) {
+                    self.admit(i, id, t);
+                    return;
+                }
+            }
+            let a = &self.agents[i];
+            if a.inflight.is_some() || t < a.prefetch_after_ns {
+                self.deny(i, cost);
+                return;
+            }
+        }
+        let a = &mut self.agents[i];
         let start = a.inflight.is_none();
         self.waited += 1;
         a.waiting.push_back(Waiter {

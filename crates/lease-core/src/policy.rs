@@ -16,6 +16,9 @@
 //! - **sizing**: a lease covers `horizon` of the agent's demand times the share of it the
 //!   store granted (see [`crate::sizing`]); under the low-water mark the agent prefetches;
 //! - **denial cache**: a refused caller denies locally until the time the store named;
+//!   for a second after an acquire got less than it asked (the bucket dry), a caller the
+//!   lease cannot cover is denied at once while a prefetch refills it, and never waits
+//!   for the store ([`KeyPolicy::deny_while_refilling_until`]);
 //! - **sweep**: idle leases go back and their keys demote; leases larger than the share
 //!   justifies go back; live leases close to expiry renew ([`KeyPolicy::sweep`]);
 //! - **emergency**: with the store unreachable, a `local_emergency` rule admits at the

@@ -934,17 +934,16 @@ impl Limiter {
         let wait = if now < after {
             after - now
         } else {
-            self.request_prefetch(ks, now);
             if !ks.prefetching.load(Ordering::Acquire) {
-                return None;
+                self.request_prefetch(ks, now);
+                if !ks.prefetching.load(Ordering::Acquire) {
+                    return None;
+                }
             }
             // About when the agent's share brings the cost.
             match ks.share_milli.load(Ordering::Relaxed) {
                 0 => Level::default().time_until(cost, entry.params.rate) * 1000,
-                share => {
-                    let ns = u128::from(cost) * 1_000_000_000_000 / u128::from(share);
-                    u64::try_from(ns).unwrap_or(u64::MAX)
-                }
+                share => (cost as f64 * 1e12 / share as f64) as u64,
             }
         };
         entry.counters.incr(entry.denied);

@@ -460,24 +460,24 @@ pub struct Totals {
 mod tests {
     use super::*;
 
-    /// One acquire for a caller needing a token at `at_ns`, answered with `granted` (a
-    /// refusal waits 5 ms).
+    /// One acquire for a caller needing a token at `at_ns`, answered 1 µs later with
+    /// `granted` tokens, or all it asked for when `None` (a refusal waits 5 ms).
     fn acquire_answered(
         p: &mut KeyPolicy,
         rule: &Rule,
         lease: &LocalLease,
         at_ns: u64,
-        granted: u64,
+        granted: Option<u64>,
     ) {
         let cfg = PolicyConfig::default();
-        let args = p.acquire(rule, &cfg, at_ns, lease, 0, 1);
+        let want = p.acquire(rule, &cfg, at_ns, lease, 0, 1).want;
+        let granted = granted.unwrap_or(want);
         let reply = Reply {
             granted,
             ttl_us: 2_000_000,
             retry_us: if granted == 0 { 5_000 } else { 0 },
             ..Reply::default()
         };
-        assert!(args.want >= 1);
         p.granted(&cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
     }
 
@@ -488,45 +488,28 @@ mod tests {
         let mut p = KeyPolicy::new(1);
         assert_eq!(p.deny_while_refilling_until(), 0, "nothing asked yet");
         // Granted what it asked: the bucket is not dry.
-        let want = p
-            .acquire(&rule, &PolicyConfig::default(), 1_000, &lease, 0, 1)
-            .want;
-        let full = Reply {
-            granted: want,
-            ttl_us: 2_000_000,
-            ..Reply::default()
-        };
-        p.granted(
-            &PolicyConfig::default(),
-            &lease,
-            1_000,
-            2_000,
-            1,
-            &full,
-            false,
-        );
+        acquire_answered(&mut p, &rule, &lease, 1_000, None);
         assert_eq!(p.deny_while_refilling_until(), 0, "a full grant");
         // Refused: callers are denied at once for DRY_FOR_NS from the reply.
-        acquire_answered(&mut p, &rule, &lease, 10_000_000, 0);
+        acquire_answered(&mut p, &rule, &lease, 10_000_000, Some(0));
         assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
         // A later full grant leaves the window where the last short one put it.
-        let want = p
-            .acquire(&rule, &PolicyConfig::default(), 20_000_000, &lease, 0, 1)
-            .want;
-        let full = Reply {
-            granted: want,
-            ttl_us: 2_000_000,
+        acquire_answered(&mut p, &rule, &lease, 20_000_000, None);
+        assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
+        // A bucket that moved (a split's parent) leases nothing: no window.
+        let moved = Reply {
+            moved: true,
             ..Reply::default()
         };
         p.granted(
             &PolicyConfig::default(),
             &lease,
-            20_000_000,
-            20_001_000,
+            30_000_000,
+            30_001_000,
             1,
-            &full,
+            &moved,
             false,
         );
-        assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
+        assert_eq!(p.deny_while_refilling_until(), 0, "moved");
     }
 }

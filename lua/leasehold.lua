@@ -914,16 +914,15 @@ end
 -- The formats of struct.unpack by count (at most UNPACK_AT a call: the Lua stack).
 local UNPACK_AT = 64
 
--- The integers packed in blob from byte at (see ARGV), in a table.
-local function packed(blob, at)
-  at = at or 1
+-- The integers packed in blob (see ARGV, and Reply), in a table.
+local function packed(blob)
   local len = 0
-  if type(blob) == 'string' then len = #blob - at + 1 end
-  if len <= 0 or len % 8 ~= 0 then
-    fail('LH_ARG invalid argument numbers: ' .. fmt(math.max(len, 0)) ..
+  if type(blob) == 'string' then len = #blob end
+  if len == 0 or len % 8 ~= 0 then
+    fail('LH_ARG invalid argument numbers: ' .. fmt(len) ..
       ' bytes, not a whole number of 8-byte integers')
   end
-  local n, out, pos = len / 8, {}, at
+  local n, out, pos = len / 8, {}, 1
   while n > 0 do
     local k = math.min(n, UNPACK_AT)
     local more = {struct.unpack(format_of(k), blob, pos)}

@@ -95,9 +95,10 @@ fn check_targets(name: &str, agents: usize, load: f64, secs: u64, o: &Outcome) {
     // An agent banks up to B * share of credit (its own bucket within the key's), so over
     // a window of a few seconds its part may wander by up to (B / r) / window (20% here);
     // over the 5 s windows of the matrix the fleets stay within 10% (64 agents, even
-    // split: 9.8%, since each agent takes its share by prefetches alone, at its turn). (A thousand agents with a flat
-    // Zipf split wander further over 3 s windows, up to 76% for one agent: the property
-    // test checks shares up to 256 agents; the matrix checks 1 000 over 5 s.)
+    // split: 9.8%, since each agent takes its share by prefetches alone, at its turn).
+    // (A thousand agents with a flat Zipf split wander further over 3 s windows, up to
+    // 76% for one agent: the property test checks shares up to 256 agents; the matrix
+    // checks 1 000 over 5 s.)
     let window = secs as f64 / 2.0;
     if secs < 10 && agents > 256 {
         return;

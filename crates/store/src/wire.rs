@@ -285,14 +285,10 @@ pub fn compact_value(tokens: u64, carry: u64, updated_us: u64, period_us: u64) -
 /// not one.
 pub fn compact_numbers(v: &[u8]) -> Option<[u64; 4]> {
     let (tag, rest) = v.split_at_checked(2)?;
-    if tag != COMPACT_TAG || rest.len() != 32 {
+    if tag != COMPACT_TAG {
         return None;
     }
-    let mut out = [0u64; 4];
-    for (o, b) in out.iter_mut().zip(rest.chunks_exact(8)) {
-        *o = u64::from_le_bytes(b.try_into().ok()?);
-    }
-    Some(out)
+    unpack_numbers(rest)?.try_into().ok()
 }
 
 /// A compact bucket's string as [`hash_fields`] renders it (`tok,car,ts,p`), or `None`.
@@ -419,9 +415,9 @@ pub fn batch_key(first: &BucketKey, agent: AgentId, seq: u64) -> String {
     format!("{}:b:{agent}:{seq}", first.as_str())
 }
 
-/// The reply of `lh_exact_batch`, unpacked (server time, then per key: status, time past the server
-/// time, remaining, scale, each cost's wait), one outcome per item;
-/// `None` if its shape does not match the items.
+/// The reply of `lh_exact_batch`, unpacked (server time, then per key: status, time past
+/// the server time, remaining, scale, each cost's wait), one outcome per item; `None` if
+/// its shape does not match the items.
 pub fn exact_many_reply(v: &[u64], items: &[ExactItem<'_>]) -> Option<Vec<ExactOutcome>> {
     let (&server_now, mut rest) = v.split_first()?;
     let mut out = Vec::with_capacity(items.len());

@@ -911,7 +911,7 @@ impl Limiter {
     }
 
     /// A caller the lease cannot cover, on a key where the policy says so
-    /// ([`KeyPolicy::deny_while_refilling_until`]: saturated here, the bucket dry): denied
+    /// ([`KeyPolicy::deny_while_refilling_until`]: the bucket was dry lately): denied
     /// at once while a prefetch refills the lease, or until a refused prefetch may be
     /// tried again, instead of waiting for a store call of its own. `None` when no
     /// prefetch could be queued (the caller takes the store path).

@@ -125,8 +125,8 @@ pub(crate) struct SystemReport {
     pub(crate) rss_growth_mb: f64,
     /// The memory the store's Redis used at the end of the run (single Redis only).
     pub(crate) store_mb: Option<f64>,
-    /// Tokens admitted per second for key 0, per 100 ms (for the plot).
-    #[serde(skip)]
+    /// Tokens admitted per second for key 0, per 100 ms (the plot's line; in the JSON report
+    /// as `series`).
     pub(crate) series: Vec<f64>,
 }
 

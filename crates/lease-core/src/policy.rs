@@ -14,7 +14,8 @@
 //!   at least 5 ms ([`KeyPolicy::acquire`]); reported to the store as an average over
 //!   about a second;
 //! - **sizing**: a lease covers `horizon` of the agent's demand times the share of it the
-//!   store granted (see [`crate::sizing`]); under the low-water mark the agent prefetches;
+//!   store granted (see [`crate::sizing`]); under the low-water mark (half the lease, or
+//!   two round trips of demand on a dry bucket) the agent prefetches;
 //! - **denial cache**: a refused caller denies locally until the time the store named;
 //!   for a second after an acquire got less than it asked (the bucket dry), a caller the
 //!   lease cannot cover is denied at once while a prefetch refills it, and never waits
@@ -248,7 +249,7 @@ impl KeyPolicy {
         self.seen_held = held_after;
         self.seen_at_ns = now_ns;
         let mut g = Granted {
-            low_water: needed.max(self.last_want / 2).max(1),
+            low_water: self.low_water(now_ns, now_ns.saturating_sub(sent_ns), needed),
             deny_until_ns: None,
             prefetch_after_ns: None,
         };
@@ -388,6 +389,29 @@ impl KeyPolicy {
         self.dry_at_ns + DRY_FOR_NS
     }
 
+    /// Prefetch when the lease falls below this, for a caller that needed `needed`, the
+    /// last acquire having taken `rtt_ns`. Half the lease as a rule, so the prefetch
+    /// lands before the lease runs out. On a dry bucket (see
+    /// [`Self::deny_while_refilling_until`]) what the agent holds is taken from a bucket
+    /// other agents are waiting on: there it prefetches only when what is left covers
+    /// less than two round trips of its demand. A caller that finds the lease short
+    /// meanwhile is denied, which costs nothing, as the agent wants more than it gets;
+    /// the whole fleet then holds about two round trips of the rate instead of half its
+    /// leases more.
+    fn low_water(&self, now_ns: u64, rtt_ns: u64, needed: u64) -> u64 {
+        let half = self.last_want / 2;
+        let dry = self.dry_at_ns != 0 && now_ns < self.dry_at_ns + DRY_FOR_NS;
+        let water = if dry {
+            let spent = u128::from(self.demand_milli) * u128::from(rtt_ns.max(1)) * 2;
+            u64::try_from(spent.div_ceil(1_000_000_000_000))
+                .unwrap_or(u64::MAX)
+                .min(half)
+        } else {
+            half
+        };
+        water.max(needed).max(1)
+    }
+
     /// True when the store last said the key is contended (shares below one).
     pub fn contended(&self) -> bool {
         self.scale_ppm != 0 && self.scale_ppm < 1_000_000
@@ -511,5 +535,26 @@ mod tests {
             false,
         );
         assert_eq!(p.deny_while_refilling_until(), 0, "moved");
+    }
+
+    #[test]
+    fn on_a_dry_bucket_the_prefetch_waits_for_two_round_trips_of_demand() {
+        let mut p = KeyPolicy {
+            last_want: 40,
+            demand_milli: 100_000, // 100 tokens/s
+            ..KeyPolicy::default()
+        };
+        let ms = 1_000_000;
+        // A bucket with tokens: half the lease, or what the caller needs.
+        assert_eq!(p.low_water(5 * ms, ms, 1), 20);
+        assert_eq!(p.low_water(5 * ms, ms, 30), 30);
+        // Dry: two round trips of demand, at least one token, at most half the lease.
+        p.dry_at_ns = 5 * ms;
+        assert_eq!(p.low_water(5 * ms, ms, 1), 1, "0.2 tokens, rounded up");
+        assert_eq!(p.low_water(5 * ms, 50 * ms, 1), 10);
+        assert_eq!(p.low_water(5 * ms, 500 * ms, 1), 20);
+        assert_eq!(p.low_water(5 * ms, ms, 7), 7);
+        // The window past: half again.
+        assert_eq!(p.low_water(5 * ms + DRY_FOR_NS, ms, 1), 20);
     }
 }

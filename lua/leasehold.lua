@@ -20,6 +20,8 @@
 --       floor_burst, 0, 0, all 0 for no floor), then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
 --   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us, rate_milli
+--   Agents send every one of these as lh_call (at the end of this file), its numbers
+--   packed; the decimal functions serve the agents of the versions before.
 -- A region's bucket (model/region.rs) starts empty and refills nothing during its term
 -- (ru): its broker's deposits feed it, once per seq (rq, the grant's global time); at the
 -- term's end what is left is void, and then it refills at its floor only.
@@ -77,30 +79,33 @@ local function ceil_div(a, b)
   return q
 end
 
-local function params(args)
-  local p = {
-    cap = int(args[1], 'capacity', MAX),
-    n = int(args[2], 'rate_tokens', MAX),
-    per = int(args[3], 'rate_period_us', MAX),
-    ttl = int(args[4], 'lease_ttl_us', MAX),
-    grace = int(args[5], 'grace_us', MAX),
-    maxout = int(args[6], 'max_outstanding', MAX),
-    id = args[7],
-    seq = int(args[8], 'seq', MAX),
-    pgen = int(args[9], 'part_gen', MAX),
-    puntil = int(args[10], 'part_until', MAX),
-    ptok = int(args[11], 'part_tokens', MAX),
-    pout = int(args[12], 'part_outstanding', MAX_HELD),
-    pdrop = int(args[13], 'part_drop', MAX),
-  }
+-- The common arguments but the agent, in order, with their names and bounds.
+local COMMON = {{'capacity', MAX}, {'rate_tokens', MAX}, {'rate_period_us', MAX},
+  {'lease_ttl_us', MAX}, {'grace_us', MAX}, {'max_outstanding', MAX}, {'seq', MAX},
+  {'part_gen', MAX}, {'part_until', MAX}, {'part_tokens', MAX},
+  {'part_outstanding', MAX_HELD}, {'part_drop', MAX}}
+
+-- The parameters of a call of agent id from the common numbers v[1 .. 12] (COMMON, each
+-- already within its bound).
+local function params_of(id, v)
+  local p = {cap = v[1], n = v[2], per = v[3], ttl = v[4], grace = v[5], maxout = v[6], id = id,
+    seq = v[7], pgen = v[8], puntil = v[9], ptok = v[10], pout = v[11], pdrop = v[12]}
   if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
-    fail('LH_ARG invalid bucket parameters: capacity ' .. clip(args[1]) ..
-      ', rate ' .. clip(args[2]) .. '/' .. clip(args[3]) .. 'us')
+    fail('LH_ARG invalid bucket parameters: capacity ' .. fmt(p.cap) ..
+      ', rate ' .. fmt(p.n) .. '/' .. fmt(p.per) .. 'us')
   end
-  if type(p.id) ~= 'string' or #p.id < 1 or #p.id > 32 or not string.match(p.id, '^%x+$') then
-    fail('LH_ARG invalid argument agent = ' .. clip(p.id))
+  if type(id) ~= 'string' or #id < 1 or #id > 32 or not string.match(id, '^%x+$') then
+    fail('LH_ARG invalid argument agent = ' .. clip(id))
   end
   return p
+end
+
+-- The parameters of a call with decimal arguments (ARGV above).
+local function params(args)
+  local v = {}
+  for i = 1, 6 do v[i] = int(args[i], COMMON[i][1], COMMON[i][2]) end
+  for i = 7, 12 do v[i] = int(args[i + 1], COMMON[i][1], COMMON[i][2]) end
+  return params_of(args[7], v)
 end
 
 -- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
@@ -111,10 +116,12 @@ end
 local function the_key(keys, p)
   if #keys ~= 1 then fail('LH_ARG exactly one key expected, got ' .. #keys) end
   local key = keys[1]
-  local part = #key <= 512 and string.match(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
-  local region = #key <= 512 and string.match(key, '^lh:{[%w%._%-]+|[^{}|]+|region}$') ~= nil
+  -- string.find, not match: it allocates no copy of the key.
+  local short = #key <= 512
+  local part = short and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
+  local region = short and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|region}$') ~= nil
   if not part and not region and
-      (#key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
+      (not short or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
     fail('LH_ARG not a bucket key: ' .. clip(key))
   end
   if region then
@@ -259,6 +266,9 @@ end
 local function no_split()
   return {parts = 0, salt = 0, gen = 0, untl = 0, tok = 0, out = 0, drop = 0}
 end
+-- No split, shared: a state's split is replaced, never changed in place, while it has no
+-- parts.
+local NO_SPLIT = no_split()
 
 -- A compact bucket: the 34-byte string that an exact batch keeps for a key with no lease
 -- record, demand or split: the tag 'L1', then tok, car, ts and p (the fields of those
@@ -285,7 +295,7 @@ local function fresh(p, now)
   local tok = p.cap
   if p.region then tok = 0 end
   return {tok = tok, car = 0, p = carry_period(p), ts = now, out = 0, nexp = 0, mx = 0, ds = 0,
-          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = no_split()}
+          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = NO_SPLIT}
 end
 
 -- Loads the bucket and the agent's record (none for a deposit, which has no record);
@@ -307,10 +317,11 @@ local function begin(key, p, norecord)
   end
   local s
   if f[1] then
-    local function num(i) return tonumber(f[i] or '0') end
-    s = {tok = num(1), car = num(2), p = num(3), ts = num(4), out = num(5), nexp = num(6),
-         mx = num(7), ds = num(8), sg = num(9), dx = num(12), pg = 0, pu = 0, ru = num(19),
-         rq = num(20), rr = num(21), split = no_split()}
+    s = {tok = tonumber(f[1]), car = tonumber(f[2] or 0), p = tonumber(f[3] or 0),
+         ts = tonumber(f[4] or 0), out = tonumber(f[5] or 0), nexp = tonumber(f[6] or 0),
+         mx = tonumber(f[7] or 0), ds = tonumber(f[8] or 0), sg = tonumber(f[9] or 0),
+         dx = tonumber(f[12] or 0), pg = 0, pu = 0, ru = tonumber(f[19] or 0),
+         rq = tonumber(f[20] or 0), rr = tonumber(f[21] or 0), split = NO_SPLIT}
     if f[10] then
       -- sp: parts, salt, until, tokens, outstanding, drop of the split in force.
       local a = decode(f[10])
@@ -358,13 +369,14 @@ local function advance(key, s, p, now, rec)
       s.ts = now
     else
       s.ts = math.max(s.ts, s.split.untl)
-      s.split = no_split()
+      s.split = NO_SPLIT
     end
   end
   local stale_due = s.dx ~= 0 and now >= s.dx
   local drop_due = s.nexp ~= 0 and now >= s.nexp
-  local recs = {}
+  local recs
   if stale_due or drop_due then
+    recs = {}
     local all = redis.call('HGETALL', key)
     for i = 1, #all, 2 do
       local aid, field = string.match(all[i], '^(%x+):([hxdr])$')
@@ -423,6 +435,9 @@ local function advance(key, s, p, now, rec)
   return rec
 end
 
+-- The fields a state writes only when they are not 0, in this order.
+local OPTIONAL_FIELDS = {'ru', 'rq', 'rr', 'sg'}
+
 -- Stores the state and the agent's record, and sets the key to expire only once every
 -- record is dropped, the split's term is over, and the bucket would be full again (I6).
 local function finish(key, s, p, now, rec, reply)
@@ -440,31 +455,34 @@ local function finish(key, s, p, now, rec, reply)
   end
   local args = {'tok', fmt(s.tok), 'car', fmt(s.car), 'p', fmt(s.p), 'ts', fmt(s.ts),
     'out', fmt(s.out), 'nexp', fmt(s.nexp), 'mx', fmt(s.mx), 'ds', fmt(s.ds), 'dx', fmt(s.dx)}
-  local function add(k, v)
-    args[#args + 1] = k
-    args[#args + 1] = v
-  end
+  local n = #args
   if rec then
     local id = p.id
-    add(id .. ':h', fmt(rec.held))
-    add(id .. ':x', fmt(rec.x))
-    add(id .. ':s', fmt(p.seq))
-    add(id .. ':r', encode_reply(reply))
-    add(id .. ':d', fmt(rec.demand))
-    add(id .. ':c', fmt(rec.credit))
+    args[n + 1], args[n + 2] = id .. ':h', fmt(rec.held)
+    args[n + 3], args[n + 4] = id .. ':x', fmt(rec.x)
+    args[n + 5], args[n + 6] = id .. ':s', fmt(p.seq)
+    args[n + 7], args[n + 8] = id .. ':r', encode_reply(reply)
+    args[n + 9], args[n + 10] = id .. ':d', fmt(rec.demand)
+    args[n + 11], args[n + 12] = id .. ':c', fmt(rec.credit)
+    n = n + 12
   end
-  if s.ru ~= 0 then add('ru', fmt(s.ru)) end
-  if s.rq ~= 0 then add('rq', fmt(s.rq)) end
-  if s.rr ~= 0 then add('rr', fmt(s.rr)) end
-  if s.sg ~= 0 then add('sg', fmt(s.sg)) end
+  for _, f in ipairs(OPTIONAL_FIELDS) do
+    local v = s[f]
+    if v ~= 0 then
+      args[n + 1], args[n + 2] = f, fmt(v)
+      n = n + 2
+    end
+  end
   local sp = s.split
   if sp.parts ~= 0 then
-    add('sp', fmt(sp.parts) .. ',' .. fmt(sp.salt) .. ',' .. fmt(sp.untl) .. ',' ..
-      fmt(sp.tok) .. ',' .. fmt(sp.out) .. ',' .. fmt(sp.drop))
+    args[n + 1] = 'sp'
+    args[n + 2] = fmt(sp.parts) .. ',' .. fmt(sp.salt) .. ',' .. fmt(sp.untl) .. ',' ..
+      fmt(sp.tok) .. ',' .. fmt(sp.out) .. ',' .. fmt(sp.drop)
+    n = n + 2
   elseif s.stored_split then
     redis.call('HDEL', key, 'sp')
   end
-  if s.pg ~= 0 then add('pt', fmt(s.pg) .. ',' .. fmt(s.pu)) end
+  if s.pg ~= 0 then args[n + 1], args[n + 2] = 'pt', fmt(s.pg) .. ',' .. fmt(s.pu) end
   if s.compact then
     -- A compact bucket becomes the hash.
     redis.call('DEL', key)
@@ -577,12 +595,7 @@ local function new_reply(now, moved)
   return {0, 0, 0, 0, now, 0, m, 0, 0, 0, 0, 0, 0, 0}
 end
 
-local function acquire(keys, args)
-  local p = params(args)
-  local held = int(args[14], 'held', MAX_HELD)
-  local demand = int(args[17], 'demand', MAX_HELD)
-  local min = int(args[16], 'min', MAX)
-  local want = int(args[15], 'want', MAX)
+local function acquire(keys, p, held, want, min, demand)
   if min == 0 then fail('LH_ARG invalid argument min = 0') end
   if min > p.cap then
     fail('LH_CAPACITY ' .. fmt(min) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
@@ -652,9 +665,7 @@ local function acquire(keys, args)
     {held = held + g, x = now + ttl + p.grace, demand = demand, credit = credit}, reply)
 end
 
-local function release(keys, args)
-  local p = params(args)
-  local returned = int(args[14], 'returned', MAX_HELD)
+local function release(keys, p, returned)
   local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
@@ -680,9 +691,7 @@ local function kept(rec, p, now)
   return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit}
 end
 
-local function exact(keys, args)
-  local p = params(args)
-  local cost = int(args[14], 'cost', MAX)
+local function exact(keys, p, cost)
   if cost == 0 then fail('LH_ARG invalid argument cost = 0') end
   if cost > p.cap then
     fail('LH_CAPACITY ' .. fmt(cost) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
@@ -706,14 +715,10 @@ local function exact(keys, args)
   return finish(key, s, p, now, kept(rec, p, now), reply)
 end
 
-local function split(keys, args)
-  local p = params(args)
-  local parts = int(args[14], 'parts', MAX)
+local function split(keys, p, parts, salt, untl)
   if parts < 2 or parts > MAX_PARTS or parts > p.cap or p.pgen ~= 0 then
     fail('LH_ARG invalid argument parts = ' .. fmt(parts))
   end
-  local salt = int(args[15], 'salt', MAX)
-  local untl = int(args[16], 'until', MAX)
   local key = the_key(keys, p)
   if p.region then fail('LH_ARG invalid argument parts = ' .. fmt(parts)) end
   local s, rec, now, replay = open(key, p)
@@ -736,11 +741,7 @@ end
 -- region's bucket, good until until_us (this server's time), once per seq (the grant's
 -- time on the global bucket; seq 0 reads). No agent record (ops.rs, deposit).
 -- Reply: {deposited, term left (us), tokens + outstanding, tokens, now_us, demand sum, 0, ...}
-local function deposit(keys, args)
-  local p = params(args)
-  local tokens = int(args[14], 'tokens', MAX_HELD)
-  local untl = int(args[15], 'until', MAX)
-  local rate = int(args[16], 'rate_milli', MAX_HELD)
+local function deposit(keys, p, tokens, untl, rate)
   local key = the_key(keys, p)
   if not p.region then fail('LH_ARG invalid argument region = 0') end
   local s, rec, now = open(key, p, true)
@@ -791,7 +792,6 @@ end
 -- arguments, the reply as an array of integers) and lh_exact_many (its numbers as decimal
 -- arguments, each its own), served while a rolling upgrade runs.
 local MAX_BATCH_COSTS = 4096
-local NO_SPLIT = no_split()
 -- A dedup record's first byte: 0xc1, which no MessagePack value starts with (the records
 -- of the version before are MessagePack: seq, then the reply as an array).
 local BATCH_TAG = '\193'
@@ -1079,11 +1079,62 @@ local function exact_many(keys, args)
   return packed(exact_batch(keys, id, numbers))
 end
 
-redis.register_function('lh_acquire', acquire)
-redis.register_function('lh_release', release)
-redis.register_function('lh_exact', exact)
-redis.register_function('lh_split', split)
-redis.register_function('lh_deposit', deposit)
+-- The operations by their number in lh_call, each with its own arguments' names and bounds.
+local OPS = {
+  {acquire, {{'held', MAX_HELD}, {'want', MAX}, {'min', MAX}, {'demand', MAX_HELD}}},
+  {release, {{'returned', MAX_HELD}}},
+  {exact, {{'cost', MAX}}},
+  {split, {{'parts', MAX}, {'salt', MAX}, {'until', MAX}}},
+  {deposit, {{'tokens', MAX_HELD}, {'until', MAX}, {'rate_milli', MAX_HELD}}},
+}
+
+-- lh_call: any of the operations above, its numbers packed (what agents send). ARGV: the
+-- agent, then one string of little-endian unsigned 64-bit integers: the operation (1
+-- acquire, 2 release, 3 exact, 4 split, 5 deposit), the common arguments but the agent
+-- (capacity .. part_drop), then the operation's own. Reply: the reply's integers, packed
+-- the same way. Lua spends about as long on each decimal argument it checks and each
+-- integer of an array reply as on the rest of an acquire's arithmetic.
+local function call(keys, args)
+  local id = args[1]
+  if args[3] ~= nil then fail('LH_ARG ' .. fmt(#args - 2) .. ' arguments left over') end
+  local v = packed(args[2])
+  local op = OPS[v[1]]
+  if not op then fail('LH_ARG invalid argument operation = ' .. fmt(v[1])) end
+  local own = op[2]
+  if #v ~= 13 + #own then
+    fail('LH_ARG invalid argument numbers: ' .. fmt(#v) .. ' integers, ' .. fmt(13 + #own) ..
+      ' expected')
+  end
+  local common = {}
+  for i = 1, 12 do common[i] = num(v[i + 1], COMMON[i][1], COMMON[i][2]) end
+  local p = params_of(id, common)
+  local a, b, c, d = v[14], v[15], v[16], v[17]
+  num(a, own[1][1], own[1][2])
+  if b then num(b, own[2][1], own[2][2]) end
+  if c then num(c, own[3][1], own[3][2]) end
+  if d then num(d, own[4][1], own[4][2]) end
+  local reply = op[1](keys, p, a, b, c, d)
+  return struct.pack(format_of(#reply), unpack(reply))
+end
+
+-- The decimal form of operation i (ARGV above), as the agents of the versions before
+-- call it: its reply an array.
+local function decimal(i)
+  local run, own = OPS[i][1], OPS[i][2]
+  return function(keys, args)
+    local p = params(args)
+    local v = {}
+    for j = 1, #own do v[j] = int(args[13 + j], own[j][1], own[j][2]) end
+    return run(keys, p, v[1], v[2], v[3], v[4])
+  end
+end
+
+redis.register_function('lh_call', call)
+redis.register_function('lh_acquire', decimal(1))
+redis.register_function('lh_release', decimal(2))
+redis.register_function('lh_exact', decimal(3))
+redis.register_function('lh_split', decimal(4))
+redis.register_function('lh_deposit', decimal(5))
 redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
   flags = {'allow-cross-slot-keys'}}
 redis.register_function{function_name = 'lh_exact_packed', callback = exact_packed_array,

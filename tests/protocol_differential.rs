@@ -1169,3 +1169,145 @@ fn the_previous_versions_batches_and_buckets_are_served() {
     let f = leasehold_store::wire::compact_numbers(&v).expect("compact");
     assert_eq!(f[0], 1, "nothing debited by the replay: {f:?}");
 }
+
+/// `lh_call` (packed numbers) and the decimal functions of the versions before keep the
+/// same records: a retry in either form replays the other's reply, and debits nothing.
+#[test]
+fn the_decimal_functions_and_lh_call_share_records() {
+    let server = server_with_library();
+    let mut conn = server.connection().expect("connection");
+    let key = "lh:{t|mixed}";
+    // B 10, one token per 1 000 s, lease TTL 1 s, grace a minute: records outlive a slow
+    // machine, and nothing refills.
+    let common = [10u64, 1, 1_000_000_000, 1_000_000, 60_000_000, 0];
+    let call = |conn: &mut redis::Connection, op: u64, seq: u64, own: &[u64]| -> Vec<u64> {
+        let mut numbers = vec![op];
+        numbers.extend(common);
+        numbers.extend([seq, 0, 0, 0, 0, 0]);
+        numbers.extend(own);
+        let v: Vec<u8> = redis::cmd("FCALL")
+            .arg("lh_call")
+            .arg(1)
+            .arg(key)
+            .arg("00ab")
+            .arg(leasehold_store::wire::pack_numbers(&numbers))
+            .query(conn)
+            .expect("lh_call");
+        leasehold_store::wire::unpack_numbers(&v).expect("a packed reply")
+    };
+    let decimal = |conn: &mut redis::Connection, f: &str, seq: u64, own: &[u64]| -> Vec<u64> {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(f).arg(1).arg(key);
+        for n in common {
+            cmd.arg(n);
+        }
+        cmd.arg("00ab").arg(seq).arg(&[0u64; 5][..]).arg(own);
+        cmd.query(conn).expect("a decimal call")
+    };
+    // Acquire 4 through lh_call; its retry through lh_acquire replays it.
+    let first = call(&mut conn, 1, 1, &[0, 4, 1, 0]);
+    assert_eq!(first.len(), 14, "{first:?}");
+    assert_eq!((first[0], first[2]), (4, 6), "granted 4, 6 left: {first:?}");
+    assert_eq!(decimal(&mut conn, "lh_acquire", 1, &[0, 4, 1, 0]), first);
+    // An exact decision through lh_exact, retried through lh_call.
+    let exact = decimal(&mut conn, "lh_exact", 2, &[3]);
+    assert_eq!((exact[0], exact[2]), (3, 3), "{exact:?}");
+    assert_eq!(call(&mut conn, 3, 2, &[3]), exact);
+    // A release through lh_call, retried through lh_release: credited once.
+    let released = call(&mut conn, 2, 3, &[4]);
+    assert_eq!(released[0], 4, "{released:?}");
+    assert_eq!(decimal(&mut conn, "lh_release", 3, &[4]), released);
+    assert_eq!(
+        field(&server, key, "tok"),
+        7,
+        "3 spent of 10, the lease back"
+    );
+}
+
+/// `lh_call` refuses a malformed call, naming what is wrong, before it touches the key.
+#[test]
+fn lh_call_refuses_bad_calls_and_writes_nothing() {
+    let server = server_with_library();
+    let mut conn = server.connection().expect("connection");
+    let key = "lh:{t|badcall}";
+    let good = [10u64, 1, 1_000_000, 1_000_000, 100_000, 0, 1, 0, 0, 0, 0, 0];
+    let with = |op: u64, common: &[u64], own: &[u64]| {
+        let mut v = vec![op];
+        v.extend(common);
+        v.extend(own);
+        leasehold_store::wire::pack_numbers(&v)
+    };
+    let mut over_held = good;
+    over_held[10] = 1 << 41; // part_outstanding above its bound
+    let mut zero_cap = good;
+    zero_cap[0] = 0;
+    // An operation and its own numbers on good common ones, then bad common numbers, a bad
+    // agent, and numbers that are not whole 8-byte integers; each with its refusal.
+    let ops: &[(u64, &[u64], &str)] = &[
+        (0, &[1], "operation = 0"),
+        (6, &[1], "operation = 6"),
+        (3, &[], "numbers: 13 integers, 14"),
+        (3, &[1, 1], "numbers: 15 integers, 14"),
+        (3, &[0], "cost = 0"),
+        (1, &[1 << 41, 5, 1, 0], "held"),
+        (1, &[0, 5, 6, 0], "want = 5"),
+    ];
+    let mut cases: Vec<(Vec<u8>, &str, String)> = ops
+        .iter()
+        .map(|(op, own, want)| {
+            let text = format!("LH_ARG invalid argument {want}");
+            (with(*op, &good, own), "00ab", text)
+        })
+        .collect();
+    let more = [
+        (
+            with(3, &good, &[11]),
+            "00ab",
+            "LH_CAPACITY 11 tokens requested",
+        ),
+        (
+            with(3, &over_held, &[1]),
+            "00ab",
+            "LH_ARG invalid argument part_outstanding",
+        ),
+        (
+            with(3, &zero_cap, &[1]),
+            "00ab",
+            "LH_ARG invalid bucket parameters: capacity 0",
+        ),
+        (with(3, &good, &[1]), "{x}", "LH_ARG invalid argument agent"),
+        (
+            vec![1, 2, 3],
+            "00ab",
+            "LH_ARG invalid argument numbers: 3 bytes",
+        ),
+    ];
+    cases.extend(more.map(|(n, a, w)| (n, a, w.to_owned())));
+    for (numbers, agent, want) in &cases {
+        let err = redis::cmd("FCALL")
+            .arg("lh_call")
+            .arg(1)
+            .arg(key)
+            .arg(*agent)
+            .arg(numbers)
+            .query::<redis::Value>(&mut conn)
+            .expect_err("a bad call must be refused");
+        let text = refusal(&err);
+        assert!(text.starts_with(want), "got {text:?}, want {want:?}");
+    }
+    let err = redis::cmd("FCALL")
+        .arg("lh_call")
+        .arg(1)
+        .arg(key)
+        .arg("00ab")
+        .arg(with(3, &good, &[1]))
+        .arg("extra")
+        .query::<redis::Value>(&mut conn)
+        .expect_err("an argument left over");
+    assert!(
+        refusal(&err).starts_with("LH_ARG 1 arguments left over"),
+        "{err}"
+    );
+    let exists: i64 = server.cmd(&["EXISTS", key]).expect("EXISTS");
+    assert_eq!(exists, 0, "a refused call wrote the key");
+}

@@ -1038,14 +1038,11 @@ impl RedisStore {
 
 /// Builds the `FCALL` for `req` (layout in [`crate::wire`]).
 pub fn fcall(key: &BucketKey, p: &BucketParams, req: &Request) -> Cmd {
-    let (common, rest) = wire::args(p, req);
     let mut cmd = redis::cmd("FCALL");
-    cmd.arg(wire::function(&req.op))
+    cmd.arg(wire::CALL)
         .arg(1)
         .arg(key.as_str())
-        .arg(&common[..])
-        .arg(wire::agent(req))
-        .arg(rest);
+        .arg(&wire::call_args(p, req)[..]);
     cmd
 }
 
@@ -1109,9 +1106,13 @@ fn classify(e: RedisError) -> StoreError {
     StoreError::Misconfigured(truncated(&e.to_string()))
 }
 
+/// An operation's reply: packed (`lh_call`), or an array (the decimal functions).
 fn parse_value(v: Value) -> Result<Reply, StoreError> {
-    let nums: Vec<u64> = redis::from_redis_value(v.clone())
-        .map_err(|_| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
+    let nums = match &v {
+        Value::BulkString(b) => wire::unpack_numbers(b),
+        _ => redis::from_redis_value::<Vec<u64>>(v.clone()).ok(),
+    }
+    .ok_or_else(|| StoreError::Misconfigured(format!("unexpected reply {v:?}")))?;
     match <[u64; wire::REPLY_LEN]>::try_from(nums) {
         Ok(a) => Ok(wire::reply_from_array(a)),
         Err(nums) => Err(StoreError::Misconfigured(format!(

@@ -2,7 +2,10 @@
 //! reply array, and the text a bucket's hash stores. The one place these layouts are
 //! spelled out on the Rust side; `leasehold.lua` is the other end.
 //!
-//! - Call: `FCALL lh_<op> 1 KEY` then 13 common arguments (capacity, rate tokens, rate
+//! - Call: `FCALL lh_call 1 KEY AGENT NUMBERS` ([`call_args`]): the operation's number,
+//!   then the arguments below but the agent, packed; the reply packed too. The decimal
+//!   form, kept for the agents of the versions before: `FCALL lh_<op> 1 KEY` then 13
+//!   common arguments (capacity, rate tokens, rate
 //!   period µs, lease TTL µs, grace µs, max outstanding or 0 in strict mode, agent id,
 //!   seq, and the part seed: generation, until, tokens, outstanding, drop; all zero for a
 //!   bucket that is not a part; a region's bucket has its floor there: tokens, period µs,
@@ -33,15 +36,31 @@ use leasehold_core::schema as h;
 /// Integers in a reply.
 pub const REPLY_LEN: usize = 14;
 
-/// The function that serves `op`.
-pub fn function(op: &Op) -> &'static str {
+/// The function agents call for every single-key operation: [`call_args`].
+pub const CALL: &str = "lh_call";
+
+/// The number of `op` in `lh_call`.
+pub fn op_number(op: &Op) -> u64 {
     match op {
-        Op::Acquire { .. } => "lh_acquire",
-        Op::Release { .. } => "lh_release",
-        Op::Exact { .. } => "lh_exact",
-        Op::Split { .. } => "lh_split",
-        Op::Deposit { .. } => "lh_deposit",
+        Op::Acquire { .. } => 1,
+        Op::Release { .. } => 2,
+        Op::Exact { .. } => 3,
+        Op::Split { .. } => 4,
+        Op::Deposit { .. } => 5,
     }
+}
+
+/// The arguments of `FCALL lh_call 1 KEY`: the agent, then one string of packed integers
+/// ([`pack_numbers`]): the operation's number ([`op_number`]), the arguments of
+/// [`args`] but the agent, in the same order. The reply is [`REPLY_LEN`] integers packed
+/// the same way.
+pub fn call_args(p: &BucketParams, req: &Request) -> [Vec<u8>; 2] {
+    let (common, rest) = args(p, req);
+    let mut numbers = Vec::with_capacity(1 + common.len() + rest.len());
+    numbers.push(op_number(&req.op));
+    numbers.extend(common);
+    numbers.extend(rest);
+    [agent(req).into_bytes(), pack_numbers(&numbers)]
 }
 
 /// The agent id as the hash and the arguments spell it.

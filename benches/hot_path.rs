@@ -3,7 +3,8 @@
 //! 10 000 keys, then 1 000. Each thread walks the keys round-robin. At 10 000 keys the
 //! agent's per-key state is spread over megabytes of heap (each key's creation allocates
 //! its driver and the store call's buffers between one key's state and the next), so the
-//! two sizes show memory locality apart from the work per decision.
+//! two sizes show memory locality apart from the work per decision. Then a key over its
+//! limit: a denial the agent cached, against governor's denial of a spent quota.
 //!
 //! `cargo bench --bench hot_path`; compare the two lines of each group: absolute times
 //! on a shared 2-core machine prove little.
@@ -113,12 +114,81 @@ fn hot_path(c: &mut Criterion) {
     }
 }
 
+/// A limiter whose keys are all denied from the agent's cache: each had its one token
+/// (B = 1, one token an hour, exact), then a denial the store timed an hour out.
+fn denying_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
+    rt.block_on(async {
+        let rules =
+            Rules::from_toml("[rules.bench]\ncapacity = 1\nrate = \"1/h\"\nleasing = \"exact\"\n")
+                .unwrap();
+        let l = Limiter::builder()
+            .embedded()
+            .rules(rules)
+            .build()
+            .await
+            .unwrap();
+        for k in keys {
+            for _ in 0..2 {
+                let _ = l.check(k, "bench", 1).await.unwrap();
+            }
+            assert!(
+                matches!(
+                    l.try_check(k, "bench", 1).unwrap(),
+                    Some(Decision::Denied { .. })
+                ),
+                "{k} is not denied from the cache"
+            );
+        }
+        l
+    })
+}
+
+/// A key over its limit: the decision is a denial the agent cached (the store named when
+/// to try again), against governor's denial of a spent quota; 1 000 keys.
+fn denial(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let n = 1_000;
+    let keys = keys(n);
+    let ours = denying_limiter(&rt, &keys);
+    let governor = RateLimiter::keyed(Quota::per_hour(NonZeroU32::new(1).unwrap()));
+    for k in keys.iter() {
+        let _ = governor.check_key(k);
+        assert!(governor.check_key(k).is_err());
+    }
+    for threads in [1usize, 2] {
+        let mut g = c.benchmark_group(format!("denial/{threads}-thread, {n} keys"));
+        g.throughput(criterion::Throughput::Elements(1));
+        g.bench_function("leasehold check (cached denial)", |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    let k = &keys[(i as usize * 7 + t * 499) % n];
+                    let d = ours.try_check(k, "bench", 1).unwrap();
+                    black_box(matches!(d, Some(Decision::Denied { .. })));
+                })
+            })
+        });
+        g.bench_function("governor check_key (spent quota)", |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    let k = &keys[(i as usize * 7 + t * 499) % n];
+                    black_box(governor.check_key(k).is_err());
+                })
+            })
+        });
+        g.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = hot_path
+    targets = hot_path, denial
 }
 criterion_main!(benches);

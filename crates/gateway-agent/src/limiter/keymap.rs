@@ -31,15 +31,12 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    /// The key's cell when its lease may cover `cost`: the key leases, and `cost` is
-    /// neither 0 nor more than the rule's capacity.
+    /// The key's cell when `cost` is neither 0 nor more than the rule's capacity (0 once
+    /// the rule is removed: then never).
     #[inline]
-    pub(super) fn leased_for(&self, cost: u64) -> Option<&Hot> {
+    pub(super) fn valid_for(&self, cost: u64) -> Option<&Hot> {
         let hot = self.cell.get();
-        (cost != 0
-            && cost <= hot.capacity.load(Ordering::Relaxed)
-            && hot.hot.load(Ordering::Relaxed))
-        .then_some(hot)
+        (cost != 0 && cost <= hot.capacity.load(Ordering::Relaxed)).then_some(hot)
     }
 }
 

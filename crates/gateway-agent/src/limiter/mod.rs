@@ -721,14 +721,42 @@ impl Limiter {
     #[inline]
     fn decide_locally(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
         let key = KeyRef { rule, subject };
-        // The hot path: a live key whose lease covers the cost.
+        // The hot path, under the shard's read lock and touching no reference count: a
+        // known key whose lease covers the cost, or whose callers are denied for now.
+        let mut now = None;
         if let Some(Some(d)) = self.inner.keys.with(&key, |slot| {
-            let hot = slot.leased_for(cost)?;
-            self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+            let hot = slot.valid_for(cost)?;
+            let t = self.now_ns();
+            now = Some(t);
+            if hot.hot.load(Ordering::Relaxed)
+                && let Some(d) = self.spend(hot, &slot.counters, &slot.ks, cost, t)
+            {
+                return Some(d);
+            }
+            self.deny_cached(&slot.ks, cost, t)
         }) {
             return Ok(Local::Decided(d));
         }
-        self.look_up(subject, rule, cost)
+        self.look_up(subject, rule, cost, now)
+    }
+
+    /// A caller of a known key denied without the store: a denial cached until the time
+    /// the store named, or a dry bucket refilling ([`Limiter::deny_while_refilling`]).
+    /// `None` when neither holds: two loads of the key's state, nothing written.
+    #[inline]
+    fn deny_cached(&self, ks: &Arc<KeyState>, cost: u64, now: u64) -> Option<Decision> {
+        let until = ks.deny_until_ns.load(Ordering::Relaxed);
+        if now >= until && now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
+            return None;
+        }
+        let entry = ks.entry.load();
+        if now < until {
+            entry.counters.incr(entry.denied);
+            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            return Some(entry.enforce(denied(until - now)));
+        }
+        self.deny_while_refilling(ks, &entry, cost, now)
+            .map(|d| entry.enforce(d))
     }
 
     /// For the HTTP layer: decides every check without waiting, all or nothing, or
@@ -755,7 +783,10 @@ impl Limiter {
             let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
             // The hot path, as in `check`: a live key whose lease covers the cost.
             let spent = self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
-                let hot = slot.leased_for(cost)?;
+                let hot = slot.valid_for(cost)?;
+                if !hot.hot.load(Ordering::Relaxed) {
+                    return None;
+                }
                 let epoch = hot.lease.epoch();
                 self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
                     .map(|d| (d, slot.ks.clone(), epoch))
@@ -765,7 +796,7 @@ impl Limiter {
                 taken.push((ks, cost, epoch));
                 continue;
             }
-            let looked = self.look_up(subject, rule, cost);
+            let looked = self.look_up(subject, rule, cost, None);
             match looked {
                 Ok(Local::Decided(d)) => {
                     let entry = self.key(rule, subject).map(|ks| ks.entry.load_full());
@@ -842,7 +873,14 @@ impl Limiter {
     }
 
     /// Everything the hot path does not cover: validation, new keys, the negative cache.
-    fn look_up(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
+    /// `now`: the agent's clock if the caller read it already.
+    fn look_up(
+        &self,
+        subject: &[u8],
+        rule: &str,
+        cost: u64,
+        now: Option<u64>,
+    ) -> Result<Local, CheckError> {
         let rules = self.inner.rules.load();
         let set = rules.get(rule)?;
         let existing = self.inner.keys.get(&KeyRef { rule, subject });
@@ -864,18 +902,13 @@ impl Limiter {
         if subject.is_empty() {
             return Err(SubjectError::Empty.into());
         }
-        let now = self.now_ns();
+        let now = now.unwrap_or_else(|| self.now_ns());
         let keys = &self.inner.keys;
         if let Some(ks) = existing {
-            // The hot path already tried the lease; only the negative cache is left.
-            let until = ks.deny_until_ns.load(Ordering::Relaxed);
-            if now < until {
-                entry.counters.incr(entry.denied);
-                ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return Ok(Local::Decided(entry.enforce(denied(until - now))));
-            }
-            if let Some(d) = self.deny_while_refilling(&ks, &entry, cost, now) {
-                return Ok(Local::Decided(entry.enforce(d)));
+            // The hot path tried the lease and the cached denials already, unless the key
+            // came or the rule changed meanwhile.
+            if let Some(d) = self.deny_cached(&ks, cost, now) {
+                return Ok(Local::Decided(d));
             }
             return Ok(Local::NeedsStore(ks, entry));
         }

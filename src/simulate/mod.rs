@@ -593,8 +593,9 @@ async fn worker(
     let mut i = 0u64;
     let phase16 = rng.random_range(0..16u64);
     let mut paced = (&sc.phases[0], sc.phases[0].pace(agent, sc.agents));
+    // Read once per decision, after it: a clock read costs a local decision's time.
+    let mut elapsed = run.start.elapsed();
     loop {
-        let elapsed = run.start.elapsed();
         if elapsed >= run.duration || run.stop.load(Ordering::Relaxed) {
             break;
         }
@@ -618,6 +619,7 @@ async fn worker(
         if pace == Pace::Idle || join_at.is_some_and(|j| frac < j) {
             tokio::time::sleep(Duration::from_millis(5)).await;
             next = Instant::now();
+            elapsed = run.start.elapsed();
             continue;
         }
         if let Pace::Rate(rate) = pace {
@@ -649,7 +651,8 @@ async fn worker(
                 .latency
                 .record(run.clock.delta_as_nanos(t0, run.clock.raw()).max(1));
         }
-        let ms = run.start.elapsed().as_millis() as u64;
+        elapsed = run.start.elapsed();
+        let ms = elapsed.as_millis() as u64;
         rec.decisions += 1;
         match outcome {
             Outcome::Admitted => {

@@ -16,26 +16,31 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use governor::{Quota, RateLimiter};
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use leasehold::agent::{Decision, Limiter, Rules};
 
 fn keys(n: usize) -> Arc<Vec<String>> {
     Arc::new((0..n).map(|i| format!("tenant-{i}")).collect())
 }
 
+/// A limiter on the embedded store with one rule, `bench`, as `rule` (TOML) says.
+async fn embedded(rule: &str) -> Limiter {
+    let rules = Rules::from_toml(&format!("[rules.bench]\n{rule}")).unwrap();
+    Limiter::builder()
+        .embedded()
+        .rules(rules)
+        .build()
+        .await
+        .unwrap()
+}
+
 fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
     rt.block_on(async {
-        let rules = Rules::from_toml(
-            "[rules.bench]\ncapacity = 1000000000\nrate = \"1000000000/s\"\nleasing = \"lease\"\n\
+        let l = embedded(
+            "capacity = 1000000000\nrate = \"1000000000/s\"\nleasing = \"lease\"\n\
              lease_min = 100000000\nlease_max = 100000000\nlease_ttl = \"1h\"\n",
         )
-        .unwrap();
-        let l = Limiter::builder()
-            .embedded()
-            .rules(rules)
-            .build()
-            .await
-            .unwrap();
+        .await;
         for k in keys {
             assert!(matches!(
                 l.check(k, "bench", 1).await.unwrap(),
@@ -89,28 +94,52 @@ fn hot_path(c: &mut Criterion) {
         } else {
             format!(", {n} keys")
         };
-        for threads in [1usize, 2] {
-            let mut g = c.benchmark_group(format!("decision/{threads}-thread{suffix}"));
-            g.throughput(criterion::Throughput::Elements(1));
-            g.bench_function("leasehold check (leased key)", |b| {
-                b.iter_custom(|iters| {
-                    threaded(threads, iters, |t, i| {
-                        let k = &keys[(i as usize * 7 + t * 4999) % n];
-                        let d = ours.try_check(k, "bench", 1).unwrap();
-                        black_box(matches!(d, Some(Decision::Allowed { .. })));
-                    })
+        compare(
+            c,
+            ("decision", &suffix),
+            &keys,
+            ("leasehold check (leased key)", &ours, |d| {
+                matches!(d, Some(Decision::Allowed { .. }))
+            }),
+            ("governor check_key", &governor, true),
+        );
+    }
+}
+
+/// What a check of ours must decide.
+type Expect = fn(&Option<Decision>) -> bool;
+
+/// One group per thread count (1 and 2), `NAME/T-thread SUFFIX`: `ours` and `governor`
+/// deciding `keys`, each thread walking them from its own offset; each decision must be
+/// the one named (ours: the predicate; governor: admitted or not).
+fn compare(
+    c: &mut Criterion,
+    (name, suffix): (&str, &str),
+    keys: &[String],
+    ours: (&str, &Limiter, Expect),
+    governor: (&str, &DefaultKeyedRateLimiter<String>, bool),
+) {
+    let n = keys.len();
+    let at = |t: usize, i: u64| &keys[(i as usize * 7 + t * (n / 2 - 1)) % n];
+    for threads in [1usize, 2] {
+        let mut g = c.benchmark_group(format!("{name}/{threads}-thread{suffix}"));
+        g.throughput(criterion::Throughput::Elements(1));
+        g.bench_function(ours.0, |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    let d = ours.1.try_check(at(t, i), "bench", 1).unwrap();
+                    black_box((ours.2)(&d));
                 })
-            });
-            g.bench_function("governor check_key", |b| {
-                b.iter_custom(|iters| {
-                    threaded(threads, iters, |t, i| {
-                        let k = &keys[(i as usize * 7 + t * 4999) % n];
-                        black_box(governor.check_key(k).is_ok());
-                    })
+            })
+        });
+        g.bench_function(governor.0, |b| {
+            b.iter_custom(|iters| {
+                threaded(threads, iters, |t, i| {
+                    black_box(governor.1.check_key(at(t, i)).is_ok() == governor.2);
                 })
-            });
-            g.finish();
-        }
+            })
+        });
+        g.finish();
     }
 }
 
@@ -118,15 +147,7 @@ fn hot_path(c: &mut Criterion) {
 /// (B = 1, one token an hour, exact), then a denial the store timed an hour out.
 fn denying_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
     rt.block_on(async {
-        let rules =
-            Rules::from_toml("[rules.bench]\ncapacity = 1\nrate = \"1/h\"\nleasing = \"exact\"\n")
-                .unwrap();
-        let l = Limiter::builder()
-            .embedded()
-            .rules(rules)
-            .build()
-            .await
-            .unwrap();
+        let l = embedded("capacity = 1\nrate = \"1/h\"\nleasing = \"exact\"\n").await;
         for k in keys {
             for _ in 0..2 {
                 let _ = l.check(k, "bench", 1).await.unwrap();
@@ -159,28 +180,15 @@ fn denial(c: &mut Criterion) {
         let _ = governor.check_key(k);
         assert!(governor.check_key(k).is_err());
     }
-    for threads in [1usize, 2] {
-        let mut g = c.benchmark_group(format!("denial/{threads}-thread, {n} keys"));
-        g.throughput(criterion::Throughput::Elements(1));
-        g.bench_function("leasehold check (cached denial)", |b| {
-            b.iter_custom(|iters| {
-                threaded(threads, iters, |t, i| {
-                    let k = &keys[(i as usize * 7 + t * 499) % n];
-                    let d = ours.try_check(k, "bench", 1).unwrap();
-                    black_box(matches!(d, Some(Decision::Denied { .. })));
-                })
-            })
-        });
-        g.bench_function("governor check_key (spent quota)", |b| {
-            b.iter_custom(|iters| {
-                threaded(threads, iters, |t, i| {
-                    let k = &keys[(i as usize * 7 + t * 499) % n];
-                    black_box(governor.check_key(k).is_err());
-                })
-            })
-        });
-        g.finish();
-    }
+    compare(
+        c,
+        ("denial", &format!(", {n} keys")),
+        &keys,
+        ("leasehold check (cached denial)", &ours, |d| {
+            matches!(d, Some(Decision::Denied { .. }))
+        }),
+        ("governor check_key (spent quota)", &governor, false),
+    );
 }
 
 criterion_group! {

@@ -128,6 +128,9 @@ pub struct KeyPolicy {
     measured_ns: u64,
     /// The proportional share the store last reported, millionths (0: none yet).
     scale_ppm: u64,
+    /// The demand measured at the last acquire was at least the rule's rate: the agent
+    /// alone would drain the bucket (the store's shares are one for an agent alone).
+    over_rate: bool,
     /// When demand was last measured (agent clock; 0: never), and the offered tokens
     /// (spent from the lease plus denied) counted then.
     measured_at_ns: u64,
@@ -193,6 +196,7 @@ impl KeyPolicy {
                 sizing::report_demand(self.reported_milli, rate, dt, self.measured_ns);
             (self.measured_at_ns, self.offered_seen) = (sent_ns, offered);
         }
+        self.over_rate = self.demand_milli as f64 >= rule.rate().per_sec_f64() * 1000.0;
         let r: LeaseRequest = sizing::size_lease(
             rule,
             self.demand_milli,
@@ -293,12 +297,18 @@ impl KeyPolicy {
         if rule.leasing() != Leasing::Auto || !(fast || leased_elsewhere) {
             return false;
         }
-        // The demand seen cold, over at least a second: a lease starts small and grows
-        // with what is measured.
-        let elapsed_ms = (now_ns - self.cold_window_ns).max(1_000_000_000) / 1_000_000;
+        // Sizing: the demand seen cold over at least a second, so a lease starts small
+        // and grows with what is measured. Reported (shares, and with them whether the
+        // key is contended): the rate over the time it was seen in (at least
+        // MEASURE_MIN_NS), weighing as little as that time against the measurements to
+        // come, so the store sees a key's demand from its first acquires, not a second or
+        // two later.
+        let seen_ns = now_ns - self.cold_window_ns;
+        let elapsed_ms = seen_ns.max(1_000_000_000) / 1_000_000;
         self.demand_milli = self.cold_tokens * 1_000_000 / elapsed_ms;
-        self.reported_milli = self.demand_milli as f64;
-        self.measured_ns = (elapsed_ms * 1_000_000).min(1_000_000_000);
+        let seen_ns = seen_ns.clamp(MEASURE_MIN_NS, 1_000_000_000);
+        self.reported_milli = self.cold_tokens as f64 * 1e12 / seen_ns as f64;
+        self.measured_ns = seen_ns;
         true
     }
 
@@ -376,14 +386,17 @@ impl KeyPolicy {
 
     /// Until when a caller that finds the lease empty is denied at once while a prefetch
     /// refills it, rather than waiting for a store call of its own (agent clock; 0: not
-    /// at all): for [`DRY_FOR_NS`] after an acquire got less than it asked, the bucket
-    /// being dry. The agent's callers then want more than the bucket gives it, so one
+    /// at all): for [`DRY_FOR_NS`] after an acquire got less than it asked (the bucket
+    /// dry), on a key the store says is contended (the demand its agents report exceeds
+    /// the rate) or whose demand here alone reaches the rate. The agent's callers then want more than the bucket gives it, so one
     /// denied now instead of admitted a round trip later changes nothing in what it
     /// admits (the tokens the prefetch brings go to the next callers), and no decision
-    /// waits for the store. The store's shares are not asked: they bind only on the
-    /// demand agents report, which lags what is offered.
+    /// waits for the store. Dry alone is not enough: under the limit a small B is dry
+    /// whenever the fleet's leases hold most of it, and there a caller admitted a round
+    /// trip later is one the limit allows. Reported demand lags what is offered (about a
+    /// second after promotion): until the store sees the contention, callers wait.
     pub fn deny_while_refilling_until(&self) -> u64 {
-        if self.dry_at_ns == 0 {
+        if self.dry_at_ns == 0 || !(self.contended() || self.over_rate) {
             return 0;
         }
         self.dry_at_ns + DRY_FOR_NS
@@ -391,7 +404,7 @@ impl KeyPolicy {
 
     /// Prefetch when the lease falls below this, for a caller that needed `needed`, the
     /// last acquire having taken `rtt_ns`. Half the lease as a rule, so the prefetch
-    /// lands before the lease runs out. On a dry bucket (see
+    /// lands before the lease runs out. On a dry, contended bucket (see
     /// [`Self::deny_while_refilling_until`]) what the agent holds is taken from a bucket
     /// other agents are waiting on: there it prefetches only when what is left covers
     /// less than two round trips of its demand. A caller that finds the lease short
@@ -400,7 +413,7 @@ impl KeyPolicy {
     /// leases more.
     fn low_water(&self, now_ns: u64, rtt_ns: u64, needed: u64) -> u64 {
         let half = self.last_want / 2;
-        let dry = self.dry_at_ns != 0 && now_ns < self.dry_at_ns + DRY_FOR_NS;
+        let dry = now_ns < self.deny_while_refilling_until();
         let water = if dry {
             let spent = u128::from(self.demand_milli) * u128::from(rtt_ns.max(1)) * 2;
             u64::try_from(spent.div_ceil(1_000_000_000_000))
@@ -492,6 +505,7 @@ mod tests {
         lease: &LocalLease,
         at_ns: u64,
         granted: Option<u64>,
+        scale_ppm: u64,
     ) {
         let cfg = PolicyConfig::default();
         let want = p.acquire(rule, &cfg, at_ns, lease, 0, 1).want;
@@ -500,6 +514,7 @@ mod tests {
             granted,
             ttl_us: 2_000_000,
             retry_us: if granted == 0 { 5_000 } else { 0 },
+            scale_ppm,
             ..Reply::default()
         };
         p.granted(&cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
@@ -512,13 +527,18 @@ mod tests {
         let mut p = KeyPolicy::new(1);
         assert_eq!(p.deny_while_refilling_until(), 0, "nothing asked yet");
         // Granted what it asked: the bucket is not dry.
-        acquire_answered(&mut p, &rule, &lease, 1_000, None);
+        let contended = 500_000;
+        acquire_answered(&mut p, &rule, &lease, 1_000, None, contended);
         assert_eq!(p.deny_while_refilling_until(), 0, "a full grant");
-        // Refused: callers are denied at once for DRY_FOR_NS from the reply.
-        acquire_answered(&mut p, &rule, &lease, 10_000_000, Some(0));
+        // Refused under the limit (the store's shares at one): callers wait, as the
+        // tokens may be in other agents' leases.
+        acquire_answered(&mut p, &rule, &lease, 5_000_000, Some(0), 1_000_000);
+        assert_eq!(p.deny_while_refilling_until(), 0, "dry, not contended");
+        // Refused, contended: callers are denied at once for DRY_FOR_NS from the reply.
+        acquire_answered(&mut p, &rule, &lease, 10_000_000, Some(0), contended);
         assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
         // A later full grant leaves the window where the last short one put it.
-        acquire_answered(&mut p, &rule, &lease, 20_000_000, None);
+        acquire_answered(&mut p, &rule, &lease, 20_000_000, None, contended);
         assert_eq!(p.deny_while_refilling_until(), 10_001_000 + DRY_FOR_NS);
         // A bucket that moved (a split's parent) leases nothing: no window.
         let moved = Reply {
@@ -548,8 +568,15 @@ mod tests {
         // A bucket with tokens: half the lease, or what the caller needs.
         assert_eq!(p.low_water(5 * ms, ms, 1), 20);
         assert_eq!(p.low_water(5 * ms, ms, 30), 30);
-        // Dry: two round trips of demand, at least one token, at most half the lease.
+        // Dry but not contended (the tokens may be in other agents' leases): half.
         p.dry_at_ns = 5 * ms;
+        assert_eq!(p.low_water(5 * ms, ms, 1), 20);
+        // Dry and contended (or the agent alone over the rate): two round trips of demand,
+        // at least one token, at most half the lease.
+        p.over_rate = true;
+        assert_eq!(p.low_water(5 * ms, ms, 1), 1, "alone over the rate");
+        p.over_rate = false;
+        p.scale_ppm = 500_000;
         assert_eq!(p.low_water(5 * ms, ms, 1), 1, "0.2 tokens, rounded up");
         assert_eq!(p.low_water(5 * ms, 50 * ms, 1), 10);
         assert_eq!(p.low_water(5 * ms, 500 * ms, 1), 20);

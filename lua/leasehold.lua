@@ -1108,12 +1108,8 @@ local function call(keys, args)
   local common = {}
   for i = 1, 12 do common[i] = num(v[i + 1], COMMON[i][1], COMMON[i][2]) end
   local p = params_of(id, common)
-  local a, b, c, d = v[14], v[15], v[16], v[17]
-  num(a, own[1][1], own[1][2])
-  if b then num(b, own[2][1], own[2][2]) end
-  if c then num(c, own[3][1], own[3][2]) end
-  if d then num(d, own[4][1], own[4][2]) end
-  local reply = op[1](keys, p, a, b, c, d)
+  for j = 1, #own do num(v[13 + j], own[j][1], own[j][2]) end
+  local reply = op[1](keys, p, v[14], v[15], v[16], v[17])
   return struct.pack(format_of(#reply), unpack(reply))
 end
 

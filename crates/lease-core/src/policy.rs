@@ -128,8 +128,8 @@ pub struct KeyPolicy {
     measured_ns: u64,
     /// The proportional share the store last reported, millionths (0: none yet).
     scale_ppm: u64,
-    /// The demand measured at the last acquire was at least the rule's rate: the agent
-    /// alone would drain the bucket (the store's shares are one for an agent alone).
+    /// The demand measured at the last acquire reached the rule's rate
+    /// ([`sizing::over_rate`]).
     over_rate: bool,
     /// When demand was last measured (agent clock; 0: never), and the offered tokens
     /// (spent from the lease plus denied) counted then.
@@ -196,7 +196,7 @@ impl KeyPolicy {
                 sizing::report_demand(self.reported_milli, rate, dt, self.measured_ns);
             (self.measured_at_ns, self.offered_seen) = (sent_ns, offered);
         }
-        self.over_rate = self.demand_milli as f64 >= rule.rate().per_sec_f64() * 1000.0;
+        self.over_rate = sizing::over_rate(rule, self.demand_milli);
         let r: LeaseRequest = sizing::size_lease(
             rule,
             self.demand_milli,
@@ -388,10 +388,10 @@ impl KeyPolicy {
     /// refills it, rather than waiting for a store call of its own (agent clock; 0: not
     /// at all): for [`DRY_FOR_NS`] after an acquire got less than it asked (the bucket
     /// dry), on a key the store says is contended (the demand its agents report exceeds
-    /// the rate) or whose demand here alone reaches the rate. The agent's callers then want more than the bucket gives it, so one
-    /// denied now instead of admitted a round trip later changes nothing in what it
-    /// admits (the tokens the prefetch brings go to the next callers), and no decision
-    /// waits for the store. Dry alone is not enough: under the limit a small B is dry
+    /// the rate) or whose demand here alone reaches the rate. The agent's callers then
+    /// want more than the bucket gives it, so one denied now instead of admitted a round
+    /// trip later changes nothing in what it admits (the tokens the prefetch brings go to
+    /// the next callers), and no decision waits for the store. Dry alone is not enough: under the limit a small B is dry
     /// whenever the fleet's leases hold most of it, and there a caller admitted a round
     /// trip later is one the limit allows. Reported demand lags what is offered (about a
     /// second after promotion): until the store sees the contention, callers wait.

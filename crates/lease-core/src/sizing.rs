@@ -85,8 +85,7 @@ pub fn size_lease(
 ) -> LeaseRequest {
     let contended = scale_ppm != 0 && scale_ppm < 1_000_000;
     // An agent alone on a key it asks more of than the rate sees the same dry bucket.
-    let rate_milli = rule.rate().per_sec_f64() * 1000.0;
-    let saturated = contended || demand_milli as f64 >= rate_milli;
+    let saturated = contended || over_rate(rule, demand_milli);
     let horizon = if saturated {
         contended_horizon(rule, horizon)
     } else {
@@ -99,6 +98,13 @@ pub fn size_lease(
         r.want = r.want.max((last_want * 2).min(rule.lease_max().get()));
     }
     r
+}
+
+/// Whether `demand_milli` (thousandths of a token per second, one agent's) reaches the
+/// rule's rate: that agent alone would drain the bucket, whatever the store's shares say
+/// (they are one for an agent alone).
+pub fn over_rate(rule: &Rule, demand_milli: u64) -> bool {
+    demand_milli as f64 >= rule.rate().per_sec_f64() * 1000.0
 }
 
 /// The horizon of a lease on a saturated key: the bucket is dry there, so what the

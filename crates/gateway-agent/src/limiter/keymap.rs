@@ -38,6 +38,13 @@ impl Slot {
         let hot = self.cell.get();
         (cost != 0 && cost <= hot.capacity.load(Ordering::Relaxed)).then_some(hot)
     }
+
+    /// [`Slot::valid_for`], when the key leases too: its lease may cover `cost`.
+    #[inline]
+    pub(super) fn leased_for(&self, cost: u64) -> Option<&Hot> {
+        self.valid_for(cost)
+            .filter(|hot| hot.hot.load(Ordering::Relaxed))
+    }
 }
 
 /// Shards: enough that two threads rarely meet on one lock.

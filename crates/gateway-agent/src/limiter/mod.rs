@@ -783,10 +783,7 @@ impl Limiter {
             let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
             // The hot path, as in `check`: a live key whose lease covers the cost.
             let spent = self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
-                let hot = slot.valid_for(cost)?;
-                if !hot.hot.load(Ordering::Relaxed) {
-                    return None;
-                }
+                let hot = slot.leased_for(cost)?;
                 let epoch = hot.lease.epoch();
                 self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
                     .map(|d| (d, slot.ks.clone(), epoch))

@@ -39,7 +39,9 @@ impl Slot {
         (cost != 0 && cost <= hot.capacity.load(Ordering::Relaxed)).then_some(hot)
     }
 
-    /// [`Slot::valid_for`], when the key leases too: its lease may cover `cost`.
+    /// [`Slot::valid_for`], when the key leases too: its lease may cover `cost` (the HTTP
+    /// layer's all-or-nothing path).
+    #[cfg(feature = "tower")]
     #[inline]
     pub(super) fn leased_for(&self, cost: u64) -> Option<&Hot> {
         self.valid_for(cost)

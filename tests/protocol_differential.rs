@@ -388,16 +388,18 @@ async fn exact_batch(
     let grace = b.p.grace_us;
     let sizes: Vec<usize> = keys.iter().map(|k| k.2.len()).collect();
     let mut c = server.connection().expect("connection");
-    let (raw, at): (Option<Vec<u8>>, i64) = redis::pipe()
-        .cmd("GET")
-        .arg(&dedup)
-        .cmd("PEXPIRETIME")
-        .arg(&dedup)
-        .query(&mut c)
-        .expect("read the dedup key");
+    // In one script: read apart, the key may expire between the two reads on a slow
+    // machine, and PEXPIRETIME's -2 (no key) would then pass for a far expiry.
+    let (raw, at): (Vec<u8>, i64) = redis::Script::new(
+        "return {redis.call('GET', KEYS[1]) or '', redis.call('PEXPIRETIME', KEYS[1])}",
+    )
+    .key(&dedup)
+    .invoke(&mut c)
+    .expect("read the dedup key");
     let kept: Vec<u64> = match raw {
-        None => Vec::new(),
-        Some(v) => {
+        v if v.is_empty() => Vec::new(),
+        v => {
+            assert!(at > 0, "dedup key without an expiry ({at}) {ctx}");
             assert_eq!(v.first(), Some(&leasehold_store::wire::BATCH_TAG), "{ctx}");
             leasehold_store::wire::unpack_numbers(&v[1..]).expect("whole integers")
         }

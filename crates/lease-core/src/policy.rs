@@ -223,6 +223,7 @@ impl KeyPolicy {
     #[allow(clippy::too_many_arguments)] // one call per acquire, all of it needed
     pub fn granted(
         &mut self,
+        rule: &Rule,
         cfg: &PolicyConfig,
         lease: &LocalLease,
         sent_ns: u64,
@@ -268,7 +269,35 @@ impl KeyPolicy {
                 g.prefetch_after_ns = Some(until);
             }
         }
+        if !ending && !reply.moved && self.contended() && reply.granted < self.last_want {
+            // A dry, contended key gives this agent its share and no more, and the
+            // store's time for a refused acquire is the earlier of the agent's turn and
+            // the moment the bucket reaches its plenty level, which every agent of the
+            // key races for: prefetching at that time, most acquires were refused (on
+            // one key of B = r/10 with 8 agents flat out, 83% of them, each bringing
+            // about one token). The next prefetch waits until the share has brought a
+            // quarter of the lease (see `pace_ns`).
+            let until = now_ns + self.pace_ns(rule, cfg);
+            g.prefetch_after_ns = Some(g.prefetch_after_ns.map_or(until, |u| u.max(until)));
+        }
         g
+    }
+
+    /// How long this agent's share takes to bring a quarter of its last lease, at most
+    /// `horizon` and the time the rule's rate takes to bring B/2 (tokens a stale share
+    /// leaves unclaimed are taken before the bucket fills). Half the lease (the least a
+    /// contended acquire takes, see [`sizing::size_lease`]) would save more calls, but
+    /// the agents then claim their credit in larger, rarer steps, and the virtual fleet
+    /// matrix measured shares up to 10.4% off (8 agents, 3x r, Zipf) instead of 0.7%.
+    fn pace_ns(&self, rule: &Rule, cfg: &PolicyConfig) -> u64 {
+        let half_b = rule.capacity().get() as f64 / 2.0 / rule.rate().per_sec_f64() * 1e9;
+        let cap = (cfg.horizon.as_nanos() as f64).min(half_b);
+        let tokens = (self.last_want / 4).max(1) as f64;
+        let pace = match self.share_milli() {
+            0 => cap,
+            share => (tokens * 1e12 / share as f64).min(cap),
+        };
+        pace as u64
     }
 
     /// Counts an exact decision of `cost` taken at `now_ns` (`admitted` or not), whose
@@ -517,7 +546,47 @@ mod tests {
             scale_ppm,
             ..Reply::default()
         };
-        p.granted(&cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
+        p.granted(rule, &cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
+    }
+
+    #[test]
+    fn a_short_grant_on_a_contended_key_paces_the_next_prefetch() {
+        let rule = Rule::new("r", 1000, "100/s").unwrap();
+        let cfg = PolicyConfig::default();
+        let lease = LocalLease::new();
+        let mut p = KeyPolicy::new(1);
+        let answer = |p: &mut KeyPolicy, at: u64, granted: u64, scale_ppm: u64| {
+            // 1 000 tokens a second offered, all denied here.
+            let want = p.acquire(&rule, &cfg, at, &lease, at / 1_000_000, 0).want;
+            assert!(at < 1_000_000_000 || want > 1, "demand measured");
+            let reply = Reply {
+                granted: granted.min(want),
+                ttl_us: 2_000_000,
+                retry_us: if granted == 0 { 1_000 } else { 0 },
+                scale_ppm,
+                ..Reply::default()
+            };
+            p.granted(&rule, &cfg, &lease, at, at + 1_000, 0, &reply, false)
+        };
+        answer(&mut p, 1_000, 100, 1_000_000);
+        let g = answer(&mut p, 1_000_000_000, u64::MAX, 1_000_000);
+        assert_eq!(g.prefetch_after_ns, None, "a full grant");
+        // Short and not contended: the store's time alone (none for a grant).
+        let g = answer(&mut p, 1_100_000_000, 1, 1_000_000);
+        assert_eq!(g.prefetch_after_ns, None, "short, not contended");
+        // Short and contended: the next prefetch waits for a quarter of the lease at
+        // the agent's share, at most a horizon.
+        let now = 1_200_001_000;
+        let g = answer(&mut p, 1_200_000_000, 1, 100_000);
+        let after = g.prefetch_after_ns.expect("paced");
+        assert!(
+            after > now && after <= now + cfg.horizon.as_nanos() as u64,
+            "{after}"
+        );
+        // Refused and contended: the later of the store's time and the pace.
+        let g = answer(&mut p, 1_300_000_000, 0, 100_000);
+        let after = g.prefetch_after_ns.expect("paced");
+        assert!(after > 1_300_001_000 + 1_000_000, "{after}");
     }
 
     #[test]
@@ -546,6 +615,7 @@ mod tests {
             ..Reply::default()
         };
         p.granted(
+            &rule,
             &PolicyConfig::default(),
             &lease,
             30_000_000,

@@ -1263,6 +1263,7 @@ impl Limiter {
         // A part in the last moments of its split's term leases nothing (ttl 0).
         let ending = term_ending(driver, &reply);
         let g = driver.policy.granted(
+            &entry.rule,
             &self.inner.policy,
             &ks.hot().lease,
             sent,

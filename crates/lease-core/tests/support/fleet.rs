@@ -781,9 +781,16 @@ impl Fleet {
             (Kind::Acquire { needed }, Some(r)) => {
                 self.refused += u64::from(r.granted == 0);
                 let a = &mut self.agents[i];
-                let g = a
-                    .policy
-                    .granted(&self.s.cfg, &a.lease, f.sent_ns, now, needed, &r, false);
+                let g = a.policy.granted(
+                    &self.s.rule,
+                    &self.s.cfg,
+                    &a.lease,
+                    f.sent_ns,
+                    now,
+                    needed,
+                    &r,
+                    false,
+                );
                 a.low_water = g.low_water;
                 if let Some(u) = g.deny_until_ns {
                     a.deny_until_ns = u;

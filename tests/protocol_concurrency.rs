@@ -142,13 +142,20 @@ fn i1_i3_i4_sixteen_agents_hammer_one_key() {
             let mut c = client.get_connection().expect("connection");
             let mut samples = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let (tok, out): (Option<i64>, Option<i64>) = redis::cmd("HMGET")
+                let state: Option<Vec<u8>> = redis::cmd("HGET")
                     .arg(key.as_str())
-                    .arg("tok")
-                    .arg("out")
+                    .arg(leasehold_store::wire::STATE)
                     .query(&mut c)
-                    .expect("HMGET");
-                let (tok, out) = (tok.unwrap_or(200), out.unwrap_or(0));
+                    .expect("HGET");
+                let (tok, out) = state.map_or((200, 0), |v| {
+                    let f = leasehold_store::wire::bucket_fields(&[(
+                        leasehold_store::wire::STATE.as_bytes().to_vec(),
+                        v,
+                    )])
+                    .expect("a bucket's state");
+                    let n = |name: &str| f[name].parse::<i64>().expect("a number");
+                    (n("tok"), n("out"))
+                });
                 assert!(
                     tok >= 0 && out >= 0,
                     "bucket went negative: tok {tok} out {out}"

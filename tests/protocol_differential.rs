@@ -73,19 +73,20 @@ fn read(server: &RedisServer, key: &BucketKey) -> (Hash, i64, u64) {
     .key(key.as_str())
     .invoke(&mut c)
     .expect("read the bucket");
-    let text = |b: &[u8]| String::from_utf8(b.to_vec()).expect("text");
-    let redis: Hash = pairs
-        .chunks(2)
-        .map(|kv| {
-            let name = text(&kv[0]);
-            let value = if name == leasehold_store::wire::COMPACT {
-                leasehold_store::wire::compact_text(&kv[1]).expect("a compact bucket")
-            } else {
-                text(&kv[1])
-            };
-            (name, value)
-        })
-        .collect();
+    let redis: Hash = match pairs.first() {
+        Some(name) if name == leasehold_store::wire::COMPACT.as_bytes() => [(
+            leasehold_store::wire::COMPACT.to_owned(),
+            leasehold_store::wire::compact_text(&pairs[1]).expect("a compact bucket"),
+        )]
+        .into(),
+        _ => {
+            let pairs: Vec<(Vec<u8>, Vec<u8>)> = pairs
+                .chunks(2)
+                .map(|kv| (kv[0].clone(), kv[1].clone()))
+                .collect();
+            leasehold_store::wire::bucket_fields(&pairs).expect("a bucket's hash")
+        }
+    };
     (redis, at, time[0] * 1000 + time[1] / 1000)
 }
 
@@ -1312,4 +1313,145 @@ fn lh_call_refuses_bad_calls_and_writes_nothing() {
     );
     let exists: i64 = server.cmd(&["EXISTS", key]).expect("EXISTS");
     assert_eq!(exists, 0, "a refused call wrote the key");
+}
+
+/// A bucket in the hash layout before (a decimal field per number, `ID:h` .. `ID:c` per
+/// agent) is converted in place by the next call, whatever the operation: replies,
+/// replays of the records it holds, hashes and expiry times stay the model's.
+#[test]
+fn buckets_of_the_layout_before_are_converted_in_place() {
+    let server = server();
+    runtime().block_on(async {
+        let st = store(&server.url()).await;
+        let p = params(100, "10/s", "10s", "10s", None);
+        let (a, b) = (AgentId(0xa1), AgentId(0xb2));
+        let acquire = |agent, seq, want, demand| Request {
+            agent,
+            seq,
+            op: Op::Acquire {
+                held: 0,
+                want,
+                min: 1,
+                demand,
+            },
+        };
+        let exact = |agent, seq| Request {
+            agent,
+            seq,
+            op: Op::Exact { cost: 2 },
+        };
+        // Writes the model's state in the layout before, with its expiry.
+        let write_old = |key: &BucketKey, model: &GlobalBucket| {
+            let mut c = server.connection().expect("connection");
+            let mut hset = redis::cmd("HSET");
+            hset.arg(key.as_str());
+            for (k, v) in leasehold_store::wire::hash_fields(model.state()) {
+                hset.arg(k).arg(v);
+            }
+            let at = model.state().expect("a bucket").expire_at_ms;
+            let _: () = redis::pipe()
+                .cmd("DEL")
+                .arg(key.as_str())
+                .ignore()
+                .add_command(hset)
+                .ignore()
+                .cmd("PEXPIREAT")
+                .arg(key.as_str())
+                .arg(at)
+                .ignore()
+                .query(&mut c)
+                .expect("write the layout before");
+        };
+        let rule = RuleName::new("old").expect("rule name");
+        for (case, next) in [
+            ("acquire", acquire(a, 2, 5, 3_000)),
+            ("replay", acquire(b, 1, 7, 2_000)),
+            ("exact", exact(b, 2)),
+            ("split", {
+                Request {
+                    agent: a,
+                    seq: 2,
+                    op: Op::Split {
+                        parts: 2,
+                        salt: 9,
+                        until_us: 1 << 52,
+                    },
+                }
+            }),
+        ] {
+            let key = BucketKey::new(&rule, format!("subject-{case}")).expect("key");
+            let mut model = GlobalBucket::new();
+            let mut last_now = 0;
+            for req in [acquire(a, 1, 10, 5_000), acquire(b, 1, 7, 2_000)] {
+                let ctx = format!("{case}: before, {req:?}");
+                let r = call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx)
+                    .await
+                    .expect("decided");
+                last_now = r.now_us;
+            }
+            write_old(&key, &model);
+            let (old, _, _) = read(&server, &key);
+            assert!(
+                old.contains_key("tok") && old.contains_key("00000000000000a1:h"),
+                "{old:?}"
+            );
+            let ctx = format!("{case}: converted by {next:?}");
+            let r = call_same(&server, &st, &key, &mut model, &p, &next, last_now, &ctx)
+                .await
+                .expect("decided");
+            let mut c = server.connection().expect("connection");
+            let fields: Vec<String> = redis::cmd("HKEYS")
+                .arg(key.as_str())
+                .query(&mut c)
+                .expect("HKEYS");
+            assert!(
+                fields.iter().all(|f| !f.contains(':')) && fields.contains(&"st".to_owned()),
+                "not converted: {fields:?} {ctx}"
+            );
+            // And on from the new layout.
+            let again = acquire(a, 3, 1, 3_000);
+            let ctx = format!("{case}: after, {again:?}");
+            call_same(&server, &st, &key, &mut model, &p, &again, r.now_us, &ctx)
+                .await
+                .expect("decided");
+        }
+        // A batch converts it too (its key has lease records: the general path).
+        let key = BucketKey::new(&rule, "subject-batch").expect("key");
+        let mut model = GlobalBucket::new();
+        let mut last_now = 0;
+        for req in [acquire(a, 1, 10, 5_000), acquire(b, 1, 7, 2_000)] {
+            let ctx = format!("batch: before, {req:?}");
+            let r = call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx)
+                .await
+                .expect("decided");
+            last_now = r.now_us;
+        }
+        write_old(&key, &model);
+        let b = Batch {
+            seq: 5,
+            p,
+            costs: vec![1, 2],
+            other_costs: None,
+        };
+        let costs = b.costs.clone();
+        exact_batch(
+            &server,
+            &st,
+            AgentId(0xc3),
+            &b,
+            &mut BatchLog::new(),
+            &mut [(&key, &mut model, &costs)],
+            &mut last_now,
+            &mut BatchCounts::default(),
+            "batch: converted",
+        )
+        .await;
+        let (h, _, _) = read(&server, &key);
+        assert!(h.contains_key("00000000000000a1:h"), "records kept: {h:?}");
+        let fields: Vec<String> = server.cmd(&["HKEYS", key.as_str()]).expect("HKEYS");
+        assert!(
+            fields.iter().all(|f| !f.contains(':')) && fields.contains(&"st".to_owned()),
+            "not converted by a batch: {fields:?}"
+        );
+    });
 }

@@ -43,8 +43,11 @@ fn fcall(
 
 /// What a key holds and when it expires.
 fn snapshot(server: &RedisServer, key: &str) -> (Vec<String>, i64) {
-    let all: Vec<String> = server.cmd(&["HGETALL", key]).expect("HGETALL");
-    let mut pairs: Vec<String> = all.chunks(2).map(|c| c.join("=")).collect();
+    let all: Vec<Vec<u8>> = server.cmd(&["HGETALL", key]).expect("HGETALL");
+    let mut pairs: Vec<String> = all
+        .chunks(2)
+        .map(|c| format!("{}={}", c[0].escape_ascii(), c[1].escape_ascii()))
+        .collect();
     pairs.sort();
     let expiry: i64 = server.cmd(&["PEXPIRETIME", key]).expect("PEXPIRETIME");
     (pairs, expiry)

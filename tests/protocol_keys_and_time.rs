@@ -43,8 +43,20 @@ fn i5_stored_time_ahead_of_the_server_creates_no_tokens() {
         let k = BucketKey::new(&rule(), "clock").expect("key");
         st.call(&k, &p, &exact(1, 1, 10)).await.expect("drain");
         let ahead = server_time_us(&server) + 3_600_000_000;
-        let _: i64 = server
-            .cmd(&["HSET", k.as_str(), "ts", &ahead.to_string()])
+        // The state field's fourth integer is ts (wire::STATE).
+        let mut c = server.connection().expect("connection");
+        let state: Vec<u8> = redis::cmd("HGET")
+            .arg(k.as_str())
+            .arg(leasehold_store::wire::STATE)
+            .query(&mut c)
+            .expect("HGET");
+        let mut numbers = leasehold_store::wire::unpack_numbers(&state).expect("a state");
+        numbers[3] = ahead;
+        let _: i64 = redis::cmd("HSET")
+            .arg(k.as_str())
+            .arg(leasehold_store::wire::STATE)
+            .arg(leasehold_store::wire::pack_numbers(&numbers))
+            .query(&mut c)
             .expect("HSET");
         tokio::time::sleep(Duration::from_millis(300)).await; // 30 tokens' worth of refill
         let r = st.call(&k, &p, &exact(1, 2, 1)).await.expect("call");

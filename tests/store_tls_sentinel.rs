@@ -188,12 +188,8 @@ fn sentinel_failover_moves_the_store_to_the_new_primary() {
             }
         };
         assert_eq!((reply.granted, reply.remaining), (10, 60));
-        let tokens: String = set
-            .pair
-            .replica
-            .cmd(&["HGET", k.as_str(), "tok"])
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(tokens, "60", "the write went to the promoted replica");
+        let tokens = support::field(&set.pair.replica, k.as_str(), "tok");
+        assert_eq!(tokens, 60, "the write went to the promoted replica");
     });
 }
 

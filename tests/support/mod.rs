@@ -67,10 +67,11 @@ pub fn hash(server: &RedisServer, key: &str) -> BTreeMap<String, String> {
         let v: Vec<u8> = redis::cmd("GET").arg(key).query(&mut c).expect("GET");
         return leasehold_store::wire::compact_fields(&v).expect("a compact bucket");
     }
-    redis::cmd("HGETALL")
+    let pairs: Vec<(Vec<u8>, Vec<u8>)> = redis::cmd("HGETALL")
         .arg(key)
         .query(&mut c)
-        .expect("HGETALL")
+        .expect("HGETALL");
+    leasehold_store::wire::bucket_fields(&pairs).expect("a bucket's hash")
 }
 
 /// One field of a bucket as a number.

@@ -41,9 +41,10 @@ const RENEW_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
 const DELETE_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
      return redis.call('DEL', KEYS[1]) else return 0 end";
 
-/// A bucket's split fields (ARGV), or none when the key holds a compact bucket.
+/// A bucket's state field and the split fields of the layout before (ARGV), or none when
+/// the key holds a compact bucket.
 const SPLIT_FIELDS: &str = "if redis.call('TYPE', KEYS[1])['ok'] == 'string' then return {} end \
-     return redis.call('HMGET', KEYS[1], ARGV[1], ARGV[2])";
+     return redis.call('HMGET', KEYS[1], ARGV[1], ARGV[2], ARGV[3])";
 
 /// Tuning of the coordinator.
 #[derive(Clone, Debug)]
@@ -252,11 +253,31 @@ impl Coordinator {
         read.arg(SPLIT_FIELDS)
             .arg(1)
             .arg(key.as_str())
+            .arg(leasehold_store::wire::STATE)
             .arg(leasehold_core::schema::SPLIT)
             .arg(leasehold_core::schema::SPLIT_GEN);
-        let f: Vec<Option<String>> = self.store.query(&read).await?;
-        let field = |i: usize| f.get(i).cloned().flatten();
-        let split = leasehold_store::wire::decode_split(field(0).as_deref(), num(&field(1)));
+        let f: Vec<Option<Vec<u8>>> = self.store.query(&read).await?;
+        let mut pairs = Vec::new();
+        for (name, v) in [
+            leasehold_store::wire::STATE,
+            leasehold_core::schema::SPLIT,
+            leasehold_core::schema::SPLIT_GEN,
+        ]
+        .iter()
+        .zip(f)
+        {
+            if let Some(v) = v {
+                pairs.push((name.as_bytes().to_vec(), v));
+            }
+        }
+        let fields = leasehold_store::wire::bucket_fields(&pairs).ok_or_else(|| {
+            StoreError::Misconfigured(format!("{key} holds a hash that is not a bucket"))
+        })?;
+        let field = |name: &str| fields.get(name).cloned();
+        let split = leasehold_store::wire::decode_split(
+            field(leasehold_core::schema::SPLIT).as_deref(),
+            num(&field(leasehold_core::schema::SPLIT_GEN)),
+        );
         Ok(split.filter(|s| s.until_us > now_us))
     }
 

@@ -1,9 +1,11 @@
 //! The hash that holds one bucket in Redis: every field, in one table that the model
 //! ([`crate::model::GlobalBucket::fields`]), the coordinator's view of a key and the
-//! README share. `lua/leasehold.lua` writes the same fields (the differential test
-//! compares its `HGETALL` with the model's after every step).
+//! README share. `lua/leasehold.lua` stores the same fields packed: the bucket's in one
+//! field, each agent's record in one field named by its id, as 64-bit integers
+//! (`leasehold_store::wire::bucket_fields` reads them as these; the differential test
+//! compares that with the model's after every step).
 //!
-//! Numbers are decimal integers; times are server microseconds.
+//! Numbers are shown as decimal integers; times are server microseconds.
 
 /// Tokens in the bucket (whole tokens).
 pub const TOKENS: &str = "tok";

@@ -992,8 +992,13 @@ impl RedisStore {
             let mut hgetall = redis::cmd("HGETALL");
             hgetall.arg(key.as_str());
             let fields = self.conn.query(&hgetall).await.map_err(classify)?;
-            redis::from_redis_value(fields)
-                .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?
+            let pairs: Vec<(Vec<u8>, Vec<u8>)> = redis::from_redis_value(fields)
+                .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
+            crate::wire::bucket_fields(&pairs)
+                .map(|f| f.into_iter().collect())
+                .ok_or_else(|| {
+                    StoreError::Misconfigured(format!("{key} holds a hash that is not a bucket"))
+                })?
         };
         let mut pttl = redis::cmd("PTTL");
         pttl.arg(key.as_str());

@@ -18,8 +18,9 @@
 //!   [`exact_many_args`]; the reply, one string of packed integers ([`unpack_numbers`]),
 //!   is read by [`exact_many_reply`]; the dedup key holds [`BATCH_TAG`], then
 //!   [`batch_numbers`] packed.
-//! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as Redis
-//!   holds it. A compact bucket (a 34-byte string, [`compact_value`], see
+//! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as those
+//!   fields, and [`bucket_fields`] reads Redis's hash (its state packed in [`STATE`], each
+//!   agent's record packed in a field named by the agent) as the same. A compact bucket (a 34-byte string, [`compact_value`], see
 //!   [`BucketState::compact`]) renders as one entry named [`COMPACT`] whose value is
 //!   `tok,car,ts,p` ([`compact_text`] reads Redis's string so); [`compact_fields`] reads
 //!   such a string as the hash it stands for.
@@ -283,6 +284,80 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
         );
     }
     f
+}
+
+/// The field of a bucket's hash that holds its state, packed: tok, car, p, ts, out, nexp,
+/// mx, ds, dx, sg, ru, rq, rr, the split in force (parts, salt, until, tokens,
+/// outstanding, drop; parts 0 when none) and the part's (generation, until), as 21
+/// little-endian unsigned 64-bit integers. Each agent's record is the field named by its
+/// id: held, x, seq, demand, credit, then its last reply (7 integers, 14 with a split).
+/// `leasehold.lua` reads and writes two fields a call so, instead of one decimal field
+/// per number; [`bucket_fields`] reads them as the fields [`hash_fields`] renders.
+pub const STATE: &str = "st";
+
+/// The fields of [`leasehold_core::schema`] a bucket's hash stands for, given as Redis
+/// holds it (`HGETALL`'s pairs): [`STATE`] and each agent's record expand to the fields
+/// [`hash_fields`] renders; a field of the layout before (one decimal number each, which
+/// the library converts at its next call) is taken as it is. `None` if a field is
+/// neither.
+pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, String>> {
+    let mut f = BTreeMap::new();
+    for (name, value) in pairs {
+        let name = std::str::from_utf8(name).ok()?;
+        if name == STATE {
+            let v: [u64; 21] = unpack_numbers(value)?.try_into().ok()?;
+            for (k, n) in [
+                (h::TOKENS, v[0]),
+                (h::CARRY, v[1]),
+                (h::PERIOD, v[2]),
+                (h::UPDATED, v[3]),
+                (h::OUTSTANDING, v[4]),
+                (h::NEXT_DROP, v[5]),
+                (h::LAST_DROP, v[6]),
+                (h::DEMAND_SUM, v[7]),
+                (h::NEXT_STALE, v[8]),
+            ] {
+                f.insert(k.to_owned(), n.to_string());
+            }
+            for (k, n) in [
+                (h::SPLIT_GEN, v[9]),
+                (h::TERM_UNTIL, v[10]),
+                (h::DEPOSIT_SEQ, v[11]),
+                (h::REGION_RATE, v[12]),
+            ] {
+                if n != 0 {
+                    f.insert(k.to_owned(), n.to_string());
+                }
+            }
+            if v[13] != 0 {
+                f.insert(h::SPLIT.to_owned(), join(&v[13..19]));
+            }
+            if v[19] != 0 {
+                f.insert(h::PART.to_owned(), join(&v[19..21]));
+            }
+        } else if !name.is_empty()
+            && name.len() <= 32
+            && name.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            let v = unpack_numbers(value)?;
+            if v.len() != 12 && v.len() != 19 {
+                return None;
+            }
+            for (suffix, n) in [
+                (h::AGENT_HELD, v[0]),
+                (h::AGENT_DROP, v[1]),
+                (h::AGENT_SEQ, v[2]),
+                (h::AGENT_DEMAND, v[3]),
+                (h::AGENT_CREDIT, v[4]),
+            ] {
+                f.insert(format!("{name}{suffix}"), n.to_string());
+            }
+            f.insert(format!("{name}{}", h::AGENT_REPLY), join(&v[5..]));
+        } else {
+            f.insert(name.to_owned(), std::str::from_utf8(value).ok()?.to_owned());
+        }
+    }
+    Some(f)
 }
 
 /// The tag that begins a compact bucket's string.

@@ -63,14 +63,15 @@ local function fmt(n)
 end
 
 local function divmod(a, b)
-  local q = math.floor(a / b)
-  local r = a - q * b
+  -- Lua's % is a - floor(a / b) * b, in the VM (math.floor is a C call, about as costly
+  -- as the rest of a refill); the quotient a - r is an exact multiple of b.
+  local r = a % b
   if r < 0 then
-    q, r = q - 1, r + b
+    r = r + b
   elseif r >= b then
-    q, r = q + 1, r - b
+    r = r - b
   end
-  return q, r
+  return (a - r) / b, r
 end
 
 local function ceil_div(a, b)
@@ -845,19 +846,20 @@ local MAX_BATCH_COSTS = 4096
 -- of the version before are MessagePack: seq, then the reply as an array).
 local BATCH_TAG = '\193'
 
-local ONE_COST = '<I8I8I8I8I8'
 
--- A key's answer, packed (see Reply): status, time past the server's, remaining, scale,
--- and count retry times, from rt[1 .. count] unless count is 1 (then retry).
-local function answer(status, dnow, remaining, scale, count, retry, rt)
-  if count == 1 then return struct.pack(ONE_COST, status, dnow, remaining, scale, retry) end
-  return struct.pack(format_of(4 + count), status, dnow, remaining, scale, unpack(rt, 1, count))
+-- Appends a key's answer to out (see Reply): status, time past the server's, remaining,
+-- scale, then its count retry times, rt[1 .. count]. The batch's reply packs out once
+-- (pack_all): a struct.pack per key cost as much as the key's decision.
+local function answer(out, status, dnow, remaining, scale, count, rt)
+  local n = #out
+  out[n + 1], out[n + 2], out[n + 3], out[n + 4] = status, dnow, remaining, scale
+  for i = 1, count do out[n + 4 + i] = rt[i] end
 end
 
 -- One key in general (lease records due to drop, stale demand, a new period), from the
 -- state exact_one read (s; nil for a hash that holds no bucket), and the shared advance.
 -- Its costs are cost[first .. first + count - 1]; returns its answer.
-local function exact_full(key, p, cost, first, count, server_now, s, rt)
+local function exact_full(key, p, cost, first, count, server_now, s, rt, out)
   if not s then
     s = {tok = p.cap, car = 0, p = 0, ts = 0, out = 0, nexp = 0, mx = 0, ds = 0, dx = 0, sg = 0,
          ru = 0, rq = 0, rr = 0, pg = 0, pu = 0, split = NO_SPLIT}
@@ -867,10 +869,9 @@ local function exact_full(key, p, cost, first, count, server_now, s, rt)
   -- Agents lease this key: say so, with their proportional scale (at least 1).
   local scale = 0
   if s.ds > 0 then scale = math.max(scale_ppm(p, 0, s.ds, 0), 1) end
-  local retry = 0
   for i = 1, count do
     local c = cost[first + i - 1]
-    retry = 0
+    local retry = 0
     if s.tok >= c then s.tok = s.tok - c else retry = time_until(s, c, p) end
     rt[i] = retry
   end
@@ -879,14 +880,14 @@ local function exact_full(key, p, cost, first, count, server_now, s, rt)
   -- does, a grace after the call (a key used again soon is not made again).
   local busy = math.max(s.mx, now + p.grace)
   redis.call('PEXPIREAT', key, fmt(divmod(busy + time_until(s, p.cap, p), 1000) + 1))
-  return answer(0, now - server_now, s.tok, scale, count, retry, rt)
+  answer(out, 0, now - server_now, s.tok, scale, count, rt)
 end
 
 -- A cold bucket's decisions (no lease record, demand or split): Level::refill from ts to
--- now, then the costs cost[first .. first + count - 1] in order. Returns the level, the
--- carry, the time used, the key's expiry in ms (I6: full again, and a grace after the
--- call) and the answer.
-local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt)
+-- now, then the costs cost[first .. first + count - 1] in order, its answer appended to
+-- out. Returns the level, the carry, the time used and the key's expiry in ms (I6: full
+-- again, and a grace after the call).
+local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, out)
   local per, rate, cap = p.per, p.n, p.cap
   local now = server_now
   if ts > now then now = ts end
@@ -898,43 +899,43 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt)
     local q, r = divmod(car + rate * (now - ts), per)
     tok, car = tok + q, r
   end
-  local retry = 0
   for i = 1, count do
     local c = cost[first + i - 1]
-    retry = 0
+    local retry = 0
     if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
     rt[i] = retry
   end
+  answer(out, 0, now - server_now, tok, 0, count, rt)
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  return tok, car, now, divmod(now + p.grace + full, 1000) + 1,
-    answer(0, now - server_now, tok, 0, count, retry, rt)
+  return tok, car, now, divmod(now + p.grace + full, 1000) + 1
 end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
--- the same period) runs on locals; the rest through exact_full. Returns its answer.
-local function exact_one(key, p, cost, first, count, server_now, rt)
+-- the same period) runs on locals; the rest through exact_full. Its answer is appended to
+-- out.
+local function exact_one(key, p, cost, first, count, server_now, rt, out)
   local v = redis.call('HGET', key, STATE)
   if not v then v = legacy(key, STATE)[1] end
   local s = v and state_of(key, v)
   if s and (s.split.parts ~= 0 or s.pg ~= 0) then
     for i = 1, count do rt[i] = 0 end
-    return answer(1, 0, 0, 0, count, 0, rt)
+    return answer(out, 1, 0, 0, 0, count, rt)
   end
   -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
   if not s or s.nexp ~= 0 or s.dx ~= 0 or s.p ~= p.per then
-    return exact_full(key, p, cost, first, count, server_now, s, rt)
+    return exact_full(key, p, cost, first, count, server_now, s, rt, out)
   end
-  local at, a
-  s.tok, s.car, s.ts, at, a = decide_cold(p, s.tok, s.car, s.ts, server_now, cost, first, count, rt)
+  local at
+  s.tok, s.car, s.ts, at = decide_cold(p, s.tok, s.car, s.ts, server_now, cost, first, count, rt,
+    out)
   redis.call('HSET', key, STATE, pack_state(s))
   redis.call('PEXPIREAT', key, fmt(at))
-  return a
 end
 
 -- One compact key (v: its value), or a new one (v false): decided, then written back with
--- its expiry in one SET. Returns its answer.
-local function exact_compact(key, p, cost, first, count, server_now, v, rt)
+-- its expiry in one SET. Its answer is appended to out.
+local function exact_compact(key, p, cost, first, count, server_now, v, rt, out)
   local tok, car, ts = p.cap, 0, server_now
   if v then
     local per
@@ -942,10 +943,9 @@ local function exact_compact(key, p, cost, first, count, server_now, v, rt)
     -- Advance: a rule with another period restarts the carry.
     if per ~= p.per then car = 0 end
   end
-  local now, at, a
-  tok, car, now, at, a = decide_cold(p, tok, car, ts, server_now, cost, first, count, rt)
+  local now, at
+  tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, out)
   redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT', fmt(at))
-  return a
 end
 
 -- The formats of struct.unpack by count (at most UNPACK_AT a call: the Lua stack).
@@ -969,6 +969,17 @@ local function packed(blob)
     n = n - k
   end
   return out
+end
+
+-- v[1 .. #v] as one string of little-endian unsigned 64-bit integers.
+local function pack_all(v)
+  local parts, n, i = {}, #v, 1
+  while i <= n do
+    local k = math.min(n - i + 1, UNPACK_AT)
+    parts[#parts + 1] = struct.pack(format_of(k), unpack(v, i, i + k - 1))
+    i = i + k
+  end
+  return table.concat(parts)
 end
 
 -- A batch's number v (nil past the end), at most max.
@@ -1041,7 +1052,7 @@ local function exact_batch(keys, id, args)
     end
     total = total + count
     i = i + 2 + count
-    if #key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then
+    if #key > 512 or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then
       fail('LH_ARG not a bucket key: ' .. clip(key))
     end
     if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
@@ -1077,18 +1088,18 @@ local function exact_batch(keys, id, args)
       found[k] = false
     end
   end
-  local parts, rt = {struct.pack('<I8', server_now)}, {}
+  local out, rt = {server_now}, {}
   i = items
   for k = 2, nkeys do
     local p, count, f = rules[args[i]], args[i + 1], found[k]
     if f == true then
-      parts[k] = exact_one(keys[k], p, args, i + 2, count, server_now, rt)
+      exact_one(keys[k], p, args, i + 2, count, server_now, rt, out)
     else
-      parts[k] = exact_compact(keys[k], p, args, i + 2, count, server_now, f, rt)
+      exact_compact(keys[k], p, args, i + 2, count, server_now, f, rt, out)
     end
     i = i + 2 + count
   end
-  local reply = table.concat(parts)
+  local reply = pack_all(out)
   redis.call('SET', dkey, BATCH_TAG .. struct.pack('<I8', seq) .. reply, 'PX',
     fmt(math.max(ceil_div(grace, 1000), 1)))
   return reply

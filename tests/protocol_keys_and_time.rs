@@ -242,9 +242,8 @@ fn i7_each_call_touches_exactly_its_own_key() {
         .and_then(|body| body.split("\nend\n").next())
         .expect("exact_batch");
     assert!(
-        batch.contains(
-            "if #key > 512 or string.match(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then"
-        )
+        batch
+            .contains("if #key > 512 or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then")
     );
     let check = "if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then";
     assert!(batch.contains(check));

@@ -86,11 +86,12 @@ local COMMON = {{'capacity', MAX}, {'rate_tokens', MAX}, {'rate_period_us', MAX}
   {'part_gen', MAX}, {'part_until', MAX}, {'part_tokens', MAX},
   {'part_outstanding', MAX_HELD}, {'part_drop', MAX}}
 
--- The parameters of a call of agent id from the common numbers v[1 .. 12] (COMMON, each
--- already within its bound).
-local function params_of(id, v)
-  local p = {cap = v[1], n = v[2], per = v[3], ttl = v[4], grace = v[5], maxout = v[6], id = id,
-    seq = v[7], pgen = v[8], puntil = v[9], ptok = v[10], pout = v[11], pdrop = v[12]}
+-- The parameters of a call of agent id from the common numbers v[o + 1 .. o + 12]
+-- (COMMON, each already within its bound).
+local function params_of(id, v, o)
+  local p = {cap = v[o + 1], n = v[o + 2], per = v[o + 3], ttl = v[o + 4], grace = v[o + 5],
+    maxout = v[o + 6], id = id, seq = v[o + 7], pgen = v[o + 8], puntil = v[o + 9],
+    ptok = v[o + 10], pout = v[o + 11], pdrop = v[o + 12]}
   if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
     fail('LH_ARG invalid bucket parameters: capacity ' .. fmt(p.cap) ..
       ', rate ' .. fmt(p.n) .. '/' .. fmt(p.per) .. 'us')
@@ -106,7 +107,7 @@ local function params(args)
   local v = {}
   for i = 1, 6 do v[i] = int(args[i], COMMON[i][1], COMMON[i][2]) end
   for i = 7, 12 do v[i] = int(args[i + 1], COMMON[i][1], COMMON[i][2]) end
-  return params_of(args[7], v)
+  return params_of(args[7], v, 0)
 end
 
 -- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
@@ -959,7 +960,15 @@ local function packed(blob)
     fail('LH_ARG invalid argument numbers: ' .. fmt(len) ..
       ' bytes, not a whole number of 8-byte integers')
   end
-  local n, out, pos = len / 8, {}, 1
+  local n = len / 8
+  if n <= UNPACK_AT then
+    -- One table, made at its size (copying into a growing one rehashed it at every power
+    -- of two: as costly as an acquire's reads).
+    local out = {struct.unpack(format_of(n), blob)}
+    out[n + 1] = nil
+    return out
+  end
+  local out, pos = {}, 1
   while n > 0 do
     local k = math.min(n, UNPACK_AT)
     local more = {struct.unpack(format_of(k), blob, pos)}
@@ -1152,9 +1161,8 @@ local function call(keys, args)
     fail('LH_ARG invalid argument numbers: ' .. fmt(#v) .. ' integers, ' .. fmt(13 + #own) ..
       ' expected')
   end
-  local common = {}
-  for i = 1, 12 do common[i] = num(v[i + 1], COMMON[i][1], COMMON[i][2]) end
-  local p = params_of(id, common)
+  for i = 1, 12 do num(v[i + 1], COMMON[i][1], COMMON[i][2]) end
+  local p = params_of(id, v, 1)
   for j = 1, #own do num(v[13 + j], own[j][1], own[j][2]) end
   local reply = op[1](keys, p, v[14], v[15], v[16], v[17])
   return struct.pack(format_of(#reply), unpack(reply))

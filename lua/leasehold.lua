@@ -96,7 +96,7 @@ local function params_of(id, v, o)
     fail('LH_ARG invalid bucket parameters: capacity ' .. fmt(p.cap) ..
       ', rate ' .. fmt(p.n) .. '/' .. fmt(p.per) .. 'us')
   end
-  if type(id) ~= 'string' or #id < 1 or #id > 32 or not string.match(id, '^%x+$') then
+  if type(id) ~= 'string' or #id < 1 or #id > 32 or not string.find(id, '^%x+$') then
     fail('LH_ARG invalid argument agent = ' .. clip(id))
   end
   return p
@@ -120,10 +120,12 @@ local function the_key(keys, p)
   local key = keys[1]
   -- string.find, not match: it allocates no copy of the key.
   local short = #key <= 512
-  local part = short and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
-  local region = short and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|region}$') ~= nil
-  if not part and not region and
-      (not short or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil) then
+  local plain = short and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil
+  local part = short and not plain and
+    string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|%d+%.%d+}$') ~= nil
+  local region = short and not plain and not part and
+    string.find(key, '^lh:{[%w%._%-]+|[^{}|]+|region}$') ~= nil
+  if not (plain or part or region) then
     fail('LH_ARG not a bucket key: ' .. clip(key))
   end
   if region then
@@ -1161,9 +1163,15 @@ local function call(keys, args)
     fail('LH_ARG invalid argument numbers: ' .. fmt(#v) .. ' integers, ' .. fmt(13 + #own) ..
       ' expected')
   end
-  for i = 1, 12 do num(v[i + 1], COMMON[i][1], COMMON[i][2]) end
+  for i = 1, 12 do
+    local x, c = v[i + 1], COMMON[i]
+    if x > c[2] then num(x, c[1], c[2]) end
+  end
   local p = params_of(id, v, 1)
-  for j = 1, #own do num(v[13 + j], own[j][1], own[j][2]) end
+  for j = 1, #own do
+    local x, c = v[13 + j], own[j]
+    if x > c[2] then num(x, c[1], c[2]) end
+  end
   local reply = op[1](keys, p, v[14], v[15], v[16], v[17])
   return struct.pack(format_of(#reply), unpack(reply))
 end

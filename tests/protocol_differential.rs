@@ -1315,9 +1315,75 @@ fn lh_call_refuses_bad_calls_and_writes_nothing() {
     assert_eq!(exists, 0, "a refused call wrote the key");
 }
 
-/// A bucket in the hash layout before (a decimal field per number, `ID:h` .. `ID:c` per
-/// agent) is converted in place by the next call, whatever the operation: replies,
-/// replays of the records it holds, hashes and expiry times stay the model's.
+/// Two agents' leases on `key`, then its hash rewritten in the layout before (a decimal
+/// field per number, `ID:h` .. `ID:c` per agent) with its expiry; returns the model and
+/// the last server time.
+async fn bucket_in_the_layout_before(
+    server: &RedisServer,
+    st: &leasehold_agent::RedisStore,
+    key: &BucketKey,
+    p: &BucketParams,
+) -> (GlobalBucket, u64) {
+    let mut model = GlobalBucket::new();
+    let mut last_now = 0;
+    for (agent, want, demand) in [(0xa1, 10, 5_000), (0xb2, 7, 2_000)] {
+        let req = old_layout_acquire(AgentId(agent), 1, want, demand);
+        let ctx = format!("{key:?} before, {req:?}");
+        let r = call_same(server, st, key, &mut model, p, &req, last_now, &ctx)
+            .await
+            .expect("decided");
+        last_now = r.now_us;
+    }
+    let mut hset = redis::cmd("HSET");
+    hset.arg(key.as_str());
+    for (k, v) in leasehold_store::wire::hash_fields(model.state()) {
+        hset.arg(k).arg(v);
+    }
+    let at = model.state().expect("a bucket").expire_at_ms;
+    let mut c = server.connection().expect("connection");
+    let _: () = redis::pipe()
+        .cmd("DEL")
+        .arg(key.as_str())
+        .ignore()
+        .add_command(hset)
+        .ignore()
+        .cmd("PEXPIREAT")
+        .arg(key.as_str())
+        .arg(at)
+        .ignore()
+        .query(&mut c)
+        .expect("write the layout before");
+    let (old, _, _) = read(server, key);
+    assert!(old.contains_key("00000000000000a1:h"), "{old:?}");
+    (model, last_now)
+}
+
+fn old_layout_acquire(agent: AgentId, seq: u64, want: u64, demand: u64) -> Request {
+    Request {
+        agent,
+        seq,
+        op: Op::Acquire {
+            held: 0,
+            want,
+            min: 1,
+            demand,
+        },
+    }
+}
+
+/// The hash holds the packed layout only: the state field and one field per agent.
+fn assert_converted(server: &RedisServer, key: &BucketKey, ctx: &str) {
+    let fields: Vec<String> = server.cmd(&["HKEYS", key.as_str()]).expect("HKEYS");
+    assert!(
+        fields.iter().all(|f| !f.contains(':'))
+            && fields.iter().any(|f| f == leasehold_store::wire::STATE),
+        "not converted: {fields:?} {ctx}"
+    );
+}
+
+/// A bucket in the hash layout before is converted in place by the next call, whatever the
+/// operation, single-key or batch: replies, replays of the records it holds, hashes and
+/// expiry times stay the model's.
 #[test]
 fn buckets_of_the_layout_before_are_converted_in_place() {
     let server = server();
@@ -1325,91 +1391,42 @@ fn buckets_of_the_layout_before_are_converted_in_place() {
         let st = store(&server.url()).await;
         let p = params(100, "10/s", "10s", "10s", None);
         let (a, b) = (AgentId(0xa1), AgentId(0xb2));
-        let acquire = |agent, seq, want, demand| Request {
-            agent,
-            seq,
-            op: Op::Acquire {
-                held: 0,
-                want,
-                min: 1,
-                demand,
-            },
-        };
-        let exact = |agent, seq| Request {
-            agent,
-            seq,
-            op: Op::Exact { cost: 2 },
-        };
-        // Writes the model's state in the layout before, with its expiry.
-        let write_old = |key: &BucketKey, model: &GlobalBucket| {
-            let mut c = server.connection().expect("connection");
-            let mut hset = redis::cmd("HSET");
-            hset.arg(key.as_str());
-            for (k, v) in leasehold_store::wire::hash_fields(model.state()) {
-                hset.arg(k).arg(v);
-            }
-            let at = model.state().expect("a bucket").expire_at_ms;
-            let _: () = redis::pipe()
-                .cmd("DEL")
-                .arg(key.as_str())
-                .ignore()
-                .add_command(hset)
-                .ignore()
-                .cmd("PEXPIREAT")
-                .arg(key.as_str())
-                .arg(at)
-                .ignore()
-                .query(&mut c)
-                .expect("write the layout before");
-        };
         let rule = RuleName::new("old").expect("rule name");
+        let split = Op::Split {
+            parts: 2,
+            salt: 9,
+            until_us: 1 << 52,
+        };
         for (case, next) in [
-            ("acquire", acquire(a, 2, 5, 3_000)),
-            ("replay", acquire(b, 1, 7, 2_000)),
-            ("exact", exact(b, 2)),
-            ("split", {
+            ("acquire", old_layout_acquire(a, 2, 5, 3_000)),
+            // b's last request again: replayed from its converted record.
+            ("replay", old_layout_acquire(b, 1, 7, 2_000)),
+            (
+                "exact",
+                Request {
+                    agent: b,
+                    seq: 2,
+                    op: Op::Exact { cost: 2 },
+                },
+            ),
+            (
+                "split",
                 Request {
                     agent: a,
                     seq: 2,
-                    op: Op::Split {
-                        parts: 2,
-                        salt: 9,
-                        until_us: 1 << 52,
-                    },
-                }
-            }),
+                    op: split,
+                },
+            ),
         ] {
             let key = BucketKey::new(&rule, format!("subject-{case}")).expect("key");
-            let mut model = GlobalBucket::new();
-            let mut last_now = 0;
-            for req in [acquire(a, 1, 10, 5_000), acquire(b, 1, 7, 2_000)] {
-                let ctx = format!("{case}: before, {req:?}");
-                let r = call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx)
-                    .await
-                    .expect("decided");
-                last_now = r.now_us;
-            }
-            write_old(&key, &model);
-            let (old, _, _) = read(&server, &key);
-            assert!(
-                old.contains_key("tok") && old.contains_key("00000000000000a1:h"),
-                "{old:?}"
-            );
+            let (mut model, last_now) = bucket_in_the_layout_before(&server, &st, &key, &p).await;
             let ctx = format!("{case}: converted by {next:?}");
             let r = call_same(&server, &st, &key, &mut model, &p, &next, last_now, &ctx)
                 .await
                 .expect("decided");
-            let mut c = server.connection().expect("connection");
-            let fields: Vec<String> = redis::cmd("HKEYS")
-                .arg(key.as_str())
-                .query(&mut c)
-                .expect("HKEYS");
-            assert!(
-                fields.iter().all(|f| !f.contains(':')) && fields.contains(&"st".to_owned()),
-                "not converted: {fields:?} {ctx}"
-            );
+            assert_converted(&server, &key, &ctx);
             // And on from the new layout.
-            let again = acquire(a, 3, 1, 3_000);
+            let again = old_layout_acquire(a, 3, 1, 3_000);
             let ctx = format!("{case}: after, {again:?}");
             call_same(&server, &st, &key, &mut model, &p, &again, r.now_us, &ctx)
                 .await
@@ -1417,41 +1434,25 @@ fn buckets_of_the_layout_before_are_converted_in_place() {
         }
         // A batch converts it too (its key has lease records: the general path).
         let key = BucketKey::new(&rule, "subject-batch").expect("key");
-        let mut model = GlobalBucket::new();
-        let mut last_now = 0;
-        for req in [acquire(a, 1, 10, 5_000), acquire(b, 1, 7, 2_000)] {
-            let ctx = format!("batch: before, {req:?}");
-            let r = call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx)
-                .await
-                .expect("decided");
-            last_now = r.now_us;
-        }
-        write_old(&key, &model);
-        let b = Batch {
+        let (mut model, mut last_now) = bucket_in_the_layout_before(&server, &st, &key, &p).await;
+        let batch = Batch {
             seq: 5,
             p,
             costs: vec![1, 2],
             other_costs: None,
         };
-        let costs = b.costs.clone();
         exact_batch(
             &server,
             &st,
             AgentId(0xc3),
-            &b,
+            &batch,
             &mut BatchLog::new(),
-            &mut [(&key, &mut model, &costs)],
+            &mut [(&key, &mut model, &batch.costs)],
             &mut last_now,
             &mut BatchCounts::default(),
             "batch: converted",
         )
         .await;
-        let (h, _, _) = read(&server, &key);
-        assert!(h.contains_key("00000000000000a1:h"), "records kept: {h:?}");
-        let fields: Vec<String> = server.cmd(&["HKEYS", key.as_str()]).expect("HKEYS");
-        assert!(
-            fields.iter().all(|f| !f.contains(':')) && fields.contains(&"st".to_owned()),
-            "not converted by a batch: {fields:?}"
-        );
+        assert_converted(&server, &key, "batch");
     });
 }

@@ -915,10 +915,9 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, 
 end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
--- the same period) runs on locals; the rest through exact_full. Its answer is appended to
--- out.
-local function exact_one(key, p, cost, first, count, server_now, rt, out)
-  local v = redis.call('HGET', key, STATE)
+-- the same period) runs on locals; the rest through exact_full. v: its state field as the
+-- batch read it (nil: none, or the layout before). Its answer is appended to out.
+local function exact_one(key, p, cost, first, count, server_now, v, rt, out)
   if not v then v = legacy(key, STATE)[1] end
   local s = v and state_of(key, v)
   if s and (s.split.parts ~= 0 or s.pg ~= 0) then
@@ -1082,8 +1081,9 @@ local function exact_batch(keys, id, args)
     if reply then return reply end
   end
   -- Every key read before any is written: a compact value (GET), none (false), or a hash
-  -- (GET fails; a key of any other type is refused here).
-  local found = {}
+  -- (GET fails; a key of any other type is refused here, and a hash whose state field is
+  -- not one), with its state field in states.
+  local found, states = {}, {}
   for k = 2, nkeys do
     local key = keys[k]
     local v = redis.pcall('GET', key)
@@ -1094,7 +1094,9 @@ local function exact_batch(keys, id, args)
       local ty = redis.call('TYPE', key)
       ty = ty['ok']
       if ty ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty) end
-      found[k] = true
+      local st = redis.call('HGET', key, STATE)
+      if st then state_of(key, st) end
+      found[k], states[k] = true, st
     else
       found[k] = false
     end
@@ -1104,7 +1106,7 @@ local function exact_batch(keys, id, args)
   for k = 2, nkeys do
     local p, count, f = rules[args[i]], args[i + 1], found[k]
     if f == true then
-      exact_one(keys[k], p, args, i + 2, count, server_now, rt, out)
+      exact_one(keys[k], p, args, i + 2, count, server_now, states[k], rt, out)
     else
       exact_compact(keys[k], p, args, i + 2, count, server_now, f, rt, out)
     end

@@ -958,12 +958,20 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     let mut conn = server.connection().expect("connection");
     let _: () = server.cmd(&["SET", "lh:{t|s}", "hello"]).expect("SET");
     let _: i64 = server.cmd(&["RPUSH", "lh:{t|l}", "x"]).expect("RPUSH");
+    // A hash whose state field is not a bucket's (see wire::STATE).
+    let _: i64 = server
+        .cmd(&["HSET", "lh:{t|h}", leasehold_store::wire::STATE, "hello"])
+        .expect("HSET");
     for (foreign, want) in [
         (
             "lh:{t|s}",
             "LH_ARG not a bucket: lh:{t|s} holds another string",
         ),
         ("lh:{t|l}", "LH_ARG not a bucket: lh:{t|l} holds a list"),
+        (
+            "lh:{t|h}",
+            "LH_ARG not a bucket: lh:{t|h} holds a hash of other fields",
+        ),
     ] {
         // The foreign key second: the first key must not be written either.
         let err = redis::cmd("FCALL")
@@ -1008,6 +1016,10 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
         .cmd(&["LRANGE", "lh:{t|l}", "0", "-1"])
         .expect("LRANGE");
     assert_eq!(l, ["x"]);
+    let h: String = server
+        .cmd(&["HGET", "lh:{t|h}", leasehold_store::wire::STATE])
+        .expect("HGET");
+    assert_eq!(h, "hello");
 }
 
 /// A new key decided in a batch is stored compact; a lease on it turns it into the hash,

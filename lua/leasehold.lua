@@ -347,12 +347,13 @@ end
 local function record_of(key, v)
   local n = #v / 8
   if n ~= 12 and n ~= 19 then bad_bucket(key) end
-  local a = {struct.unpack(format_of(n), v)}
-  local reply = {}
-  for i = 1, 14 do
-    if i <= n - 5 then reply[i] = a[5 + i] else reply[i] = 0 end
-  end
-  return {held = a[1], x = a[2], seq = a[3], demand = a[4], credit = a[5], reply = reply}
+  -- Into locals, the tables made whole at once (a table grown one field at a time is
+  -- rehashed at every power of two).
+  local held, x, seq, demand, credit, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13,
+    r14 = struct.unpack(format_of(n), v)
+  if n == 12 then r8, r9, r10, r11, r12, r13, r14 = 0, 0, 0, 0, 0, 0, 0 end
+  return {held = held, x = x, seq = seq, demand = demand, credit = credit,
+          reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14}}
 end
 
 local function pack_record(held, x, seq, demand, credit, reply)

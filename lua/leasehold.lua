@@ -298,11 +298,17 @@ local function compact_of(key, v)
   return a, b, c, d
 end
 
+-- A state at level tok (carry car in period per) at ts, with nothing else: no lease,
+-- demand, split or term.
+local function level_state(tok, car, per, ts)
+  return {tok = tok, car = car, p = per, ts = ts, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
+          dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = NO_SPLIT}
+end
+
 local function fresh(p, now)
   local tok = p.cap
   if p.region then tok = 0 end
-  return {tok = tok, car = 0, p = carry_period(p), ts = now, out = 0, nexp = 0, mx = 0, ds = 0,
-          sg = 0, dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = NO_SPLIT}
+  return level_state(tok, 0, carry_period(p), now)
 end
 
 -- A bucket's hash: its state in one field, STATE, and each agent's record in the field
@@ -413,8 +419,8 @@ local function begin(key, p, norecord)
     -- Not a hash: a compact bucket (GET raises WRONGTYPE for anything else). It becomes
     -- a hash when this call writes it.
     local tok, car, ts, per = compact_of(key, redis.call('GET', key))
-    s = {tok = tok, car = car, p = per, ts = ts, out = 0, nexp = 0, mx = 0, ds = 0, dx = 0,
-         sg = 0, ru = 0, rq = 0, rr = 0, pg = 0, pu = 0, split = NO_SPLIT, compact = true}
+    s = level_state(tok, car, per, ts)
+    s.compact = true
     f = {}
   else
     if not f[1] then
@@ -864,10 +870,7 @@ end
 -- state exact_one read (s; nil for a hash that holds no bucket), and the shared advance.
 -- Its costs are cost[first .. first + count - 1]; returns its answer.
 local function exact_full(key, p, cost, first, count, server_now, s, rt, out)
-  if not s then
-    s = {tok = p.cap, car = 0, p = 0, ts = 0, out = 0, nexp = 0, mx = 0, ds = 0, dx = 0, sg = 0,
-         ru = 0, rq = 0, rr = 0, pg = 0, pu = 0, split = NO_SPLIT}
-  end
+  if not s then s = level_state(p.cap, 0, 0, 0) end
   local now = math.max(server_now, s.ts)
   advance(key, s, p, now, nil)
   -- Agents lease this key: say so, with their proportional scale (at least 1).
@@ -1149,6 +1152,14 @@ local OPS = {
   {deposit, {{'tokens', MAX_HELD}, {'until', MAX}, {'rate_milli', MAX_HELD}}},
 }
 
+-- Refuses any of v[o + 1 ..] above its bound in bounds ({name, bound} each, in order).
+local function within(v, o, bounds)
+  for i = 1, #bounds do
+    local x, b = v[o + i], bounds[i]
+    if x > b[2] then num(x, b[1], b[2]) end
+  end
+end
+
 -- lh_call: any of the operations above, its numbers packed (what agents send). ARGV: the
 -- agent, then one string of little-endian unsigned 64-bit integers: the operation (1
 -- acquire, 2 release, 3 exact, 4 split, 5 deposit), the common arguments but the agent
@@ -1166,15 +1177,9 @@ local function call(keys, args)
     fail('LH_ARG invalid argument numbers: ' .. fmt(#v) .. ' integers, ' .. fmt(13 + #own) ..
       ' expected')
   end
-  for i = 1, 12 do
-    local x, c = v[i + 1], COMMON[i]
-    if x > c[2] then num(x, c[1], c[2]) end
-  end
+  within(v, 1, COMMON)
   local p = params_of(id, v, 1)
-  for j = 1, #own do
-    local x, c = v[13 + j], own[j]
-    if x > c[2] then num(x, c[1], c[2]) end
-  end
+  within(v, 13, own)
   local reply = op[1](keys, p, v[14], v[15], v[16], v[17])
   return struct.pack(format_of(#reply), unpack(reply))
 end

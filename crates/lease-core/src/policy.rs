@@ -239,10 +239,12 @@ impl KeyPolicy {
         }
         let held_after = lease.held();
         self.granted_total += reply.granted;
+        // Less than asked from a bucket that still leases: it is dry. (A bucket that moved
+        // or is ending leases nothing now; its callers go elsewhere.)
+        let short = !ending && !reply.moved && reply.granted < self.last_want;
         if ending || reply.moved {
-            // Not a dry bucket: this one leases nothing now (its callers go elsewhere).
             self.dry_at_ns = 0;
-        } else if reply.granted < self.last_want {
+        } else if short {
             self.dry_at_ns = now_ns;
         }
         if reply.granted > 0 {
@@ -269,7 +271,7 @@ impl KeyPolicy {
                 g.prefetch_after_ns = Some(until);
             }
         }
-        if !ending && !reply.moved && self.contended() && reply.granted < self.last_want {
+        if short && self.contended() {
             // A dry, contended key gives this agent its share and no more, and the
             // store's time for a refused acquire is the earlier of the agent's turn and
             // the moment the bucket reaches its plenty level, which every agent of the
@@ -420,9 +422,9 @@ impl KeyPolicy {
     /// the rate) or whose demand here alone reaches the rate. The agent's callers then
     /// want more than the bucket gives it, so one denied now instead of admitted a round
     /// trip later changes nothing in what it admits (the tokens the prefetch brings go to
-    /// the next callers), and no decision waits for the store. Dry alone is not enough: under the limit a small B is dry
-    /// whenever the fleet's leases hold most of it, and there a caller admitted a round
-    /// trip later is one the limit allows. Reported demand lags what is offered (about a
+    /// the next callers), and no decision waits for the store. Dry alone is not enough:
+    /// under the limit a small B is dry whenever the fleet's leases hold most of it, and
+    /// there a caller admitted a round trip later is one the limit allows. Reported demand lags what is offered (about a
     /// second after promotion): until the store sees the contention, callers wait.
     pub fn deny_while_refilling_until(&self) -> u64 {
         if self.dry_at_ns == 0 || !(self.contended() || self.over_rate) {

@@ -321,3 +321,76 @@ async fn shutdown_returns_leases_and_leases_nothing_after() {
     assert_eq!(end.lease_grants, after.lease_grants, "{end:?}");
     assert_eq!(end.admitted_exact, after.admitted_exact + 20, "{end:?}");
 }
+
+/// At `max_keys` a new key takes the place of an idle cold key (none is decided without
+/// keeping state while idle keys can go), the map stays at the cap, a key that leases is
+/// never dropped (its lease goes on deciding), and a dropped key loses nothing: its
+/// bucket is the store's, so a subject admitted once is denied again after its state left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
+    let l = Limiter::builder()
+        .embedded()
+        .rules(rules(
+            "[rules.leased]\ncapacity = 1000\nrate = \"100/s\"\nleasing = \"lease\"\n\
+             lease_max = 100\n\n[rules.once]\ncapacity = 1\nrate = \"1/1h\"\nleasing = \"exact\"\n",
+        ))
+        .config({
+            let mut c = LimiterConfig::default();
+            c.max_keys = 300;
+            c
+        })
+        .build()
+        .await
+        .unwrap();
+    let leased: Vec<String> = (0..20).map(|i| format!("lease-{i}")).collect();
+    for s in &leased {
+        let mut via_lease = false;
+        for _ in 0..200 {
+            if let Decision::Allowed {
+                via: Admission::Lease,
+                ..
+            } = l.check(s, "leased", 1).await.unwrap()
+            {
+                via_lease = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(via_lease, "{s} never decided from its lease");
+    }
+    let flood = 3000;
+    for i in 0..flood {
+        let d = l.check(&format!("once-{i}"), "once", 1).await.unwrap();
+        assert!(matches!(d, Decision::Allowed { .. }), "once-{i}: {d:?}");
+        assert!(l.keys_in_memory() <= 300, "{} keys", l.keys_in_memory());
+    }
+    let (evicted, without_state) = l.keys_evicted();
+    assert_eq!(
+        without_state, 0,
+        "decided without state while idle keys could go"
+    );
+    assert!(
+        evicted >= flood - 300,
+        "{evicted} evicted for {flood} new keys"
+    );
+    for s in &leased {
+        let d = l.check(s, "leased", 1).await.unwrap();
+        assert!(
+            matches!(
+                d,
+                Decision::Allowed {
+                    via: Admission::Lease,
+                    ..
+                }
+            ),
+            "{s} lost its lease: {d:?}"
+        );
+    }
+    for i in 0..100 {
+        let d = l.check(&format!("once-{i}"), "once", 1).await.unwrap();
+        assert!(
+            matches!(d, Decision::Denied { .. }),
+            "once-{i} again: {d:?}"
+        );
+    }
+}

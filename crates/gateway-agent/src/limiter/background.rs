@@ -55,6 +55,8 @@ pub(super) async fn background(
                     .set(if inner.evicting.load(Ordering::Relaxed) { 1.0 } else { 0.0 });
                 metrics::counter!("leasehold_keys_decided_without_state_total")
                     .absolute(inner.keys_over_cap.load(Ordering::Relaxed));
+                metrics::counter!("leasehold_keys_evicted_total")
+                    .absolute(inner.keys_evicted.load(Ordering::Relaxed));
                 inner.error_kinds.publish();
                 let now = Limiter { inner: Arc::clone(&inner) }.now_ns();
                 for (shard, open) in inner.breakers.states(now) {
@@ -197,9 +199,9 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
     ks.prefetching.store(false, Ordering::Release);
 }
 
-/// How often the sweep passes over the whole key map (forgetting idle cold keys, making
-/// room), at most: `forget_after` divided by this, and never more often than it visits
-/// the keys that lease.
+/// How often the sweep passes over the whole key map (forgetting idle cold keys), at
+/// most: `forget_after` divided by this, and never more often than it visits the keys
+/// that lease.
 const FULL_SWEEPS_PER_FORGET: u32 = 30;
 
 impl Limiter {
@@ -293,24 +295,26 @@ impl Limiter {
         }
         *swept = keep;
         drop(swept);
-        if now >= inner.full_sweep_ns.load(Ordering::Relaxed) {
-            let every =
-                (inner.config.forget_after / FULL_SWEEPS_PER_FORGET).max(inner.config.sweep_every);
-            inner
-                .full_sweep_ns
-                .store(now + every.as_nanos() as u64, Ordering::Relaxed);
-            self.sweep_all(now, &rules);
-        }
+        // The pass over the whole map, a few shards a tick: about once every `forget_after`
+        // / FULL_SWEEPS_PER_FORGET in all, never a stall of the runtime's thread for the
+        // whole map (a pass over 50 000 keys took 4-10 ms).
+        let every =
+            (inner.config.forget_after / FULL_SWEEPS_PER_FORGET).max(inner.config.sweep_every);
+        let ticks = (every.as_nanos() / inner.config.sweep_every.as_nanos().max(1)).max(1) as usize;
+        let shards = keymap::SHARDS.div_ceil(ticks);
+        let first = inner.sweep_cursor.fetch_add(shards, Ordering::Relaxed) % keymap::SHARDS;
+        self.sweep_shards(now, &rules, first, shards);
     }
 
-    /// The pass over the whole map: forgets cold keys idle for `forget_after` and keys
-    /// whose rule is gone, makes room above 90% of `max_keys`, and lists any key that
-    /// leases and is not listed yet.
-    fn sweep_all(&self, now: u64, rules: &RuleTable) {
+    /// Part of the pass over the whole map, `count` shards from `first`: forgets cold keys
+    /// idle for `forget_after` and keys whose rule is gone, and lists any key that leases
+    /// and is not listed yet. (At `max_keys` a new key takes an idle one's place:
+    /// `KeyMap::get_or_insert_with`.)
+    fn sweep_shards(&self, now: u64, rules: &RuleTable, first: usize, count: usize) {
         let inner = &self.inner;
         let mut forget = Vec::new();
         let forget_after = inner.config.forget_after.as_nanos() as u64;
-        inner.keys.for_each(|id, ks| {
+        inner.keys.for_each_in(first, count, |id, ks| {
             // Most keys are cold and hold nothing: all they need is to be forgotten once
             // idle for long, checked without a lock or a rule lookup.
             if !ks.active(now) {
@@ -330,39 +334,5 @@ impl Limiter {
         for id in forget {
             inner.keys.remove(&id);
         }
-        self.make_room(now);
-    }
-
-    /// Above 90% of `max_keys`, drops idle cold keys (no lease, no waiter), the longest
-    /// idle first, down to 80%.
-    fn make_room(&self, now: u64) {
-        let inner = &self.inner;
-        let max = inner.config.max_keys;
-        let len = inner.keys.len();
-        if len * 10 <= max * 9 {
-            return;
-        }
-        let mut cold: Vec<(u64, KeyId)> = Vec::new();
-        inner.keys.for_each(|id, ks| {
-            if !ks.hot().hot.load(Ordering::Acquire)
-                && ks.hot().lease.held() == 0
-                && ks.waiters.load(Ordering::Acquire) == 0
-            {
-                let idle = now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed));
-                cold.push((u64::MAX - idle, id.clone()));
-            }
-        });
-        let excess = (len - max * 8 / 10).min(cold.len());
-        if excess == 0 {
-            return;
-        }
-        cold.select_nth_unstable_by_key(excess - 1, |(k, _)| *k);
-        for (_, id) in &cold[..excess] {
-            inner.keys.remove(id);
-        }
-        inner
-            .keys_evicted
-            .fetch_add(excess as u64, Ordering::Relaxed);
-        metrics::counter!("leasehold_keys_evicted_total").increment(excess as u64);
     }
 }

@@ -56,9 +56,11 @@ pub struct LimiterConfig {
     pub return_after: Duration,
     /// A cold key with no activity for this long is forgotten (memory released).
     pub forget_after: Duration,
-    /// The most keys whose state the agent keeps (about 1 KB each). Past it, idle cold
-    /// keys are dropped first (oldest first), a key holding a lease is never dropped, and
-    /// a new key is decided by one exact call without keeping its state.
+    /// The most keys whose state the agent keeps (about 1 KB each). At it, a new key
+    /// takes the place of an idle cold key (the longest idle of a few sampled, as Redis
+    /// evicts); a key that leases, holds tokens or has a waiter is never dropped, and
+    /// when no sampled key may go, the new key is decided by one exact call without
+    /// keeping its state.
     pub max_keys: usize,
     /// A lease covers about this much of the key's local demand.
     pub horizon: Duration,
@@ -290,7 +292,7 @@ impl LimiterBuilder {
             keys_evicted: AtomicU64::new(0),
             prefetch: tx,
             swept: parking_lot::Mutex::new(Vec::new()),
-            full_sweep_ns: AtomicU64::new(0),
+            sweep_cursor: AtomicUsize::new(0),
             policy: self.config.policy(),
             config: self.config,
         });

@@ -50,7 +50,7 @@ impl Slot {
 }
 
 /// Shards: enough that two threads rarely meet on one lock.
-const SHARDS: usize = 64;
+pub(super) const SHARDS: usize = 64;
 
 pub(super) struct KeyMap {
     shards: Box<[CachePadded<RwLock<Table>>]>,
@@ -88,33 +88,64 @@ impl KeyMap {
         self.with(key, |slot| slot.ks.clone())
     }
 
-    /// The key's state, made by `make` if absent (by this caller or one that raced it).
+    /// The key's state: found, or made by `make(false)` and inserted. At `max` keys the
+    /// new key takes the place of an idle cold key of its shard (the longest idle of up
+    /// to [`EVICTION_SAMPLES`] keys sampled from a random place, as Redis evicts: no pass
+    /// over the map), and when none of those may go (each leases, holds tokens or has
+    /// a waiter), `make(true)` makes a state kept out of the map.
     pub(super) fn get_or_insert_with(
         &self,
         id: KeyId,
-        make: impl FnOnce() -> Arc<KeyState>,
-    ) -> Arc<KeyState> {
+        max: usize,
+        now: u64,
+        make: impl FnOnce(bool) -> Arc<KeyState>,
+    ) -> (Arc<KeyState>, Placed) {
         let hash = self.hasher.hash_one(&id);
         let mut table = self.shard(hash).write();
-        let entry = table.entry(
+        if let Some(slot) = table.find(hash, |slot| slot.id == id) {
+            return (slot.ks.clone(), Placed::Found);
+        }
+        let mut placed = Placed::Inserted;
+        if self.len.load(Ordering::Relaxed) >= max {
+            // The key's own shard, else the next few whose lock is free (never waited
+            // for while this one is held: no lock order to keep).
+            let evicted = self.evict(&mut table, hash, now)
+                || (1..=EVICTION_SHARDS).any(|i| {
+                    let other = &self.shards[((hash >> 48) as usize + i) % SHARDS];
+                    other
+                        .try_write()
+                        .is_some_and(|mut t| self.evict(&mut t, hash, now))
+                });
+            if !evicted {
+                return (make(true), Placed::Transient);
+            }
+            placed = Placed::Evicted;
+        }
+        self.len.fetch_add(1, Ordering::Relaxed);
+        let ks = make(false);
+        table.insert_unique(
             hash,
-            |slot| slot.id == id,
+            Slot {
+                id,
+                cell: ks.cell.at.clone(),
+                counters: ks.counters.clone(),
+                ks: ks.clone(),
+            },
             |slot| self.hasher.hash_one(&slot.id),
         );
-        match entry {
-            hashbrown::hash_table::Entry::Occupied(e) => e.get().ks.clone(),
-            hashbrown::hash_table::Entry::Vacant(e) => {
-                self.len.fetch_add(1, Ordering::Relaxed);
-                let ks = make();
-                e.insert(Slot {
-                    id,
-                    cell: ks.cell.at.clone(),
-                    counters: ks.counters.clone(),
-                    ks: ks.clone(),
-                });
-                ks
-            }
+        (ks, placed)
+    }
+
+    /// Removes the victim of `table` (see [`victim`]), if any.
+    fn evict(&self, table: &mut Table, hash: u64, now: u64) -> bool {
+        let Some(index) = victim(table, hash, now) else {
+            return false;
+        };
+        let removed = table.get_bucket_entry(index).map(|e| e.remove()).is_ok();
+        if removed {
+            self.len.fetch_sub(1, Ordering::Relaxed);
         }
+        removed
     }
 
     /// Forgets the key.
@@ -133,13 +164,70 @@ impl KeyMap {
 
     /// Visits every key, one shard at a time under its read lock (a writer to that shard
     /// waits for the shard's visit, never for the whole map's).
-    pub(super) fn for_each(&self, mut f: impl FnMut(&KeyId, &Arc<KeyState>)) {
-        for shard in self.shards.iter() {
-            for slot in shard.read().iter() {
+    pub(super) fn for_each(&self, f: impl FnMut(&KeyId, &Arc<KeyState>)) {
+        self.for_each_in(0, SHARDS, f);
+    }
+
+    /// Visits the keys of `count` shards from shard `first` (wrapping; each shard once).
+    pub(super) fn for_each_in(
+        &self,
+        first: usize,
+        count: usize,
+        mut f: impl FnMut(&KeyId, &Arc<KeyState>),
+    ) {
+        for i in 0..count.min(SHARDS) {
+            for slot in self.shards[(first + i) % SHARDS].read().iter() {
                 f(&slot.id, &slot.ks);
             }
         }
     }
+}
+
+/// How [`KeyMap::get_or_insert_with`] placed a key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Placed {
+    /// It was in the map.
+    Found,
+    /// Inserted.
+    Inserted,
+    /// Inserted in place of an idle cold key, at `max_keys`.
+    Evicted,
+    /// Not inserted: the map is full and no sampled key could go.
+    Transient,
+}
+
+/// Keys sampled for an eviction, and the buckets probed to find them.
+pub(super) const EVICTION_SAMPLES: usize = 5;
+const EVICTION_PROBES: usize = 64;
+/// Shards tried after the key's own when it has no victim (a small map spreads thin).
+const EVICTION_SHARDS: usize = 3;
+
+/// The bucket of the longest idle evictable key of up to [`EVICTION_SAMPLES`] found from
+/// a place `hash` picks (a new key's hash: random to callers). Consecutive buckets, so
+/// the probe reads adjacent control bytes and slots.
+fn victim(table: &Table, hash: u64, now: u64) -> Option<usize> {
+    let n = table.num_buckets();
+    if n == 0 {
+        return None;
+    }
+    let start = (hash.rotate_left(29) as usize) % n;
+    let (mut best, mut seen) = (None::<(u64, usize)>, 0);
+    for i in 0..EVICTION_PROBES.min(n) {
+        let index = (start + i) % n;
+        let Some(slot) = table.get_bucket(index) else {
+            continue;
+        };
+        if let Some(idle) = slot.ks.idle_if_evictable(now)
+            && best.is_none_or(|(b, _)| idle > b)
+        {
+            best = Some((idle, index));
+        }
+        seen += 1;
+        if seen == EVICTION_SAMPLES {
+            break;
+        }
+    }
+    best.map(|(_, index)| index)
 }
 
 /// What a decision on a leased key reads and writes, one cache line per key, in chunks

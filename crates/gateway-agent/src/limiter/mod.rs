@@ -406,6 +406,13 @@ impl KeyState {
                     < crate::report::REPORT_TTL_MS * 1_000_000)
     }
 
+    /// How long the key has been idle, if it may leave the map to make room: inactive
+    /// (no lease, no tokens held or unreported) and no caller waiting on it.
+    fn idle_if_evictable(&self, now: u64) -> Option<u64> {
+        (!self.active(now) && self.waiters.load(Ordering::Acquire) == 0)
+            .then(|| now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed)))
+    }
+
     fn new(
         cells: &Arc<keymap::Cells>,
         rule: &str,
@@ -477,7 +484,8 @@ struct Inner {
     /// was most of an agent's CPU under a long tail of keys.
     swept: parking_lot::Mutex<Vec<Arc<KeyState>>>,
     /// When the next pass over the whole map is due (agent clock, ns).
-    full_sweep_ns: AtomicU64,
+    /// The next shard the sweep's pass over the whole map visits.
+    sweep_cursor: AtomicUsize,
     config: LimiterConfig,
     /// The part of `config` the lease-core policy reads.
     policy: PolicyConfig,
@@ -910,31 +918,34 @@ impl Limiter {
             return Ok(Local::NeedsStore(ks, entry));
         }
         let bucket = entry.key(subject)?;
-        if keys.len() >= self.inner.config.max_keys {
-            // Full (a flood of distinct subjects, say): this key is decided by one exact
-            // call without keeping its state, and the sweep makes room, idle cold keys
-            // first. Memory stays bounded whatever the callers send.
-            self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
-            let ks = Arc::new(KeyState::new(
-                &self.inner.cells,
-                rule,
-                &entry,
-                bucket,
-                now,
-                true,
-            ));
-            return Ok(Local::NeedsStore(ks, entry));
+        let (ks, placed) = keys.get_or_insert_with(
+            KeyId::new(rule, subject),
+            self.inner.config.max_keys,
+            now,
+            |transient| {
+                Arc::new(KeyState::new(
+                    &self.inner.cells,
+                    rule,
+                    &entry,
+                    bucket,
+                    now,
+                    transient,
+                ))
+            },
+        );
+        match placed {
+            keymap::Placed::Found | keymap::Placed::Inserted => {}
+            keymap::Placed::Evicted => {
+                self.inner.keys_evicted.fetch_add(1, Ordering::Relaxed);
+            }
+            // Full of keys that lease or wait (a flood of distinct subjects while every
+            // sampled key is busy): this key is decided by one exact call without keeping
+            // its state. Memory stays bounded whatever the callers send.
+            keymap::Placed::Transient => {
+                self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
+                return Ok(Local::NeedsStore(ks, entry));
+            }
         }
-        let ks = keys.get_or_insert_with(KeyId::new(rule, subject), || {
-            Arc::new(KeyState::new(
-                &self.inner.cells,
-                rule,
-                &entry,
-                bucket,
-                now,
-                false,
-            ))
-        });
         // Another caller may have inserted it first, with the same entry.
         let entry = ks.entry.load_full();
         Ok(Local::NeedsStore(ks, entry))
@@ -1608,7 +1619,8 @@ impl Limiter {
         self.inner.keys.len()
     }
 
-    /// Keys dropped to keep the map within `max_keys` (idle cold keys, oldest first),
+    /// Keys dropped to keep the map within `max_keys` (idle cold keys, the longest idle
+    /// of those sampled),
     /// and decisions made without keeping state because it was full.
     pub fn keys_evicted(&self) -> (u64, u64) {
         (

@@ -894,7 +894,7 @@ end
 -- now, then the costs cost[first .. first + count - 1] in order, its answer appended to
 -- out. Returns the level, the carry, the time used and the key's expiry in ms (I6: full
 -- again, and a grace after the call).
-local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, out)
+local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
   local per, rate, cap = p.per, p.n, p.cap
   local now = server_now
   if ts > now then now = ts end
@@ -906,13 +906,19 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, 
     local q, r = divmod(car + rate * (now - ts), per)
     tok, car = tok + q, r
   end
+  -- The answer (see answer) written in place: its remaining once the costs are taken.
+  local n = #out
+  out[n + 1], out[n + 2], out[n + 4] = 0, now - server_now, 0
   for i = 1, count do
     local c = cost[first + i - 1]
-    local retry = 0
-    if tok >= c then tok = tok - c else retry = ceil_div((c - tok) * per - car, rate) end
-    rt[i] = retry
+    if tok >= c then
+      tok = tok - c
+      out[n + 4 + i] = 0
+    else
+      out[n + 4 + i] = ceil_div((c - tok) * per - car, rate)
+    end
   end
-  answer(out, 0, now - server_now, tok, 0, count, rt)
+  out[n + 3] = tok
   local full = 0
   if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
   return tok, car, now, divmod(now + p.grace + full, 1000) + 1
@@ -933,15 +939,14 @@ local function exact_one(key, p, cost, first, count, server_now, v, rt, out)
     return exact_full(key, p, cost, first, count, server_now, s, rt, out)
   end
   local at
-  s.tok, s.car, s.ts, at = decide_cold(p, s.tok, s.car, s.ts, server_now, cost, first, count, rt,
-    out)
+  s.tok, s.car, s.ts, at = decide_cold(p, s.tok, s.car, s.ts, server_now, cost, first, count, out)
   redis.call('HSET', key, STATE, pack_state(s))
   redis.call('PEXPIREAT', key, fmt(at))
 end
 
 -- One compact key (v: its value), or a new one (v false): decided, then written back with
 -- its expiry in one SET. Its answer is appended to out.
-local function exact_compact(key, p, cost, first, count, server_now, v, rt, out)
+local function exact_compact(key, p, cost, first, count, server_now, v, out)
   local tok, car, ts = p.cap, 0, server_now
   if v then
     local per
@@ -950,7 +955,7 @@ local function exact_compact(key, p, cost, first, count, server_now, v, rt, out)
     if per ~= p.per then car = 0 end
   end
   local now, at
-  tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, rt, out)
+  tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
   redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT', fmt(at))
 end
 
@@ -1112,7 +1117,7 @@ local function exact_batch(keys, id, args)
     if f == true then
       exact_one(keys[k], p, args, i + 2, count, server_now, states[k], rt, out)
     else
-      exact_compact(keys[k], p, args, i + 2, count, server_now, f, rt, out)
+      exact_compact(keys[k], p, args, i + 2, count, server_now, f, out)
     end
     i = i + 2 + count
   end

@@ -335,7 +335,8 @@ impl KeyRef<'_> {
 #[derive(Debug, Default)]
 struct Driver {
     policy: KeyPolicy,
-    route: Option<Route>,
+    /// The split part this key's calls go to (boxed: most keys are never split).
+    route: Option<Box<Route>>,
 }
 
 #[derive(Debug)]
@@ -372,7 +373,8 @@ struct KeyState {
     queue: AsyncMutex<()>,
     waiters: AtomicUsize,
     in_emergency: AtomicBool,
-    emergency: parking_lot::Mutex<Option<Emergency>>,
+    /// Boxed: a key needs it only while its store is unreachable.
+    emergency: parking_lot::Mutex<Option<Box<Emergency>>>,
     /// Made for one decision while the key map was full; never in the map, never leased.
     transient: bool,
     /// The rule, or the subject's override, in force for this key; replaced on reload.
@@ -1371,7 +1373,7 @@ impl Limiter {
                     && empty
                     && let Some(next) = r.next(&ks.bucket, &entry.params)
                 {
-                    driver.route = Some(next);
+                    driver.route = Some(Box::new(next));
                 }
                 return Ok(reply);
             }
@@ -1416,7 +1418,7 @@ impl Limiter {
         op: &mut Op,
     ) -> Result<(), CallError> {
         self.release(ks, driver, entry, false).await?;
-        driver.route = next;
+        driver.route = next.map(Box::new);
         driver.policy.moved();
         if let Op::Acquire { held, .. } = op {
             *held = 0;
@@ -1534,12 +1536,12 @@ impl Limiter {
                         }
                         None => (share, cap, Level::default()),
                     };
-                    Emergency {
+                    Box::new(Emergency {
                         level,
                         rate,
                         cap,
                         at_ns: now,
-                    }
+                    })
                 });
                 let dt_us = now.saturating_sub(e.at_ns) / 1000;
                 e.level = e.level.refill(e.cap, e.rate, dt_us);

@@ -216,7 +216,8 @@ impl Limiter {
     }
 
     /// Returns the tokens of idle leases and demotes their keys, renews live leases close
-    /// to expiry; about once a second, forgets cold keys idle for long.
+    /// to expiry; and passes over a few shards of the whole map, forgetting cold keys idle
+    /// for long (each shard about once a second).
     pub(super) fn sweep(&self) {
         let inner = &self.inner;
         let now = self.now_ns();

@@ -1170,7 +1170,7 @@ impl Limiter {
 
     async fn exact(
         &self,
-        ks: &KeyState,
+        ks: &Arc<KeyState>,
         driver: &mut Driver,
         entry: &RuleEntry,
         cost: u64,
@@ -1191,10 +1191,11 @@ impl Limiter {
 
     /// Counts exact decisions `(cost, admitted)` taken at `now` in the key's policy
     /// (`leased_elsewhere`: the store said other agents lease the key). Promotion: a cold
-    /// key used faster than the threshold, or leased elsewhere, starts leasing.
+    /// key used faster than the threshold, or leased elsewhere, starts leasing, and the
+    /// sweep lists it.
     fn count_exact(
         &self,
-        ks: &KeyState,
+        ks: &Arc<KeyState>,
         driver: &mut Driver,
         entry: &RuleEntry,
         now: u64,
@@ -1216,6 +1217,11 @@ impl Limiter {
             ks.share_milli
                 .store(driver.policy.share_milli(), Ordering::Relaxed);
             ks.hot().hot.store(true, Ordering::Release);
+            // Visited by the sweep from now on, not only once the pass over the map
+            // comes by.
+            if !ks.transient {
+                self.track(ks);
+            }
         }
     }
 

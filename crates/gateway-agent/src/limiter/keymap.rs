@@ -5,7 +5,8 @@
 //! (tables are arrays, so 10 000 keys' slots lie in about 1 MB), then the key's state.
 //! A map that boxes each entry (papaya) adds a pointer chase into memory scattered by
 //! every allocation made between two keys' creations: at 10 000 keys that was most of a
-//! decision's time. Writers (a key's creation, forgetting) take one shard's write lock.
+//! decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
+//! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
 use std::hash::BuildHasher;
 use std::sync::Arc;

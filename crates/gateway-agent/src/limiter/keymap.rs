@@ -12,11 +12,11 @@
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
 use std::hash::BuildHasher;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, PoisonError};
 
 use crossbeam_utils::CachePadded;
-use crossbeam_utils::sync::ShardedLock as RwLock;
+use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use leasehold_core::LocalLease;
 use parking_lot::Mutex;
 
@@ -58,7 +58,7 @@ impl Slot {
 pub(super) const SHARDS: usize = 64;
 
 pub(super) struct KeyMap {
-    shards: Box<[CachePadded<RwLock<Table>>]>,
+    shards: Box<[CachePadded<ShardedLock<Table>>]>,
     hasher: Hasher,
     len: AtomicUsize,
 }
@@ -68,26 +68,39 @@ impl KeyMap {
         let hasher = Hasher::default();
         Self {
             shards: (0..SHARDS)
-                .map(|_| CachePadded::new(RwLock::new(Table::new())))
+                .map(|_| CachePadded::new(ShardedLock::new(Table::new())))
                 .collect(),
             hasher,
             len: AtomicUsize::new(0),
         }
     }
 
-    fn shard(&self, hash: u64) -> &RwLock<Table> {
-        // The table uses the hash's low bits and its top 7; the shard takes bits below.
-        &self.shards[(hash >> 48) as usize % SHARDS]
+    /// The shard of a key's hash. The table uses the hash's low bits and its top 7; the
+    /// shard takes bits below.
+    fn shard_of(hash: u64) -> usize {
+        (hash >> 48) as usize % SHARDS
+    }
+
+    /// Shard `i`'s table, read-locked. A poisoned lock (a panic while it was held) still
+    /// guards a whole table: every write to it is one hashbrown call.
+    fn read(&self, i: usize) -> ShardedLockReadGuard<'_, Table> {
+        self.shards[i % SHARDS]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Shard `i`'s table, write-locked (see [`KeyMap::read`]).
+    fn write(&self, i: usize) -> ShardedLockWriteGuard<'_, Table> {
+        self.shards[i % SHARDS]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// `f` of the key's slot, under the shard's read lock (no reference count touched).
     #[inline]
     pub(super) fn with<R>(&self, key: &KeyRef<'_>, f: impl FnOnce(&Slot) -> R) -> Option<R> {
         let hash = self.hasher.hash_one(key);
-        let table = self
-            .shard(hash)
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let table = self.read(Self::shard_of(hash));
         table.find(hash, |slot| key.matches(&slot.id)).map(f)
     }
 
@@ -109,10 +122,8 @@ impl KeyMap {
         make: impl FnOnce(bool) -> Arc<KeyState>,
     ) -> (Arc<KeyState>, Placed) {
         let hash = self.hasher.hash_one(&id);
-        let mut table = self
-            .shard(hash)
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let shard = Self::shard_of(hash);
+        let mut table = self.write(shard);
         if let Some(slot) = table.find(hash, |slot| slot.id == id) {
             return (slot.ks.clone(), Placed::Found);
         }
@@ -122,8 +133,7 @@ impl KeyMap {
             // for while this one is held: no lock order to keep).
             let evicted = self.evict(&mut table, hash, now)
                 || (1..=EVICTION_SHARDS).any(|i| {
-                    let other = &self.shards[((hash >> 48) as usize + i) % SHARDS];
-                    other
+                    self.shards[(shard + i) % SHARDS]
                         .try_write()
                         .ok()
                         .is_some_and(|mut t| self.evict(&mut t, hash, now))
@@ -163,10 +173,7 @@ impl KeyMap {
     /// Forgets the key.
     pub(super) fn remove(&self, id: &KeyId) {
         let hash = self.hasher.hash_one(id);
-        let mut table = self
-            .shard(hash)
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut table = self.write(Self::shard_of(hash));
         if let Ok(e) = table.find_entry(hash, |slot| slot.id == *id) {
             e.remove();
             self.len.fetch_sub(1, Ordering::Relaxed);
@@ -191,11 +198,7 @@ impl KeyMap {
         mut f: impl FnMut(&KeyId, &Arc<KeyState>),
     ) {
         for i in 0..count.min(SHARDS) {
-            for slot in self.shards[(first + i) % SHARDS]
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .iter()
-            {
+            for slot in self.read(first + i).iter() {
                 f(&slot.id, &slot.ks);
             }
         }

@@ -485,7 +485,6 @@ struct Inner {
     /// once a second (see `background.rs`): visiting 50 000 cold keys ten times a second
     /// was most of an agent's CPU under a long tail of keys.
     swept: parking_lot::Mutex<Vec<Arc<KeyState>>>,
-    /// When the next pass over the whole map is due (agent clock, ns).
     /// The next shard the sweep's pass over the whole map visits.
     sweep_cursor: AtomicUsize,
     config: LimiterConfig,

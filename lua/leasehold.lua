@@ -925,11 +925,13 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
 end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
--- the same period) runs on locals; the rest through exact_full. v: its state field as the
--- batch read it (nil: none, or the layout before). Its answer is appended to out.
-local function exact_one(key, p, cost, first, count, server_now, v, rt, out)
-  if not v then v = legacy(key, STATE)[1] end
-  local s = v and state_of(key, v)
+-- the same period) runs on locals; the rest through exact_full. s: its state as the batch
+-- read it (nil: no state field, or the layout before). Its answer is appended to out.
+local function exact_one(key, p, cost, first, count, server_now, s, rt, out)
+  if not s then
+    local v = legacy(key, STATE)[1]
+    s = v and state_of(key, v)
+  end
   if s and (s.split.parts ~= 0 or s.pg ~= 0) then
     for i = 1, count do rt[i] = 0 end
     return answer(out, 1, 0, 0, 0, count, rt)
@@ -1091,7 +1093,7 @@ local function exact_batch(keys, id, args)
   end
   -- Every key read before any is written: a compact value (GET), none (false), or a hash
   -- (GET fails; a key of any other type is refused here, and a hash whose state field is
-  -- not one), with its state field in states.
+  -- not one), with its state, decoded, in states.
   local found, states = {}, {}
   for k = 2, nkeys do
     local key = keys[k]
@@ -1104,8 +1106,7 @@ local function exact_batch(keys, id, args)
       ty = ty['ok']
       if ty ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty) end
       local st = redis.call('HGET', key, STATE)
-      if st then state_of(key, st) end
-      found[k], states[k] = true, st
+      found[k], states[k] = true, st and state_of(key, st)
     else
       found[k] = false
     end

@@ -424,8 +424,9 @@ impl KeyPolicy {
     /// trip later changes nothing in what it admits (the tokens the prefetch brings go to
     /// the next callers), and no decision waits for the store. Dry alone is not enough:
     /// under the limit a small B is dry whenever the fleet's leases hold most of it, and
-    /// there a caller admitted a round trip later is one the limit allows. Reported demand lags what is offered (about a
-    /// second after promotion): until the store sees the contention, callers wait.
+    /// there a caller admitted a round trip later is one the limit allows. Reported
+    /// demand lags what is offered (about a second after promotion): until the store sees
+    /// the contention, callers wait.
     pub fn deny_while_refilling_until(&self) -> u64 {
         if self.dry_at_ns == 0 || !(self.contended() || self.over_rate) {
             return 0;

@@ -20,10 +20,11 @@
 //!   [`batch_numbers`] packed.
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as those
 //!   fields, and [`bucket_fields`] reads Redis's hash (its state packed in [`STATE`], each
-//!   agent's record packed in a field named by the agent) as the same. A compact bucket (a 34-byte string, [`compact_value`], see
-//!   [`BucketState::compact`]) renders as one entry named [`COMPACT`] whose value is
-//!   `tok,car,ts,p` ([`compact_text`] reads Redis's string so); [`compact_fields`] reads
-//!   such a string as the hash it stands for.
+//!   agent's record packed in a field named by the agent) as the same. A compact bucket
+//!   (a 34-byte string, [`compact_value`], see [`BucketState::compact`]) renders as one
+//!   entry named [`COMPACT`] whose value is `tok,car,ts,p` ([`compact_text`] reads
+//!   Redis's string so); [`compact_fields`] reads such a string as the hash it stands
+//!   for.
 
 use std::collections::BTreeMap;
 

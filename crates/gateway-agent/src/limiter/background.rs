@@ -258,7 +258,7 @@ impl Limiter {
                 &inner.policy,
                 now,
                 &ks.hot().lease,
-                ks.denied_tokens.load(Ordering::Relaxed),
+                ks.hot().denied_tokens.load(Ordering::Relaxed),
                 ks.last_io_ns.load(Ordering::Relaxed),
             );
             let this = self.clone();
@@ -318,19 +318,20 @@ impl Limiter {
         let inner = &self.inner;
         let mut forget = Vec::new();
         let forget_after = inner.config.forget_after.as_nanos() as u64;
-        inner.keys.for_each_in(first, count, |id, ks| {
+        inner.keys.for_each_in(first, count, |slot| {
+            let ks = &slot.ks;
             // Most keys are cold and hold nothing: all they need is to be forgotten once
             // idle for long, checked without a lock or a rule lookup.
             if !ks.active(now) {
                 if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
                     && ks.waiters.load(Ordering::Acquire) == 0
                 {
-                    forget.push(id.clone());
+                    forget.push(slot.id());
                 }
                 return;
             }
             if rules.get(&ks.rule).is_err() {
-                forget.push(id.clone());
+                forget.push(slot.id());
                 return;
             }
             self.track(ks);

@@ -4,14 +4,14 @@
 //! two cores do not pass one lock word between them (2 threads at 10 000 keys, 30% less
 //! time a decision); a writer locks every stripe, which key creation can afford.
 //!
-//! A decision on a leased key reads one shard lock, one control group and one slot
-//! (tables are arrays, so 10 000 keys' slots lie in about 1 MB), then the key's state.
-//! A map that boxes each entry (papaya) adds a pointer chase into memory scattered by
+//! A decision on a leased key, or a cached denial, reads one shard lock, one control
+//! group, one slot (a cache line: 10 000 keys' slots lie in under 1 MB) and the key's
+//! cell (another line); the key's state only when the lease runs low. A map that boxes each entry (papaya) adds a pointer chase into memory scattered by
 //! every allocation made between two keys' creations: at 10 000 keys that was most of a
 //! decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher as _};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
@@ -26,21 +26,52 @@ use crate::counters::RuleCounters;
 type Hasher = foldhash::fast::RandomState;
 type Table = hashbrown::HashTable<Slot>;
 
-/// A key in the map: its bytes, its state, and what the hot path reads (its cell and its
-/// rule's counters) without touching the state.
+/// Bytes of a key (rule name, then subject) kept in its slot; longer keys are boxed.
+const KEY_INLINE: usize = 24;
+
+/// A key in the map, one cache line: its bytes, its state, and what the hot path reads
+/// without touching the state (its cell, as a chunk and an index, and its rule's
+/// counters).
+#[repr(align(64))]
 pub(super) struct Slot {
-    id: KeyId,
+    key: smallvec::SmallVec<[u8; KEY_INLINE]>,
+    rule_len: u32,
+    cell: u32,
+    chunk: Arc<Chunk>,
     pub(super) ks: Arc<KeyState>,
-    cell: CellRef,
     pub(super) counters: Arc<RuleCounters>,
 }
 
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
+
 impl Slot {
+    fn is(&self, id: &KeyId) -> bool {
+        self.rule_len as usize == id.rule_len && self.key[..] == id.bytes[..]
+    }
+
+    /// The key.
+    pub(super) fn id(&self) -> KeyId {
+        KeyId {
+            bytes: self.key[..].into(),
+            rule_len: self.rule_len as usize,
+        }
+    }
+
+    /// The key's subject.
+    pub(super) fn subject(&self) -> &[u8] {
+        &self.key[self.rule_len as usize..]
+    }
+
+    #[inline]
+    fn hot(&self) -> &Hot {
+        &self.chunk.cells[self.cell as usize]
+    }
+
     /// The key's cell when `cost` is neither 0 nor more than the rule's capacity (0 once
     /// the rule is removed: then never).
     #[inline]
     pub(super) fn valid_for(&self, cost: u64) -> Option<&Hot> {
-        let hot = self.cell.get();
+        let hot = self.hot();
         (cost != 0 && cost <= hot.capacity.load(Ordering::Relaxed)).then_some(hot)
     }
 
@@ -83,6 +114,7 @@ impl KeyMap {
 
     /// Shard `i`'s table, read-locked. A poisoned lock (a panic while it was held) still
     /// guards a whole table: every write to it is one hashbrown call.
+    #[inline]
     fn read(&self, i: usize) -> ShardedLockReadGuard<'_, Table> {
         self.shards[i % SHARDS]
             .read()
@@ -101,7 +133,9 @@ impl KeyMap {
     pub(super) fn with<R>(&self, key: &KeyRef<'_>, f: impl FnOnce(&Slot) -> R) -> Option<R> {
         let hash = self.hasher.hash_one(key);
         let table = self.read(Self::shard_of(hash));
-        table.find(hash, |slot| key.matches(&slot.id)).map(f)
+        table
+            .find(hash, |slot| key.matches(&slot.key, slot.rule_len as usize))
+            .map(f)
     }
 
     /// The key's state.
@@ -124,7 +158,7 @@ impl KeyMap {
         let hash = self.hasher.hash_one(&id);
         let shard = Self::shard_of(hash);
         let mut table = self.write(shard);
-        if let Some(slot) = table.find(hash, |slot| slot.id == id) {
+        if let Some(slot) = table.find(hash, |slot| slot.is(&id)) {
             return (slot.ks.clone(), Placed::Found);
         }
         let mut placed = Placed::Inserted;
@@ -148,12 +182,20 @@ impl KeyMap {
         table.insert_unique(
             hash,
             Slot {
-                id,
-                cell: ks.cell.at.clone(),
+                key: id.bytes[..].into(),
+                rule_len: id.rule_len as u32,
+                cell: ks.cell.at.index,
+                chunk: ks.cell.at.chunk.clone(),
                 counters: ks.counters.clone(),
                 ks: ks.clone(),
             },
-            |slot| self.hasher.hash_one(&slot.id),
+            |slot| {
+                let (rule, subject) = slot.key.split_at(slot.rule_len as usize);
+                let mut h = self.hasher.build_hasher();
+                h.write(rule);
+                h.write(subject);
+                h.finish()
+            },
         );
         (ks, placed)
     }
@@ -174,7 +216,7 @@ impl KeyMap {
     pub(super) fn remove(&self, id: &KeyId) {
         let hash = self.hasher.hash_one(id);
         let mut table = self.write(Self::shard_of(hash));
-        if let Ok(e) = table.find_entry(hash, |slot| slot.id == *id) {
+        if let Ok(e) = table.find_entry(hash, |slot| slot.is(id)) {
             e.remove();
             self.len.fetch_sub(1, Ordering::Relaxed);
         }
@@ -186,20 +228,15 @@ impl KeyMap {
 
     /// Visits every key, one shard at a time under its read lock (a writer to that shard
     /// waits for the shard's visit, never for the whole map's).
-    pub(super) fn for_each(&self, f: impl FnMut(&KeyId, &Arc<KeyState>)) {
+    pub(super) fn for_each(&self, f: impl FnMut(&Slot)) {
         self.for_each_in(0, SHARDS, f);
     }
 
     /// Visits the keys of `count` shards from shard `first` (wrapping; each shard once).
-    pub(super) fn for_each_in(
-        &self,
-        first: usize,
-        count: usize,
-        mut f: impl FnMut(&KeyId, &Arc<KeyState>),
-    ) {
+    pub(super) fn for_each_in(&self, first: usize, count: usize, mut f: impl FnMut(&Slot)) {
         for i in 0..count.min(SHARDS) {
             for slot in self.read(first + i).iter() {
-                f(&slot.id, &slot.ks);
+                f(slot);
             }
         }
     }
@@ -252,9 +289,9 @@ fn victim(table: &Table, hash: u64, now: u64) -> Option<usize> {
     best.map(|(_, index)| index)
 }
 
-/// What a decision on a leased key reads and writes, one cache line per key, in chunks
-/// shared by many keys: the hot path never touches memory a key's other allocations
-/// scattered.
+/// What a decision on a leased key, or a cached denial, reads and writes: one cache line
+/// per key, in chunks shared by many keys, so the hot path never touches memory a key's
+/// other allocations scattered.
 #[repr(C, align(64))]
 pub(super) struct Hot {
     pub(super) lease: LocalLease,
@@ -262,9 +299,19 @@ pub(super) struct Hot {
     /// removed, which sends checks to the full path and its `UnknownRule`.
     pub(super) capacity: AtomicU64,
     pub(super) low_water: AtomicU64,
+    /// Callers are denied without the store until then (agent clock): the time the
+    /// store named in its last refusal.
+    pub(super) deny_until_ns: AtomicU64,
+    /// Tokens denied on this key (offered demand = spent + denied).
+    pub(super) denied_tokens: AtomicU64,
     /// The key leases (a cold key of an `auto` rule turns hot when it is busy).
     pub(super) hot: AtomicBool,
+    /// The key's rule is in shadow mode: refusals are counted and let through.
+    pub(super) shadow: AtomicBool,
 }
+
+// One cache line each.
+const _: () = assert!(std::mem::size_of::<Hot>() == 64);
 
 const CELLS_PER_CHUNK: usize = 256;
 
@@ -300,8 +347,9 @@ pub(super) struct Cell {
 }
 
 impl Cells {
-    /// A cell, empty, set for a key of `capacity` that `hot` leases.
-    pub(super) fn take(self: &Arc<Self>, capacity: u64, hot: bool) -> Cell {
+    /// A cell, empty, set for a key of `capacity` that `hot` leases, of a rule in
+    /// `shadow` mode or not.
+    pub(super) fn take(self: &Arc<Self>, capacity: u64, hot: bool, shadow: bool) -> Cell {
         let at = {
             let mut free = self.free.lock();
             match free.pop() {
@@ -313,7 +361,10 @@ impl Cells {
                                 lease: LocalLease::new(),
                                 capacity: AtomicU64::new(0),
                                 low_water: AtomicU64::new(1),
+                                deny_until_ns: AtomicU64::new(0),
+                                denied_tokens: AtomicU64::new(0),
                                 hot: AtomicBool::new(false),
+                                shadow: AtomicBool::new(false),
                             })
                             .collect(),
                     });
@@ -333,6 +384,9 @@ impl Cells {
         h.lease.reset();
         h.capacity.store(capacity, Ordering::Relaxed);
         h.low_water.store(1, Ordering::Relaxed);
+        h.deny_until_ns.store(0, Ordering::Relaxed);
+        h.denied_tokens.store(0, Ordering::Relaxed);
+        h.shadow.store(shadow, Ordering::Relaxed);
         h.hot.store(hot, Ordering::Release);
         cell
     }

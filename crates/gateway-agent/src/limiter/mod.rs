@@ -282,9 +282,9 @@ impl RuleTable {
     }
 }
 
-/// A key of the agent's map: rule name and subject, stored inline in the map's node when
-/// short (no pointer to follow on a lookup), hashed in the same two pieces as the
-/// borrowed [`KeyRef`].
+/// A key of the agent's map: rule name and subject, hashed in the same two pieces as the
+/// borrowed [`KeyRef`]. The map's slot keeps the bytes inline when short (no pointer to
+/// follow on a lookup).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct KeyId {
     bytes: smallvec::SmallVec<[u8; 40]>,
@@ -324,9 +324,27 @@ impl std::hash::Hash for KeyRef<'_> {
 }
 
 impl KeyRef<'_> {
-    fn matches(&self, key: &KeyId) -> bool {
-        let (rule, subject) = key.bytes.split_at(key.rule_len);
-        self.rule.as_bytes() == rule && self.subject == subject
+    #[inline]
+    fn matches(&self, key: &[u8], rule_len: usize) -> bool {
+        let (rule, subject) = key.split_at(rule_len);
+        bytes_eq(self.rule.as_bytes(), rule) && bytes_eq(self.subject, subject)
+    }
+}
+
+/// `a == b`, comparing slices of 4 to 16 bytes (most rule names and subjects) with two
+/// overlapping word loads each instead of a call to `memcmp`.
+#[inline]
+fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let w8 = |s: &[u8], i: usize| <[u8; 8]>::try_from(&s[i..i + 8]).map_or(0, u64::from_ne_bytes);
+    let w4 = |s: &[u8], i: usize| <[u8; 4]>::try_from(&s[i..i + 4]).map_or(0, u32::from_ne_bytes);
+    match n {
+        8..=16 => w8(a, 0) == w8(b, 0) && w8(a, n - 8) == w8(b, n - 8),
+        4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
+        _ => a == b,
     }
 }
 
@@ -356,9 +374,6 @@ struct KeyState {
     rule: Box<str>,
     bucket: BucketKey,
     slot: u16,
-    deny_until_ns: AtomicU64,
-    /// Tokens denied on this key (offered demand = spent + denied).
-    denied_tokens: AtomicU64,
     /// A refused prefetch is not tried again before this time.
     prefetch_after_ns: AtomicU64,
     /// The policy's [`KeyPolicy::deny_while_refilling_until`] as of the last acquire.
@@ -429,12 +444,11 @@ impl KeyState {
             cell: cells.take(
                 entry.params.capacity,
                 !transient && entry.rule.leasing() == Leasing::Lease,
+                entry.shadow,
             ),
             counters: entry.counters.clone(),
             slot: bucket.slot(),
             bucket,
-            deny_until_ns: AtomicU64::new(0),
-            denied_tokens: AtomicU64::new(0),
             prefetch_after_ns: AtomicU64::new(0),
             refill_denies_until_ns: AtomicU64::new(0),
             prefetching: AtomicBool::new(false),
@@ -742,7 +756,7 @@ impl Limiter {
             {
                 return Some(d);
             }
-            self.deny_cached(&slot.ks, cost, t)
+            self.deny_cached(hot, &slot.counters, &slot.ks, cost, t)
         }) {
             return Ok(Local::Decided(d));
         }
@@ -751,19 +765,35 @@ impl Limiter {
 
     /// A caller of a known key denied without the store: a denial cached until the time
     /// the store named, or a dry bucket refilling ([`Limiter::deny_while_refilling`]).
-    /// `None` when neither holds: two loads of the key's state, nothing written.
+    /// `None` when neither holds: two loads, nothing written. A cached denial touches
+    /// only the key's cell (`hot`) and its rule's counters.
     #[inline]
-    fn deny_cached(&self, ks: &Arc<KeyState>, cost: u64, now: u64) -> Option<Decision> {
-        let until = ks.deny_until_ns.load(Ordering::Relaxed);
-        if now >= until && now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
+    fn deny_cached(
+        &self,
+        hot: &keymap::Hot,
+        counters: &RuleCounters,
+        ks: &Arc<KeyState>,
+        cost: u64,
+        now: u64,
+    ) -> Option<Decision> {
+        let until = hot.deny_until_ns.load(Ordering::Relaxed);
+        if now < until {
+            hot.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            return Some(if hot.shadow.load(Ordering::Relaxed) {
+                counters.incr(Counter::ShadowDenied);
+                Decision::Allowed {
+                    remaining: 0,
+                    via: Admission::Shadow,
+                }
+            } else {
+                counters.incr(Counter::Denied);
+                denied(until - now)
+            });
+        }
+        if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
             return None;
         }
         let entry = ks.entry.load();
-        if now < until {
-            entry.counters.incr(entry.denied);
-            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
-            return Some(entry.enforce(denied(until - now)));
-        }
         self.deny_while_refilling(ks, &entry, cost, now)
             .map(|d| entry.enforce(d))
     }
@@ -913,7 +943,7 @@ impl Limiter {
         if let Some(ks) = existing {
             // The hot path tried the lease and the cached denials already, unless the key
             // came or the rule changed meanwhile.
-            if let Some(d) = self.deny_cached(&ks, cost, now) {
+            if let Some(d) = self.deny_cached(ks.hot(), &ks.counters, &ks, cost, now) {
                 return Ok(Local::Decided(d));
             }
             return Ok(Local::NeedsStore(ks, entry));
@@ -989,7 +1019,7 @@ impl Limiter {
             }
         };
         entry.counters.incr(entry.denied);
-        ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+        ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         Some(denied(wait.max(1)))
     }
 
@@ -1059,10 +1089,10 @@ impl Limiter {
             && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
-            let until = ks.deny_until_ns.load(Ordering::Acquire);
+            let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
             if now < until {
                 entry.counters.incr(entry.denied);
-                ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+                ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return denied(until - now);
             }
             if let Some(d) = self.exact_batched(&ks, &entry, cost, deadline).await {
@@ -1081,10 +1111,10 @@ impl Limiter {
         if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
             return d;
         }
-        let until = ks.deny_until_ns.load(Ordering::Acquire);
+        let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
         if now < until {
             entry.counters.incr(entry.denied);
-            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
             return denied(until - now);
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
@@ -1157,9 +1187,9 @@ impl Limiter {
             }
         }
         entry.counters.incr(entry.denied);
-        ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+        ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
-        let until = ks.deny_until_ns.load(Ordering::Acquire);
+        let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
         Ok(denied(if now < until {
             until - now
         } else {
@@ -1243,10 +1273,11 @@ impl Limiter {
             }
         } else {
             let wait = retry_us.max(1) * 1000;
-            ks.deny_until_ns
+            ks.hot()
+                .deny_until_ns
                 .store(self.now_ns() + wait, Ordering::Release);
             entry.counters.incr(entry.denied);
-            ks.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
             denied(wait)
         }
     }
@@ -1268,7 +1299,7 @@ impl Limiter {
             &self.inner.policy,
             sent,
             &ks.hot().lease,
-            ks.denied_tokens.load(Ordering::Relaxed),
+            ks.hot().denied_tokens.load(Ordering::Relaxed),
             needed,
         );
         let op = Op::Acquire {
@@ -1298,13 +1329,13 @@ impl Limiter {
             Ordering::Relaxed,
         );
         if let Some(until) = g.deny_until_ns {
-            ks.deny_until_ns.store(until, Ordering::Release);
+            ks.hot().deny_until_ns.store(until, Ordering::Release);
         }
         if let Some(until) = g.prefetch_after_ns {
             ks.prefetch_after_ns.store(until, Ordering::Relaxed);
         }
         if reply.granted > 0 {
-            ks.deny_until_ns.store(0, Ordering::Release);
+            ks.hot().deny_until_ns.store(0, Ordering::Release);
             entry.counters.incr(Counter::LeaseGrants);
             entry
                 .counters
@@ -1599,14 +1630,16 @@ impl Limiter {
             }
         };
         self.inner.rules.store(table.clone());
-        self.inner.keys.for_each(|id, ks| {
+        self.inner.keys.for_each(|slot| {
+            let ks = &slot.ks;
             let capacity = match table.get(&ks.rule) {
                 Ok(set) => {
-                    let entry = set.resolve(&id.bytes[id.rule_len..]);
+                    let entry = set.resolve(slot.subject());
                     if entry.params != ks.entry.load().params {
                         // A cached denial was timed at the old rate.
-                        ks.deny_until_ns.store(0, Ordering::Relaxed);
+                        ks.hot().deny_until_ns.store(0, Ordering::Relaxed);
                     }
+                    ks.hot().shadow.store(entry.shadow, Ordering::Relaxed);
                     ks.entry.store(entry.clone());
                     entry.params.capacity
                 }
@@ -1644,7 +1677,7 @@ impl Limiter {
         self.inner.stop.notify_one();
         let keys: Vec<Arc<KeyState>> = {
             let mut all = Vec::with_capacity(self.inner.keys.len());
-            self.inner.keys.for_each(|_, ks| all.push(ks.clone()));
+            self.inner.keys.for_each(|slot| all.push(slot.ks.clone()));
             all
         };
         for ks in keys {
@@ -1700,5 +1733,28 @@ impl Drop for CallTimer {
             "op" => self.op
         )
         .record(self.started.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bytes_eq;
+
+    #[test]
+    fn bytes_eq_agrees_with_slice_equality_at_every_length_and_position() {
+        for n in 0..40usize {
+            let a: Vec<u8> = (0..n as u8).collect();
+            assert!(bytes_eq(&a, &a.clone()), "length {n}");
+            assert!(
+                !bytes_eq(&a, &[a.as_slice(), &[0]].concat()),
+                "length {n} vs {}",
+                n + 1
+            );
+            for i in 0..n {
+                let mut b = a.clone();
+                b[i] ^= 0x80;
+                assert!(!bytes_eq(&a, &b), "length {n}, byte {i} differs");
+            }
+        }
     }
 }

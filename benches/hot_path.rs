@@ -114,17 +114,15 @@ fn hot_path(c: &mut Criterion) {
     }
 }
 
-/// What a check of ours must decide.
-type Expect = fn(&Option<Decision>) -> bool;
-
 /// One group per thread count (1 and 2), `NAME/T-thread SUFFIX`: `ours` and `governor`
 /// deciding `keys`, each thread walking them from its own offset; each decision must be
-/// the one named (ours: the predicate; governor: admitted or not).
+/// the one named (ours: the predicate; governor: admitted or not), checked the same way
+/// on both sides (inlined, a counter bumped off the measured path when one is not).
 fn compare(
     c: &mut Criterion,
     (name, suffix): (&str, &str),
     keys: &[String],
-    ours: (&str, &Limiter, Expect),
+    ours: (&str, &Limiter, impl Fn(&Option<Decision>) -> bool + Sync),
     governor: (&str, &DefaultKeyedRateLimiter<String>, bool),
 ) {
     let n = keys.len();
@@ -150,9 +148,19 @@ fn compare(
         });
         g.bench_function(governor.0, |b| {
             b.iter_custom(|iters| {
-                threaded(threads, iters, |t, i| {
-                    black_box(governor.1.check_key(at(t, i)).is_ok() == governor.2);
-                })
+                let wrong = AtomicU64::new(0);
+                let took = threaded(threads, iters, |t, i| {
+                    let admitted = governor.1.check_key(at(t, i)).is_ok();
+                    if black_box(admitted) != governor.2 {
+                        wrong.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+                let wrong = wrong.into_inner();
+                assert_eq!(
+                    wrong, 0,
+                    "governor {name}{suffix}: {wrong} decisions not as named"
+                );
+                took
             })
         });
         g.finish();

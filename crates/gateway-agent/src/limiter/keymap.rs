@@ -114,7 +114,7 @@ impl KeyMap {
 
     /// Shard `i`'s table, read-locked. A poisoned lock (a panic while it was held) still
     /// guards a whole table: every write to it is one hashbrown call.
-    #[inline]
+    #[inline(always)]
     fn read(&self, i: usize) -> ShardedLockReadGuard<'_, Table> {
         self.shards[i % SHARDS]
             .read()
@@ -129,7 +129,7 @@ impl KeyMap {
     }
 
     /// `f` of the key's slot, under the shard's read lock (no reference count touched).
-    #[inline]
+    #[inline(always)]
     pub(super) fn with<R>(&self, key: &KeyRef<'_>, f: impl FnOnce(&Slot) -> R) -> Option<R> {
         let hash = self.hasher.hash_one(key);
         let table = self.read(Self::shard_of(hash));
@@ -302,7 +302,8 @@ pub(super) struct Hot {
     /// Callers are denied without the store until then (agent clock): the time the
     /// store named in its last refusal.
     pub(super) deny_until_ns: AtomicU64,
-    /// Tokens denied on this key (offered demand = spent + denied).
+    /// Tokens denied on this key (offered demand = spent + denied), read only while it
+    /// leases, so a cold key's cached denials do not count them.
     pub(super) denied_tokens: AtomicU64,
     /// The key leases (a cold key of an `auto` rule turns hot when it is busy).
     pub(super) hot: AtomicBool,

@@ -544,6 +544,7 @@ fn store_answered(ks: &KeyState) {
     }
 }
 
+#[inline]
 fn denied(wait_ns: u64) -> Decision {
     Decision::Denied {
         retry_after: Duration::from_nanos(wait_ns.max(1)),
@@ -591,10 +592,13 @@ impl Limiter {
         rule: &str,
         cost: u64,
     ) -> Result<Decision, CheckError> {
-        let started = self.sample_start();
-        let d = match self.decide_locally(subject.as_ref(), rule, cost)? {
-            Local::Decided(d) => d,
-            Local::NeedsStore(ks, entry) => self.decide_with_store(ks, entry, cost).await,
+        let (subject, started, mut now) = (subject.as_ref(), self.sample_start(), None);
+        let d = match self.decide_hot(subject, rule, cost, &mut now) {
+            Some(d) => d,
+            None => match self.look_up(subject, rule, cost, now)? {
+                Local::Decided(d) => d,
+                Local::NeedsStore(ks, entry) => self.decide_with_store(ks, entry, cost).await,
+            },
         };
         self.sample_end(started);
         Ok(d)
@@ -627,10 +631,25 @@ impl Limiter {
         rule: &str,
         cost: u64,
     ) -> Result<Option<Decision>, CheckError> {
-        let started = self.sample_start();
-        let d = match self.decide_locally(subject.as_ref(), rule, cost)? {
-            Local::Decided(d) => Some(d),
-            Local::NeedsStore(..) => None,
+        self.try_check_bytes(subject.as_ref(), rule, cost)
+    }
+
+    /// [`Limiter::try_check`], compiled once here rather than in each caller's crate, so
+    /// the hot path's inlining does not depend on the caller.
+    #[inline(never)]
+    fn try_check_bytes(
+        &self,
+        subject: &[u8],
+        rule: &str,
+        cost: u64,
+    ) -> Result<Option<Decision>, CheckError> {
+        let (started, mut now) = (self.sample_start(), None);
+        let d = match self.decide_hot(subject, rule, cost, &mut now) {
+            Some(d) => Some(d),
+            None => match self.look_up(subject, rule, cost, now)? {
+                Local::Decided(d) => Some(d),
+                Local::NeedsStore(..) => None,
+            },
         };
         self.sample_end(started);
         Ok(d)
@@ -741,33 +760,39 @@ impl Limiter {
         self.inner.keys.get(&KeyRef { rule, subject })
     }
 
-    #[inline]
-    fn decide_locally(&self, subject: &[u8], rule: &str, cost: u64) -> Result<Local, CheckError> {
-        let key = KeyRef { rule, subject };
-        // The hot path, under the shard's read lock and touching no reference count: a
-        // known key whose lease covers the cost, or whose callers are denied for now.
-        let mut now = None;
-        if let Some(Some(d)) = self.inner.keys.with(&key, |slot| {
-            let hot = slot.valid_for(cost)?;
-            let t = self.now_ns();
-            now = Some(t);
-            if hot.hot.load(Ordering::Relaxed)
-                && let Some(d) = self.spend(hot, &slot.counters, &slot.ks, cost, t)
-            {
-                return Some(d);
-            }
-            self.deny_cached(hot, &slot.counters, &slot.ks, cost, t)
-        }) {
-            return Ok(Local::Decided(d));
-        }
-        self.look_up(subject, rule, cost, now)
+    /// The hot path, under the shard's read lock and touching no reference count: a
+    /// known key whose lease covers the cost, or whose callers are denied for now.
+    /// Sets `now` when it read the clock. Kept apart from [`Limiter::look_up`] so the
+    /// callers build their result straight from it.
+    #[inline(always)]
+    fn decide_hot(
+        &self,
+        subject: &[u8],
+        rule: &str,
+        cost: u64,
+        now: &mut Option<u64>,
+    ) -> Option<Decision> {
+        self.inner
+            .keys
+            .with(&KeyRef { rule, subject }, |slot| {
+                let hot = slot.valid_for(cost)?;
+                let t = self.now_ns();
+                *now = Some(t);
+                if hot.hot.load(Ordering::Relaxed)
+                    && let Some(d) = self.spend(hot, &slot.counters, &slot.ks, cost, t)
+                {
+                    return Some(d);
+                }
+                self.deny_cached(hot, &slot.counters, &slot.ks, cost, t)
+            })
+            .flatten()
     }
 
     /// A caller of a known key denied without the store: a denial cached until the time
     /// the store named, or a dry bucket refilling ([`Limiter::deny_while_refilling`]).
     /// `None` when neither holds: two loads, nothing written. A cached denial touches
     /// only the key's cell (`hot`) and its rule's counters.
-    #[inline]
+    #[inline(always)]
     fn deny_cached(
         &self,
         hot: &keymap::Hot,
@@ -778,7 +803,11 @@ impl Limiter {
     ) -> Option<Decision> {
         let until = hot.deny_until_ns.load(Ordering::Relaxed);
         if now < until {
-            hot.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            // Only a leasing key's demand is read (lease sizing); a cold key's denials
+            // from the cache skip the shared write.
+            if hot.hot.load(Ordering::Relaxed) {
+                hot.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            }
             return Some(if hot.shadow.load(Ordering::Relaxed) {
                 counters.incr(Counter::ShadowDenied);
                 Decision::Allowed {
@@ -886,7 +915,7 @@ impl Limiter {
     }
 
     /// Takes `cost` from the lease in `hot` (the key `ks`'s), if it covers it.
-    #[inline]
+    #[inline(always)]
     fn spend(
         &self,
         hot: &keymap::Hot,

@@ -452,6 +452,24 @@ impl System {
         }
     }
 
+    /// What the live agents' counters say about the store's health during the run.
+    fn agent_faults(&self) -> Option<AgentFaults> {
+        let Self::Leasehold { agents, .. } = self else {
+            return None;
+        };
+        let mut f = AgentFaults::default();
+        for a in agents {
+            if let Some(s) = a.lock().as_ref().and_then(|l| l.stats(RULE).ok()) {
+                f.store_errors += s.store_errors;
+                f.emergency_activations += s.emergency_activations;
+                f.admitted_emergency += s.admitted_emergency;
+                f.admitted_fail_open += s.admitted_fail_open;
+                f.unavailable += s.unavailable;
+            }
+        }
+        Some(f)
+    }
+
     fn redis_calls(&self) -> u64 {
         match self {
             Self::Leasehold {
@@ -687,6 +705,19 @@ pub(crate) struct RunReport {
     pub(crate) coordinator: Option<CoordinatorSummary>,
     /// A run across regions: what crossed between them.
     pub(crate) regions: Option<regions::RegionsSummary>,
+    /// The store's health as Leasehold's agents saw it.
+    pub(crate) agent_faults: Option<AgentFaults>,
+}
+
+/// The store's health as Leasehold's agents saw it (summed over the agents alive at the
+/// end of the run): a run whose store stalled shows it here, not only as denials.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub(crate) struct AgentFaults {
+    pub(crate) store_errors: u64,
+    pub(crate) emergency_activations: u64,
+    pub(crate) admitted_emergency: u64,
+    pub(crate) admitted_fail_open: u64,
+    pub(crate) unavailable: u64,
 }
 
 /// The coordinator's view of Leasehold's run.
@@ -865,6 +896,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let rate = rule.rate().per_sec_f64();
     let mut systems = Vec::new();
     let mut summary = None;
+    let mut agent_faults = None;
     for (n, name) in names.iter().enumerate() {
         progress.set_prefix(name.clone());
         let mut env = Env::start(&opts.store)?;
@@ -939,6 +971,9 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
             }
             let calls = sys.redis_calls();
+            if let Some(f) = sys.agent_faults() {
+                agent_faults = Some(f);
+            }
             let rss = rss_mb();
             let store_mb = env.target().memory_mb().await;
             sys.finish().await;
@@ -968,6 +1003,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "machine": { "cores": cores },
         "systems": systems_json(&systems),
         "coordinator": summary,
+        "agent_faults": agent_faults,
     });
     let title = format!(
         "{}: admitted tokens/s for tenant-0, {} agents, {} store",
@@ -978,6 +1014,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         systems,
         coordinator: summary,
         regions: None,
+        agent_faults,
     })
 }
 
@@ -1057,6 +1094,17 @@ pub(crate) fn table(r: &RunReport) -> String {
                     .collect::<Vec<_>>()
                     .join(", ")
             }
+        ));
+    }
+    if let Some(f) = &r.agent_faults {
+        out.push_str(&format!(
+            "agents (leasehold run): {} store errors, {} emergency activations, {} admitted under \
+             the emergency limit, {} failing open, {} refused as unavailable\n",
+            f.store_errors,
+            f.emergency_activations,
+            f.admitted_emergency,
+            f.admitted_fail_open,
+            f.unavailable
         ));
     }
     if let Some(c) = &r.coordinator {

@@ -212,6 +212,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         Ok(RunReport {
             systems,
             coordinator: None,
+            agent_faults: None,
             regions: Some(RegionsSummary {
                 regions: n,
                 rtt_ms: rtt.as_secs_f64() * 1e3,

@@ -49,7 +49,7 @@ pub struct BrokerStats {
     /// Tokens the region's bucket took from deposits (less than granted when a term was
     /// over on arrival, or the bucket was full).
     pub deposited: AtomicU64,
-    /// Keys not brokered because [`Broker::with_max_keys`] were already.
+    /// Keys not brokered because [`Broker::set_max_keys`] were already.
     pub keys_refused: AtomicU64,
 }
 

@@ -8,7 +8,7 @@
 //!
 //! A breaker opens after consecutive failures, lets one probe through after a cooldown
 //! (half-open), and closes on the probe's success. Every way out of a call ends it: the
-//! [`Permit`] is resolved as a success or a failure, and a permit dropped unresolved (the
+//! `Permit` is resolved as a success or a failure, and a permit dropped unresolved (the
 //! caller's future was cancelled, or the call never reached the store) frees the probe
 //! place, so a breaker never stays open longer than its cooldown once the store answers.
 //!

@@ -417,7 +417,7 @@ impl KeyPolicy {
 
     /// Until when a caller that finds the lease empty is denied at once while a prefetch
     /// refills it, rather than waiting for a store call of its own (agent clock; 0: not
-    /// at all): for [`DRY_FOR_NS`] after an acquire got less than it asked (the bucket
+    /// at all): for `DRY_FOR_NS` after an acquire got less than it asked (the bucket
     /// dry), on a key the store says is contended (the demand its agents report exceeds
     /// the rate) or whose demand here alone reaches the rate. The agent's callers then
     /// want more than the bucket gives it, so one denied now instead of admitted a round

@@ -1,7 +1,7 @@
-//! The hash that holds one bucket in Redis: every field, in one table that the model
-//! ([`crate::model::GlobalBucket::fields`]), the coordinator's view of a key and the
-//! README share. `lua/leasehold.lua` stores the same fields packed: the bucket's in one
-//! field, each agent's record in one field named by its id, as 64-bit integers
+//! The hash that holds one bucket in Redis: every field, in one table that the
+//! coordinator's view of a key and the README share. `lua/leasehold.lua` stores the same
+//! fields packed: the bucket's in one field, each agent's record in one field named by
+//! its id, as 64-bit integers
 //! (`leasehold_store::wire::bucket_fields` reads them as these; the differential test
 //! compares that with the model's after every step).
 //!

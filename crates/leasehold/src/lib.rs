@@ -8,7 +8,7 @@
 //! - [`agent`] (`leasehold-agent`): what gateways link: the `Limiter` and the tower layer.
 //! - [`coordinator`] (`leasehold-coordinator`, feature `coordinator`): accounting of
 //!   admitted tokens, hot-key splitting, the admin endpoint.
-//! - [`serve`] (`leasehold-serve`, feature `serve`): the Envoy rate limit service over
+//! - `serve` (`leasehold-serve`, feature `serve`): the Envoy rate limit service over
 //!   gRPC and an HTTP check API, for gateways not written in Rust.
 #![forbid(unsafe_code)]
 

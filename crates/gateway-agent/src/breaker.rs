@@ -233,9 +233,21 @@ impl Breakers {
 
     /// The breaker of the shard serving `slot`.
     pub(crate) fn for_slot(&self, slot: u16) -> Arc<Breaker> {
+        self.with_slot(slot, Arc::clone)
+    }
+
+    /// `f` of the breaker of the shard serving `slot`, without a reference count (which
+    /// every thread deciding on the shard would write).
+    #[inline]
+    pub(crate) fn with_slot<R>(&self, slot: u16, f: impl FnOnce(&Arc<Breaker>) -> R) -> R {
         let t = self.topology.load();
         let i = t.by_slot[usize::from(slot % SLOTS)];
-        Arc::clone(&t.shards[usize::from(i)].1)
+        f(&t.shards[usize::from(i)].1)
+    }
+
+    /// Whether the breaker of the shard serving `slot` is open at `now_ns`.
+    pub(crate) fn is_open(&self, slot: u16, now_ns: u64) -> bool {
+        self.with_slot(slot, |b| b.is_open(now_ns))
     }
 
     /// The name of the shard serving `slot` (`host:port`, `single`, `all`).

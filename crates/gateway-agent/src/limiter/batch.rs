@@ -195,9 +195,11 @@ impl Limiter {
         cost: u64,
         deadline: Instant,
     ) -> Option<Decision> {
-        let shard = self.inner.breakers.for_slot(ks.slot);
-        let (rx, start) = shard.batch.push(ks, entry, cost, deadline);
-        if start {
+        let (rx, start) = self.inner.breakers.with_slot(ks.slot, |shard| {
+            let (rx, start) = shard.batch.push(ks, entry, cost, deadline);
+            (rx, start.then(|| shard.clone()))
+        });
+        if let Some(shard) = start {
             let limiter = self.clone();
             tokio::spawn(async move { limiter.send_batches(&shard).await });
         }

@@ -1025,7 +1025,7 @@ impl Limiter {
     ) -> Option<Decision> {
         if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed)
             || !self.is_hot(ks, entry)
-            || self.inner.breakers.for_slot(ks.slot).is_open(now)
+            || self.inner.breakers.is_open(ks.slot, now)
         {
             // With the shard's breaker open the failure policy decides, as for any caller
             // the lease cannot cover.
@@ -1105,7 +1105,7 @@ impl Limiter {
 
     async fn consult_store(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, cost: u64) -> Decision {
         let deadline = Instant::now() + entry.rule.timeout();
-        if self.inner.breakers.for_slot(ks.slot).is_open(self.now_ns()) {
+        if self.inner.breakers.is_open(ks.slot, self.now_ns()) {
             return self.degraded(&ks, &entry, cost);
         }
         // A cold key: its shard's next exact batch decides, with no lock held meanwhile.

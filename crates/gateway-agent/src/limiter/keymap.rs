@@ -6,9 +6,9 @@
 //!
 //! A decision on a leased key, or a cached denial, reads one shard lock, one control
 //! group, one slot (a cache line: 10 000 keys' slots lie in under 1 MB) and the key's
-//! cell (another line); the key's state only when the lease runs low. A map that boxes each entry (papaya) adds a pointer chase into memory scattered by
-//! every allocation made between two keys' creations: at 10 000 keys that was most of a
-//! decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
+//! cell (another line); the key's state only when the lease runs low. A map that boxes
+//! each entry (papaya) adds a pointer chase into memory scattered by every allocation
+//! made between two keys' creations: at 10 000 keys that was most of a decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
 use std::hash::{BuildHasher, Hasher as _};
@@ -189,6 +189,8 @@ impl KeyMap {
                 counters: ks.counters.clone(),
                 ks: ks.clone(),
             },
+            // A slot's hash when the table grows: the two pieces `KeyId` and `KeyRef`
+            // hash.
             |slot| {
                 let (rule, subject) = slot.key.split_at(slot.rule_len as usize);
                 let mut h = self.hasher.build_hasher();

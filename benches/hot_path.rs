@@ -128,43 +128,45 @@ fn compare(
     let n = keys.len();
     let at = |t: usize, i: u64| &keys[(i as usize * 7 + t * (n / 2 - 1)) % n];
     for threads in [1usize, 2] {
-        let mut g = c.benchmark_group(format!("{name}/{threads}-thread{suffix}"));
+        let group = format!("{name}/{threads}-thread{suffix}");
+        let mut g = c.benchmark_group(&group);
         g.throughput(criterion::Throughput::Elements(1));
         g.bench_function(ours.0, |b| {
             b.iter_custom(|iters| {
-                // Decisions other than the one named (a lease gone, say) would time
-                // another path: counted, off the measured path's way, and refused.
-                let wrong = AtomicU64::new(0);
-                let took = threaded(threads, iters, |t, i| {
-                    let d = ours.1.try_check(at(t, i), "bench", 1).unwrap();
-                    if !black_box((ours.2)(&d)) {
-                        wrong.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
-                let wrong = wrong.into_inner();
-                assert_eq!(wrong, 0, "{name}{suffix}: {wrong} decisions not as named");
-                took
+                checked(threads, iters, &group, |t, i| {
+                    (ours.2)(&ours.1.try_check(at(t, i), "bench", 1).unwrap())
+                })
             })
         });
         g.bench_function(governor.0, |b| {
             b.iter_custom(|iters| {
-                let wrong = AtomicU64::new(0);
-                let took = threaded(threads, iters, |t, i| {
-                    let admitted = governor.1.check_key(at(t, i)).is_ok();
-                    if black_box(admitted) != governor.2 {
-                        wrong.fetch_add(1, Ordering::Relaxed);
-                    }
-                });
-                let wrong = wrong.into_inner();
-                assert_eq!(
-                    wrong, 0,
-                    "governor {name}{suffix}: {wrong} decisions not as named"
-                );
-                took
+                checked(threads, iters, &group, |t, i| {
+                    governor.1.check_key(at(t, i)).is_ok() == governor.2
+                })
             })
         });
         g.finish();
     }
+}
+
+/// [`threaded`] over `decided(thread, i)`, which says whether its decision was the one
+/// the group names. Any other (a lease gone, say) would time another path: counted, off
+/// the measured path's way, and refused.
+fn checked(
+    threads: usize,
+    iters: u64,
+    group: &str,
+    decided: impl Fn(usize, u64) -> bool + Sync,
+) -> Duration {
+    let wrong = AtomicU64::new(0);
+    let took = threaded(threads, iters, |t, i| {
+        if !black_box(decided(t, i)) {
+            wrong.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let wrong = wrong.into_inner();
+    assert_eq!(wrong, 0, "{group}: {wrong} decisions not as named");
+    took
 }
 
 /// A limiter whose keys are all denied from the agent's cache: each had its one token

@@ -11,7 +11,7 @@
 //! made between two keys' creations: at 10 000 keys that was most of a decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
-use std::hash::{BuildHasher, Hasher as _};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
@@ -189,14 +189,9 @@ impl KeyMap {
                 counters: ks.counters.clone(),
                 ks: ks.clone(),
             },
-            // A slot's hash when the table grows: the two pieces `KeyId` and `KeyRef`
-            // hash.
             |slot| {
-                let (rule, subject) = slot.key.split_at(slot.rule_len as usize);
-                let mut h = self.hasher.build_hasher();
-                h.write(rule);
-                h.write(subject);
-                h.finish()
+                self.hasher
+                    .hash_one(KeyRef::of(&slot.key, slot.rule_len as usize))
             },
         );
         (ks, placed)

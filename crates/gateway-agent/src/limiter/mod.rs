@@ -305,29 +305,41 @@ impl KeyId {
 
 impl std::hash::Hash for KeyId {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        let (rule, subject) = self.bytes.split_at(self.rule_len);
-        h.write(rule);
-        h.write(subject);
+        KeyRef::of(&self.bytes, self.rule_len).hash(h);
     }
 }
 
+/// A key borrowed: rule name and subject. Every key of the map hashes as one of these.
 struct KeyRef<'a> {
-    rule: &'a str,
+    rule: &'a [u8],
     subject: &'a [u8],
 }
 
 impl std::hash::Hash for KeyRef<'_> {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        h.write(self.rule.as_bytes());
+        h.write(self.rule);
         h.write(self.subject);
     }
 }
 
-impl KeyRef<'_> {
+impl<'a> KeyRef<'a> {
+    fn new(rule: &'a str, subject: &'a [u8]) -> Self {
+        Self {
+            rule: rule.as_bytes(),
+            subject,
+        }
+    }
+
+    /// The key stored as `bytes`, the rule's name being the first `rule_len`.
+    fn of(bytes: &'a [u8], rule_len: usize) -> Self {
+        let (rule, subject) = bytes.split_at(rule_len);
+        Self { rule, subject }
+    }
+
     #[inline]
     fn matches(&self, key: &[u8], rule_len: usize) -> bool {
         let (rule, subject) = key.split_at(rule_len);
-        bytes_eq(self.rule.as_bytes(), rule) && bytes_eq(self.subject, subject)
+        bytes_eq(self.rule, rule) && bytes_eq(self.subject, subject)
     }
 }
 
@@ -757,7 +769,7 @@ impl Limiter {
     }
 
     fn key(&self, rule: &str, subject: &[u8]) -> Option<Arc<KeyState>> {
-        self.inner.keys.get(&KeyRef { rule, subject })
+        self.inner.keys.get(&KeyRef::new(rule, subject))
     }
 
     /// The hot path, under the shard's read lock and touching no reference count: a
@@ -774,7 +786,7 @@ impl Limiter {
     ) -> Option<Decision> {
         self.inner
             .keys
-            .with(&KeyRef { rule, subject }, |slot| {
+            .with(&KeyRef::new(rule, subject), |slot| {
                 let hot = slot.valid_for(cost)?;
                 let t = self.now_ns();
                 *now = Some(t);
@@ -850,7 +862,7 @@ impl Limiter {
         for c in checks {
             let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
             // The hot path, as in `check`: a live key whose lease covers the cost.
-            let spent = self.inner.keys.with(&KeyRef { rule, subject }, |slot| {
+            let spent = self.inner.keys.with(&KeyRef::new(rule, subject), |slot| {
                 let hot = slot.leased_for(cost)?;
                 let epoch = hot.lease.epoch();
                 self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
@@ -948,7 +960,7 @@ impl Limiter {
     ) -> Result<Local, CheckError> {
         let rules = self.inner.rules.load();
         let set = rules.get(rule)?;
-        let existing = self.inner.keys.get(&KeyRef { rule, subject });
+        let existing = self.inner.keys.get(&KeyRef::new(rule, subject));
         let entry = match &existing {
             Some(ks) => ks.entry.load_full(),
             None => set.resolve(subject).clone(),

@@ -106,6 +106,42 @@ async fn empty_bucket_is_remembered_until_the_refill_time() {
     );
 }
 
+/// A leased key whose one agent's callers want far more than the rate (cost 10 every
+/// 10 ms on 10 tokens/s): the denials while the lease refills name a time at which the
+/// rate can have brought what the lease lacks (at least one token, 100 ms), not the
+/// pacing of the agent's own prefetches (once 11-53 ms for most of them: the share it
+/// reported, 20-40 times the rate, was taken as its rate), and at most the cost's whole
+/// refill. (A denial the store named may be shorter: the bucket had most of the cost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_of_a_refilling_lease_is_what_the_rate_brings() {
+    let l = limiter("[rules.api]\ncapacity = 100\nrate = \"10/s\"\nleasing = \"lease\"\n").await;
+    let mut waits = Vec::new();
+    for _ in 0..80 {
+        if let Decision::Denied { retry_after } = l.check("t", "api", 10).await.unwrap() {
+            waits.push(retry_after);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        waits.len() > 40,
+        "the bucket ran dry: {} denials of 80",
+        waits.len()
+    );
+    let short = waits
+        .iter()
+        .filter(|w| **w < Duration::from_millis(100))
+        .count();
+    assert!(
+        short * 10 <= waits.len(),
+        "{short} of {} under 100 ms: {waits:?}",
+        waits.len()
+    );
+    assert!(
+        waits.iter().all(|w| *w <= Duration::from_secs(1)),
+        "cost 10 at 10 tokens/s: {waits:?}"
+    );
+}
+
 #[tokio::test]
 async fn errors_name_what_is_wrong() {
     let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/s\"\n").await;

@@ -1044,21 +1044,23 @@ impl Limiter {
             return None;
         }
         let after = ks.prefetch_after_ns.load(Ordering::Relaxed);
-        let wait = if now < after {
-            after - now
-        } else {
+        if now >= after && !ks.prefetching.load(Ordering::Acquire) {
+            self.request_prefetch(ks, now);
             if !ks.prefetching.load(Ordering::Acquire) {
-                self.request_prefetch(ks, now);
-                if !ks.prefetching.load(Ordering::Acquire) {
-                    return None;
-                }
+                return None;
             }
-            // About when the agent's share brings the cost.
-            match ks.share_milli.load(Ordering::Relaxed) {
-                0 => Level::default().time_until(cost, entry.params.rate) * 1000,
-                share => (cost as f64 * 1e12 / share as f64) as u64,
-            }
+        }
+        // Retry-After: no sooner than a refused prefetch may be tried again, nor than the
+        // agent's share (at most the rule's rate) brings what the lease lacks of the cost.
+        let lacking = cost.saturating_sub(ks.hot().lease.held()).max(1);
+        let rate = &entry.params.rate;
+        let share = ks.share_milli.load(Ordering::Relaxed);
+        let by_share = if share == 0 || share as f64 >= rate.per_sec_f64() * 1000.0 {
+            Level::default().time_until(lacking, *rate) * 1000
+        } else {
+            (lacking as f64 * 1e12 / share as f64) as u64
         };
+        let wait = after.saturating_sub(now).max(by_share);
         entry.counters.incr(entry.denied);
         ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         Some(denied(wait.max(1)))

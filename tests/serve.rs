@@ -92,12 +92,23 @@ async fn over(c: &mut Client, descriptors: Vec<RateLimitDescriptor>) -> bool {
     r.overall_code == Code::OverLimit as i32
 }
 
-/// A POST of `body` to `path`: status, headers and body.
+/// A POST of JSON `body` to `path`: status, headers and body.
 async fn post(addr: std::net::SocketAddr, path: &str, body: &str) -> (u16, String, String) {
+    post_as(addr, path, Some("application/json"), body).await
+}
+
+/// A POST of `body` to `path` labelled `content_type` (or not at all).
+async fn post_as(
+    addr: std::net::SocketAddr,
+    path: &str,
+    content_type: Option<&str>,
+    body: &str,
+) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let label = content_type.map_or(String::new(), |c| format!("Content-Type: {c}\r\n"));
     let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: x\r\n{label}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await.unwrap();
@@ -307,6 +318,16 @@ fn envoy_rls_and_http_check_on_redis() {
         .await;
         assert_eq!(status, 400);
         assert!(json.contains("subjet"), "{json}");
+        // JSON labelled as a form (`curl -d`) or not labelled is still a check request.
+        for label in [Some("application/x-www-form-urlencoded"), None] {
+            let body = r#"{"checks":[{"rule":"nope","subject":"s"}]}"#;
+            let (status, _, json) = post_as(http_addr, "/v1/check", label, body).await;
+            assert_eq!(status, 400, "{label:?}");
+            assert!(json.contains("unknown rule"), "{label:?}: {json}");
+        }
+        let (status, _, json) = post(http_addr, "/v1/check", "checks=1").await;
+        assert_eq!(status, 400);
+        assert!(json.contains("not a check request"), "{json}");
         // The nginx auth_request form: 204 or 403.
         let path = format!("/v1/auth?rule={rule}&subject=nginx-1");
         assert_eq!(support::http_get(http_addr, &path).await.0, 204);

@@ -4,7 +4,8 @@
 //!   (cost defaults to 1): the checks pass all or nothing. 200 `{"allowed":true,...}`
 //!   with `RateLimit-Policy` and `RateLimit` headers; 429 with `Retry-After` when a
 //!   limit is exhausted; 503 with `Retry-After` when the store is unreachable and the
-//!   rule fails closed; 400 naming what is wrong with the request.
+//!   rule fails closed; 400 naming what is wrong with the request (the body is JSON
+//!   whatever its `Content-Type`), 413 for a body over 2 MB.
 //! - `GET /v1/auth?rule=R&subject=S[&cost=N]`, for nginx `auth_request`, which only knows
 //!   2xx (allow) and 401/403 (deny): 204 when admitted, 403 when refused (limited or
 //!   unavailable), with `Retry-After` and `X-Leasehold-Outcome: limited|unavailable` for
@@ -108,13 +109,21 @@ async fn decide(
     Ok((d, at, each))
 }
 
+/// The body is read as JSON whatever its `Content-Type` says: `curl -d` (and many a
+/// gateway plugin) sends JSON labelled as a form.
 async fn check(
     State(api): State<Api>,
-    body: Result<Json<CheckBody>, axum::extract::rejection::JsonRejection>,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response {
-    let Json(body) = match body {
-        Ok(b) => b,
-        Err(e) => return bad(e.body_text()),
+    let body: CheckBody = match body {
+        Ok(bytes) => match serde_json::from_slice(&bytes) {
+            Ok(b) => b,
+            Err(e) => return bad(format!("the body is not a check request's JSON: {e}")),
+        },
+        Err(e) => {
+            let body = serde_json::json!({ "error": e.body_text() });
+            return (e.status(), Json(body)).into_response();
+        }
     };
     if body.checks.is_empty() {
         return bad("checks must not be empty");

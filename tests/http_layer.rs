@@ -176,3 +176,39 @@ async fn the_rejection_can_be_customised_and_keeps_the_headers() {
     assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
     assert!(r.body().contains("NoIdentity"), "{}", r.body());
 }
+
+/// A leased key's `RateLimit` names what the bucket has left for this gateway (its lease
+/// plus the global bucket's level), not only the lease: a client reading `r=` must not
+/// back off from a bucket that is nearly full. One agent and a slow refill, so the
+/// figure is exact: 1000 less the requests made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_keys_ratelimit_header_names_the_buckets_quota() {
+    let rules =
+        "[rules.writes]\ncapacity = 1000\nrate = \"1/h\"\nleasing = \"lease\"\nlease_max = 50\n";
+    let l = Limiter::builder()
+        .embedded()
+        .rules(Rules::from_toml(rules).unwrap())
+        .build()
+        .await
+        .unwrap();
+    let inner = tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new("ok".to_owned()))
+    });
+    let classify = |_: &http::request::Parts| Some(Checks::from(Check::new("writes", b"all", 1)));
+    let svc = RateLimitLayer::new(l.clone(), classify).layer(inner);
+    for n in 1..=120 {
+        let r = svc
+            .clone()
+            .oneshot(request(Method::POST, "/x", Some("t")))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        let left = 1000 - n;
+        assert_eq!(
+            header(&r, "ratelimit"),
+            format!("\"writes\";r={left};t={}", n * 3600),
+            "request {n}"
+        );
+    }
+    assert!(l.stats("writes").unwrap().lease_grants > 1, "leased");
+}

@@ -4,7 +4,7 @@
 //! and names the checks it must pass, one or several (tenant, endpoint, global), applied
 //! all or nothing. Allowed requests go on to the inner service, and their response
 //! carries `RateLimit-Policy` (one item per rule, `"RULE";q=B;w=SECONDS`) and
-//! `RateLimit` (`"RULE";r=REMAINING;t=SECONDS`, remaining taken from the lease). Refused
+//! `RateLimit` (`"RULE";r=REMAINING;t=SECONDS`, see [`Limiter::quota_left`]). Refused
 //! ones get what the [`Reject`] makes of the [`Rejection`] (by default an empty `429 Too
 //! Many Requests`, `503 Service Unavailable` when the store is unreachable and the rule
 //! fails closed, `401` without an identity, `400` for a bad subject or cost), with

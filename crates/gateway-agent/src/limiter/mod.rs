@@ -75,7 +75,9 @@ pub enum Decision {
     /// Go ahead.
     Allowed {
         /// Tokens left where this one came from (the local lease, or the global bucket
-        /// on the exact path); 0 when admitted without the store.
+        /// on the exact path); 0 when admitted without the store. For a quota header
+        /// after a leased admission see [`Limiter::quota_left`] (`check_all_each` and
+        /// the HTTP layer report that).
         remaining: u64,
         /// How it was admitted.
         via: Admission,
@@ -395,6 +397,10 @@ struct KeyState {
     share_milli: AtomicU64,
     /// Tokens admitted without the store (emergency, fail-open) not yet reported.
     without_store: AtomicU64,
+    /// Tokens the global bucket had left at the store's last answer, and when (agent
+    /// clock): with what the lease holds, the quota a leased admission reports.
+    store_left: AtomicU64,
+    store_left_at_ns: AtomicU64,
     last_io_ns: AtomicU64,
     driver: Arc<AsyncMutex<Driver>>,
     queue: AsyncMutex<()>,
@@ -421,6 +427,26 @@ impl KeyState {
     #[inline]
     fn hot(&self) -> &keymap::Hot {
         self.cell.get()
+    }
+
+    /// The store answered that the global bucket has `left` tokens.
+    fn saw_store_left(&self, left: u64, now: u64) {
+        self.store_left.store(left, Ordering::Relaxed);
+        self.store_left_at_ns.store(now, Ordering::Relaxed);
+    }
+
+    /// About how many tokens the key has left for this agent's callers: what the lease
+    /// holds plus what the global bucket had at the store's last answer, refilled since
+    /// at `rate`, at most `capacity`. (Other agents' leases are not seen: on a key many
+    /// agents lease, the bucket's own level is low while their leases hold tokens.)
+    fn quota_left(&self, capacity: u64, rate: Rate, now: u64) -> u64 {
+        let at = self.store_left_at_ns.load(Ordering::Relaxed);
+        let elapsed_us = now.saturating_sub(at) / 1000;
+        let refilled = u128::from(elapsed_us) * u128::from(rate.tokens())
+            / u128::from(rate.period_us().max(1));
+        let left = u128::from(self.store_left.load(Ordering::Relaxed)) + refilled;
+        let held = u128::from(self.hot().lease.held());
+        (left + held).min(u128::from(capacity)) as u64
     }
 
     /// Whether the sweep visits this key every tick and the coordinator's report covers
@@ -466,6 +492,8 @@ impl KeyState {
             prefetching: AtomicBool::new(false),
             share_milli: AtomicU64::new(0),
             without_store: AtomicU64::new(0),
+            store_left: AtomicU64::new(entry.params.capacity),
+            store_left_at_ns: AtomicU64::new(now),
             last_io_ns: AtomicU64::new(now),
             driver: Arc::new(AsyncMutex::new(Driver::default())),
             queue: AsyncMutex::new(()),
@@ -671,7 +699,8 @@ impl Limiter {
     /// admitted only if every rule admits. When one denies, the tokens already taken from
     /// the others are given back to their leases. The first denial or refusal is
     /// returned; an admission reports the tightest check (least `remaining`, and how
-    /// that one was admitted).
+    /// that one was admitted). A leased admission's `remaining` here is its key's
+    /// [`Limiter::quota_left`], not what the lease alone holds.
     pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
         let mut each = Vec::new();
         Ok(self.check_all_each(checks, &mut each).await?.0)
@@ -691,7 +720,14 @@ impl Limiter {
         for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
             let before = self.key(rule, subject);
             let epoch = before.as_ref().map(|ks| ks.hot().lease.epoch());
-            let decided = self.check(subject, rule, cost).await;
+            let mut decided = self.check(subject, rule, cost).await;
+            if let Ok(Decision::Allowed {
+                remaining,
+                via: Admission::Lease,
+            }) = &mut decided
+            {
+                *remaining = self.quota_left(rule, subject).unwrap_or(*remaining);
+            }
             if let Ok(d) = decided {
                 each.push(d);
             }
@@ -770,6 +806,17 @@ impl Limiter {
 
     fn key(&self, rule: &str, subject: &[u8]) -> Option<Arc<KeyState>> {
         self.inner.keys.get(&KeyRef::new(rule, subject))
+    }
+
+    /// About how many tokens `subject` has left under `rule`, for quota headers after a
+    /// leased admission (whose [`Decision::Allowed`] names only what the local lease
+    /// holds): the lease plus the global bucket's level at the store's last answer,
+    /// refilled since at the rule's rate, at most its capacity. An estimate: tokens other
+    /// agents lease are not seen. `None` for a key this agent does not hold.
+    pub fn quota_left(&self, rule: &str, subject: impl AsRef<[u8]>) -> Option<u64> {
+        let ks = self.key(rule, subject.as_ref())?;
+        let params = ks.entry.load().params;
+        Some(ks.quota_left(params.capacity, params.rate, self.now_ns()))
     }
 
     /// The hot path, under the shard's read lock and touching no reference count: a
@@ -869,7 +916,22 @@ impl Limiter {
                     .map(|d| (d, slot.ks.clone(), epoch))
             });
             if let Some(Some((d, ks, epoch))) = spent {
-                decided.push((d, ks.entry.load_full()));
+                let entry = ks.entry.load_full();
+                let d = match d {
+                    Decision::Allowed {
+                        via: Admission::Lease,
+                        ..
+                    } => Decision::Allowed {
+                        remaining: ks.quota_left(
+                            entry.params.capacity,
+                            entry.params.rate,
+                            self.now_ns(),
+                        ),
+                        via: Admission::Lease,
+                    },
+                    d => d,
+                };
+                decided.push((d, entry));
                 taken.push((ks, cost, epoch));
                 continue;
             }
@@ -1308,6 +1370,7 @@ impl Limiter {
         retry_us: u64,
         remaining: u64,
     ) -> Decision {
+        ks.saw_store_left(remaining, self.now_ns());
         if admitted {
             entry.counters.incr(Counter::AdmittedExact);
             Decision::Allowed {
@@ -1365,6 +1428,9 @@ impl Limiter {
             ending,
         );
         ks.hot().low_water.store(g.low_water, Ordering::Relaxed);
+        if !reply.moved {
+            ks.saw_store_left(reply.remaining, self.now_ns());
+        }
         ks.share_milli
             .store(driver.policy.share_milli(), Ordering::Relaxed);
         ks.refill_denies_until_ns.store(

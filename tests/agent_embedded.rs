@@ -106,6 +106,48 @@ async fn empty_bucket_is_remembered_until_the_refill_time() {
     );
 }
 
+/// A cached denial covers the costs it was made for: after a cost of 5 is refused with
+/// 2 tokens left, a cost of 1 is still admitted (the store decides it), and one of 5 or
+/// more is denied from the cache.
+#[tokio::test]
+async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
+    let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/10s\"\nleasing = \"exact\"\n").await;
+    for _ in 0..8 {
+        assert!(matches!(
+            l.check("t", "api", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+    }
+    assert!(matches!(
+        l.check("t", "api", 5).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+    let calls = l.stats("api").unwrap().store_calls;
+    assert!(matches!(
+        l.check("t", "api", 6).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+    assert_eq!(
+        l.stats("api").unwrap().store_calls,
+        calls,
+        "cost 6: from the cache"
+    );
+    for left in [1, 0] {
+        assert!(
+            matches!(
+                l.check("t", "api", 1).await.unwrap(),
+                Decision::Allowed { remaining, .. } if remaining == left
+            ),
+            "cost 1 with {} left",
+            left + 1
+        );
+    }
+    assert!(matches!(
+        l.check("t", "api", 1).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+}
+
 /// A leased key whose one agent's callers want far more than the rate (cost 10 every
 /// 10 ms on 10 tokens/s): the denials while the lease refills name a time at which the
 /// rate can have brought what the lease lacks (at least one token, 100 ms), not the

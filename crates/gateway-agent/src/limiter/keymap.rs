@@ -12,7 +12,7 @@
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use crossbeam_utils::CachePadded;
@@ -296,8 +296,8 @@ pub(super) struct Hot {
     /// removed, which sends checks to the full path and its `UnknownRule`.
     pub(super) capacity: AtomicU64,
     pub(super) low_water: AtomicU64,
-    /// Callers are denied without the store until then (agent clock): the time the
-    /// store named in its last refusal.
+    /// Callers of at least `deny_cost` are denied without the store until then (agent
+    /// clock): the time the store named in its last refusal, of that cost.
     pub(super) deny_until_ns: AtomicU64,
     /// Tokens denied on this key (offered demand = spent + denied), read only while it
     /// leases, so a cold key's cached denials do not count them.
@@ -306,6 +306,25 @@ pub(super) struct Hot {
     pub(super) hot: AtomicBool,
     /// The key's rule is in shadow mode: refusals are counted and let through.
     pub(super) shadow: AtomicBool,
+    /// The least cost the cached denial covers (a smaller one may fit what is left).
+    deny_cost: AtomicU32,
+}
+
+impl Hot {
+    /// Callers of `cost` or more are denied without the store until `until`.
+    pub(super) fn deny(&self, until: u64, cost: u64) {
+        self.deny_cost
+            .store(u32::try_from(cost).unwrap_or(u32::MAX), Ordering::Relaxed);
+        self.deny_until_ns.store(until, Ordering::Release);
+    }
+
+    /// Until when a caller of `cost` is denied without the store, if the cached denial
+    /// covers it.
+    #[inline(always)]
+    pub(super) fn denied_until(&self, cost: u64, now: u64) -> Option<u64> {
+        let until = self.deny_until_ns.load(Ordering::Acquire);
+        (now < until && cost >= u64::from(self.deny_cost.load(Ordering::Relaxed))).then_some(until)
+    }
 }
 
 // One cache line each.
@@ -363,6 +382,7 @@ impl Cells {
                                 denied_tokens: AtomicU64::new(0),
                                 hot: AtomicBool::new(false),
                                 shadow: AtomicBool::new(false),
+                                deny_cost: AtomicU32::new(0),
                             })
                             .collect(),
                     });

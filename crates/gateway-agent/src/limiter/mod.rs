@@ -860,8 +860,7 @@ impl Limiter {
         cost: u64,
         now: u64,
     ) -> Option<Decision> {
-        let until = hot.deny_until_ns.load(Ordering::Relaxed);
-        if now < until {
+        if let Some(until) = hot.denied_until(cost, now) {
             // Only a leasing key's demand is read (lease sizing); a cold key's denials
             // from the cache skip the shared write.
             if hot.hot.load(Ordering::Relaxed) {
@@ -1194,8 +1193,7 @@ impl Limiter {
             && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
-            let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
-            if now < until {
+            if let Some(until) = ks.hot().denied_until(cost, now) {
                 entry.counters.incr(entry.denied);
                 ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
                 return denied(until - now);
@@ -1216,8 +1214,7 @@ impl Limiter {
         if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
             return d;
         }
-        let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
-        if now < until {
+        if let Some(until) = ks.hot().denied_until(cost, now) {
             entry.counters.incr(entry.denied);
             ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
             return denied(until - now);
@@ -1294,11 +1291,9 @@ impl Limiter {
         entry.counters.incr(entry.denied);
         ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
-        let until = ks.hot().deny_until_ns.load(Ordering::Acquire);
-        Ok(denied(if now < until {
-            until - now
-        } else {
-            Level::default().time_until(cost, entry.params.rate) * 1000
+        Ok(denied(match ks.hot().denied_until(cost, now) {
+            Some(until) => until - now,
+            None => Level::default().time_until(cost, entry.params.rate) * 1000,
         }))
     }
 
@@ -1379,9 +1374,7 @@ impl Limiter {
             }
         } else {
             let wait = retry_us.max(1) * 1000;
-            ks.hot()
-                .deny_until_ns
-                .store(self.now_ns() + wait, Ordering::Release);
+            ks.hot().deny(self.now_ns() + wait, cost);
             entry.counters.incr(entry.denied);
             ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
             denied(wait)
@@ -1438,7 +1431,7 @@ impl Limiter {
             Ordering::Relaxed,
         );
         if let Some(until) = g.deny_until_ns {
-            ks.hot().deny_until_ns.store(until, Ordering::Release);
+            ks.hot().deny(until, needed);
         }
         if let Some(until) = g.prefetch_after_ns {
             ks.prefetch_after_ns.store(until, Ordering::Relaxed);

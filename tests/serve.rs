@@ -290,6 +290,15 @@ fn envoy_rls_and_http_check_on_redis() {
         }
         assert!(over(&mut c, vec![descriptor(&[("files", "docs/d")], None)]).await);
 
+        // More hits than the limit can ever hold are over the limit, as in ratelimit (an
+        // error would let Envoy, which fails open by default, pass the request); in
+        // shadow mode they are let through.
+        let huge = Some(1_000_000);
+        assert!(over(&mut c, vec![descriptor(&[("to_number", "n-huge")], huge)]).await);
+        assert!(!over(&mut c, vec![descriptor(&[("to_number", "n-huge")], None)]).await);
+        let shadowed = descriptor(&[("service", "s"), ("user", "user-a")], huge);
+        assert!(!over(&mut c, vec![shadowed]).await);
+
         // The HTTP check API: rules by the names the YAML limits got.
         let rule = leasehold_serve::config::rule_name("messaging.tenant");
         let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"http-1","cost":1}}]}}"#);

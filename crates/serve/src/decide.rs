@@ -125,7 +125,23 @@ pub async fn decide(
                 }
             }
             Action::Rule(rule) => {
-                checks.push((i, rule.as_str(), m.subject.as_bytes(), descriptors[i].hits))
+                let hits = descriptors[i].hits;
+                let params = limiter.bucket_params_for(rule, m.subject.as_bytes());
+                match params {
+                    // More hits than the bucket can ever hold: over the limit, as in
+                    // ratelimit (an error would let Envoy, failing open by default, pass
+                    // the request). Retry-After: a whole refill, the longest any wait is.
+                    Ok(p) if hits > p.capacity => {
+                        if m.limit.shadow {
+                            metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned()).increment(1);
+                        } else {
+                            statuses[i].over_limit = true;
+                            statuses[i].remaining = 0;
+                            statuses[i].reset = Some(refill_time(p.capacity, p.rate));
+                        }
+                    }
+                    _ => checks.push((i, rule.as_str(), m.subject.as_bytes(), hits)),
+                }
             }
         }
     }

@@ -108,7 +108,7 @@ async fn empty_bucket_is_remembered_until_the_refill_time() {
 
 /// A cached denial covers the costs it was made for: after a cost of 5 is refused with
 /// 2 tokens left, a cost of 1 is still admitted (the store decides it), and one of 5 or
-/// more is denied from the cache.
+/// more is denied from the cache, a larger one told to wait for its own tokens.
 #[tokio::test]
 async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
     let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/10s\"\nleasing = \"exact\"\n").await;
@@ -123,10 +123,14 @@ async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
         Decision::Denied { .. }
     ));
     let calls = l.stats("api").unwrap().store_calls;
-    assert!(matches!(
-        l.check("t", "api", 6).await.unwrap(),
-        Decision::Denied { .. }
-    ));
+    // Cost 5 lacks 3 tokens (30 s at 1/10s); cost 6 lacks 4 (40 s).
+    let Decision::Denied { retry_after } = l.check("t", "api", 6).await.unwrap() else {
+        panic!("cost 6 with 2 left")
+    };
+    assert!(
+        retry_after > Duration::from_secs(35) && retry_after <= Duration::from_secs(40),
+        "{retry_after:?}"
+    );
     assert_eq!(
         l.stats("api").unwrap().store_calls,
         calls,

@@ -318,12 +318,16 @@ impl Hot {
         self.deny_until_ns.store(until, Ordering::Release);
     }
 
-    /// Until when a caller of `cost` is denied without the store, if the cached denial
-    /// covers it.
+    /// When the cached denial covers a caller of `cost`: until when the refused cost
+    /// is denied, and that cost (`cost` may be more: it waits longer).
     #[inline(always)]
-    pub(super) fn denied_until(&self, cost: u64, now: u64) -> Option<u64> {
+    pub(super) fn denied_until(&self, cost: u64, now: u64) -> Option<(u64, u64)> {
         let until = self.deny_until_ns.load(Ordering::Acquire);
-        (now < until && cost >= u64::from(self.deny_cost.load(Ordering::Relaxed))).then_some(until)
+        if now >= until {
+            return None;
+        }
+        let covered = u64::from(self.deny_cost.load(Ordering::Relaxed));
+        (cost >= covered).then_some((until, covered))
     }
 }
 

@@ -429,6 +429,22 @@ impl KeyState {
         self.cell.get()
     }
 
+    /// How much longer than a cached denial of `covered` tokens a caller of `cost` waits:
+    /// the time the rule's rate takes to bring the difference (ns).
+    #[inline(always)]
+    fn wait_beyond(&self, cost: u64, covered: u64) -> u64 {
+        if cost > covered {
+            self.wait_beyond_slow(cost - covered)
+        } else {
+            0
+        }
+    }
+
+    #[cold]
+    fn wait_beyond_slow(&self, tokens: u64) -> u64 {
+        Level::default().time_until(tokens, self.entry.load().params.rate) * 1000
+    }
+
     /// The store answered that the global bucket has `left` tokens.
     fn saw_store_left(&self, left: u64, now: u64) {
         self.store_left.store(left, Ordering::Relaxed);
@@ -860,7 +876,7 @@ impl Limiter {
         cost: u64,
         now: u64,
     ) -> Option<Decision> {
-        if let Some(until) = hot.denied_until(cost, now) {
+        if let Some((until, covered)) = hot.denied_until(cost, now) {
             // Only a leasing key's demand is read (lease sizing); a cold key's denials
             // from the cache skip the shared write.
             if hot.hot.load(Ordering::Relaxed) {
@@ -874,7 +890,7 @@ impl Limiter {
                 }
             } else {
                 counters.incr(Counter::Denied);
-                denied(until - now)
+                denied(until - now + ks.wait_beyond(cost, covered))
             });
         }
         if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
@@ -1193,10 +1209,10 @@ impl Limiter {
             && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
-            if let Some(until) = ks.hot().denied_until(cost, now) {
+            if let Some((until, covered)) = ks.hot().denied_until(cost, now) {
                 entry.counters.incr(entry.denied);
                 ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return denied(until - now);
+                return denied(until - now + ks.wait_beyond(cost, covered));
             }
             if let Some(d) = self.exact_batched(&ks, &entry, cost, deadline).await {
                 return d;
@@ -1214,10 +1230,10 @@ impl Limiter {
         if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
             return d;
         }
-        if let Some(until) = ks.hot().denied_until(cost, now) {
+        if let Some((until, covered)) = ks.hot().denied_until(cost, now) {
             entry.counters.incr(entry.denied);
             ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-            return denied(until - now);
+            return denied(until - now + ks.wait_beyond(cost, covered));
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
         let outcome = if hot {
@@ -1292,7 +1308,7 @@ impl Limiter {
         ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
         Ok(denied(match ks.hot().denied_until(cost, now) {
-            Some(until) => until - now,
+            Some((until, covered)) => until - now + ks.wait_beyond(cost, covered),
             None => Level::default().time_until(cost, entry.params.rate) * 1000,
         }))
     }

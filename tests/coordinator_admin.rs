@@ -91,6 +91,10 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
         );
         let (status, body) = get(addr, "/keys/api/%7Bhostile%7D%00").await;
         assert_eq!(status, 200, "hostile subjects are just subjects: {body}");
+        // Subjects are bytes: one that is not UTF-8 is looked up as the agents key it.
+        let (status, body) = get(addr, "/keys/api/%FF%FEk").await;
+        assert_eq!(status, 200, "a byte subject: {body}");
+        assert!(body.contains("lh:{api|%FF%FEk}"), "{body}");
         let (_, metrics) = get(addr, "/metrics").await;
         assert!(
             metrics.contains("leasehold_coordinator_key_views_total"),

@@ -7,8 +7,9 @@ use std::future::Future;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
+use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -199,18 +200,46 @@ fn error(status: StatusCode, message: String) -> Response {
     (status, Json(serde_json::json!({ "error": message }))).into_response()
 }
 
-async fn key(
-    State(admin): State<Admin>,
-    Path((rule, subject)): Path<(String, String)>,
-) -> Response {
+/// `%XX` escapes decoded to bytes (a subject need not be UTF-8, as agents take bytes).
+fn percent_decoded(raw: &str) -> Vec<u8> {
+    let b = raw.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+async fn key(State(admin): State<Admin>, uri: Uri) -> Response {
     metrics::counter!("leasehold_coordinator_key_views_total").increment(1);
-    let found = match admin.rules.load().resolve(&rule, subject.as_bytes()) {
+    // From the raw path: axum's path extractors insist on UTF-8.
+    let path = uri.path().strip_prefix("/keys/").unwrap_or_default();
+    let (rule, subject) = path.split_once('/').unwrap_or((path, ""));
+    let rule = String::from_utf8_lossy(&percent_decoded(rule)).into_owned();
+    let subject = percent_decoded(subject);
+    let subject = subject.as_slice();
+    let found = match admin.rules.load().resolve(&rule, subject) {
         Ok(r) => r.clone(),
         Err(e) => return error(StatusCode::NOT_FOUND, e.to_string()),
     };
     let key = match RuleName::new(&rule)
         .map_err(|e| e.to_string())
-        .and_then(|name| BucketKey::new(&name, subject.as_bytes()).map_err(|e| e.to_string()))
+        .and_then(|name| BucketKey::new(&name, subject).map_err(|e| e.to_string()))
     {
         Ok(k) => k,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
@@ -248,4 +277,17 @@ async fn keys(State(admin): State<Admin>) -> Response {
         "keys": keys,
     }))
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percent_decoded;
+
+    #[test]
+    fn escapes_decode_to_bytes_and_stray_percents_stay() {
+        assert_eq!(percent_decoded("a%7Bb%7d"), b"a{b}");
+        assert_eq!(percent_decoded("%FF%00x"), [0xFF, 0, b'x']);
+        assert_eq!(percent_decoded("100%"), b"100%");
+        assert_eq!(percent_decoded("%G1%4"), b"%G1%4");
+    }
 }

@@ -14,8 +14,10 @@ use std::time::Duration;
 /// with double-precision numbers, which are exact up to 2^53 - 1.
 pub const MAX_EXACT: u64 = (1 << 53) - 1;
 
-/// The longest refill period accepted (about 12.7 days); longer ones are a typo.
-pub const MAX_PERIOD_US: u64 = 1 << 40;
+/// The longest refill period accepted (about 407 days: a limit per year, as
+/// envoyproxy/ratelimit's `unit: year`, fits); longer ones are a typo. Exactness does
+/// not rest on it: a rule's `capacity * period_us` is bounded on its own.
+pub const MAX_PERIOD_US: u64 = 1 << 45;
 
 /// The fastest refill accepted, in tokens per second; faster ones are a typo.
 pub const MAX_TOKENS_PER_SEC: u64 = 1_000_000_000;
@@ -174,7 +176,7 @@ mod tests {
             Err(RateError::Period { .. })
         ));
         assert!(matches!(
-            "1/100d".parse::<Rate>(),
+            "1/1000d".parse::<Rate>(),
             Err(RateError::Period { .. })
         ));
         assert!(matches!(

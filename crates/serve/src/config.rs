@@ -839,6 +839,21 @@ descriptors:
         assert_eq!(a.subject, b.subject, "one bucket per user across routes");
     }
 
+    /// Every unit of ratelimit's schema loads, a year's limit too (a config written for
+    /// ratelimit must not be refused for its longest units).
+    #[test]
+    fn every_unit_of_ratelimit_loads() {
+        for unit in ["second", "minute", "hour", "day", "week", "month", "year"] {
+            for n in [1, 5, 1_000_000] {
+                let yaml = format!(
+                    "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {{unit: {unit}, requests_per_unit: {n}}}\n"
+                );
+                let d = load(&yaml).unwrap_or_else(|e| panic!("{n} per {unit}: {e}"));
+                assert!(d.find("d", &[("k", "v")]).is_some(), "{n} per {unit}");
+            }
+        }
+    }
+
     #[test]
     fn what_cannot_be_used_is_refused_by_name() {
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limt: {unit: second}\n")

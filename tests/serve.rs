@@ -334,6 +334,13 @@ fn envoy_rls_and_http_check_on_redis() {
             assert_eq!(status, 400, "{label:?}");
             assert!(json.contains("unknown rule"), "{label:?}: {json}");
         }
+        let many: Vec<String> = (0..257)
+            .map(|i| format!(r#"{{"rule":"{rule}","subject":"m-{i}"}}"#))
+            .collect();
+        let body = format!(r#"{{"checks":[{}]}}"#, many.join(","));
+        let (status, _, json) = post(http_addr, "/v1/check", &body).await;
+        assert_eq!(status, 400);
+        assert!(json.contains("at most 256 checks"), "{json}");
         let (status, _, json) = post(http_addr, "/v1/check", "checks=1").await;
         assert_eq!(status, 400);
         assert!(json.contains("not a check request"), "{json}");

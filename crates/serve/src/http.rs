@@ -1,11 +1,11 @@
 //! The HTTP check API, `/metrics` and `/health`.
 //!
 //! - `POST /v1/check` with `{"checks":[{"rule":"api.write","subject":"tenant-42","cost":1}]}`
-//!   (cost defaults to 1): the checks pass all or nothing. 200 `{"allowed":true,...}`
-//!   with `RateLimit-Policy` and `RateLimit` headers; 429 with `Retry-After` when a
-//!   limit is exhausted; 503 with `Retry-After` when the store is unreachable and the
-//!   rule fails closed; 400 naming what is wrong with the request (the body is JSON
-//!   whatever its `Content-Type`), 413 for a body over 2 MB.
+//!   (cost defaults to 1; at most 256 checks): the checks pass all or nothing. 200
+//!   `{"allowed":true,...}` with `RateLimit-Policy` and `RateLimit` headers; 429 with
+//!   `Retry-After` when a limit is exhausted; 503 with `Retry-After` when the store is
+//!   unreachable and the rule fails closed; 400 naming what is wrong with the request
+//!   (the body is JSON whatever its `Content-Type`), 413 for a body over 2 MB.
 //! - `GET /v1/auth?rule=R&subject=S[&cost=N]`, for nginx `auth_request`, which only knows
 //!   2xx (allow) and 401/403 (deny): 204 when admitted, 403 when refused (limited or
 //!   unavailable), with `Retry-After` and `X-Leasehold-Outcome: limited|unavailable` for
@@ -37,6 +37,9 @@ pub fn router(limiter: Limiter, metrics: Option<PrometheusHandle>) -> Router {
         .route("/metrics", get(render))
         .with_state(Api { limiter, metrics })
 }
+
+/// The most checks one `POST /v1/check` may carry (each may be a store call).
+const MAX_CHECKS: usize = 256;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -127,6 +130,13 @@ async fn check(
     };
     if body.checks.is_empty() {
         return bad("checks must not be empty");
+    }
+    if body.checks.len() > MAX_CHECKS {
+        return bad(format!(
+            "at most {MAX_CHECKS} checks a request (got {}): one request must not become \
+             thousands of store calls",
+            body.checks.len()
+        ));
     }
     let (decision, at, each) = match decide(&api.limiter, &body.checks).await {
         Ok(x) => x,

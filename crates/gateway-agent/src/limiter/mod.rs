@@ -445,6 +445,13 @@ impl KeyState {
         Level::default().time_until(tokens, self.entry.load().params.rate) * 1000
     }
 
+    /// How long a caller of `cost` is denied without the store, if the key's cached
+    /// denial covers it (the hot path reads the cell itself: [`Limiter::deny_cached`]).
+    fn cached_wait(&self, cost: u64, now: u64) -> Option<u64> {
+        let (until, covered) = self.hot().denied_until(cost, now)?;
+        Some(until - now + self.wait_beyond(cost, covered))
+    }
+
     /// The store answered that the global bucket has `left` tokens.
     fn saw_store_left(&self, left: u64, now: u64) {
         self.store_left.store(left, Ordering::Relaxed);
@@ -453,9 +460,11 @@ impl KeyState {
 
     /// About how many tokens the key has left for this agent's callers: what the lease
     /// holds plus what the global bucket had at the store's last answer, refilled since
-    /// at `rate`, at most `capacity`. (Other agents' leases are not seen: on a key many
-    /// agents lease, the bucket's own level is low while their leases hold tokens.)
-    fn quota_left(&self, capacity: u64, rate: Rate, now: u64) -> u64 {
+    /// at the rule's rate, at most its capacity. (Other agents' leases are not seen: on a
+    /// key many agents lease, the bucket's own level is low while their leases hold
+    /// tokens.)
+    fn quota_left(&self, now: u64) -> u64 {
+        let BucketParams { capacity, rate, .. } = self.entry.load().params;
         let at = self.store_left_at_ns.load(Ordering::Relaxed);
         let elapsed_us = now.saturating_sub(at) / 1000;
         let refilled = u128::from(elapsed_us) * u128::from(rate.tokens())
@@ -737,12 +746,15 @@ impl Limiter {
             let before = self.key(rule, subject);
             let epoch = before.as_ref().map(|ks| ks.hot().lease.epoch());
             let mut decided = self.check(subject, rule, cost).await;
-            if let Ok(Decision::Allowed {
-                remaining,
-                via: Admission::Lease,
-            }) = &mut decided
+            if let Ok(
+                d @ Decision::Allowed {
+                    via: Admission::Lease,
+                    ..
+                },
+            ) = decided
+                && let Some(ks) = self.key(rule, subject)
             {
-                *remaining = self.quota_left(rule, subject).unwrap_or(*remaining);
+                decided = Ok(self.with_quota(&ks, d));
             }
             if let Ok(d) = decided {
                 each.push(d);
@@ -831,8 +843,22 @@ impl Limiter {
     /// agents lease are not seen. `None` for a key this agent does not hold.
     pub fn quota_left(&self, rule: &str, subject: impl AsRef<[u8]>) -> Option<u64> {
         let ks = self.key(rule, subject.as_ref())?;
-        let params = ks.entry.load().params;
-        Some(ks.quota_left(params.capacity, params.rate, self.now_ns()))
+        Some(ks.quota_left(self.now_ns()))
+    }
+
+    /// `d` as the quota headers report it: a leased admission names its key's
+    /// [`Limiter::quota_left`]; anything else stays as it is.
+    fn with_quota(&self, ks: &KeyState, d: Decision) -> Decision {
+        match d {
+            Decision::Allowed {
+                via: Admission::Lease,
+                ..
+            } => Decision::Allowed {
+                remaining: ks.quota_left(self.now_ns()),
+                via: Admission::Lease,
+            },
+            d => d,
+        }
     }
 
     /// The hot path, under the shard's read lock and touching no reference count: a
@@ -931,22 +957,7 @@ impl Limiter {
                     .map(|d| (d, slot.ks.clone(), epoch))
             });
             if let Some(Some((d, ks, epoch))) = spent {
-                let entry = ks.entry.load_full();
-                let d = match d {
-                    Decision::Allowed {
-                        via: Admission::Lease,
-                        ..
-                    } => Decision::Allowed {
-                        remaining: ks.quota_left(
-                            entry.params.capacity,
-                            entry.params.rate,
-                            self.now_ns(),
-                        ),
-                        via: Admission::Lease,
-                    },
-                    d => d,
-                };
-                decided.push((d, entry));
+                decided.push((self.with_quota(&ks, d), ks.entry.load_full()));
                 taken.push((ks, cost, epoch));
                 continue;
             }
@@ -1209,10 +1220,10 @@ impl Limiter {
             && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
-            if let Some((until, covered)) = ks.hot().denied_until(cost, now) {
+            if let Some(wait) = ks.cached_wait(cost, now) {
                 entry.counters.incr(entry.denied);
                 ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return denied(until - now + ks.wait_beyond(cost, covered));
+                return denied(wait);
             }
             if let Some(d) = self.exact_batched(&ks, &entry, cost, deadline).await {
                 return d;
@@ -1230,10 +1241,10 @@ impl Limiter {
         if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
             return d;
         }
-        if let Some((until, covered)) = ks.hot().denied_until(cost, now) {
+        if let Some(wait) = ks.cached_wait(cost, now) {
             entry.counters.incr(entry.denied);
             ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-            return denied(until - now + ks.wait_beyond(cost, covered));
+            return denied(wait);
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
         let outcome = if hot {
@@ -1307,8 +1318,8 @@ impl Limiter {
         entry.counters.incr(entry.denied);
         ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
         let now = self.now_ns();
-        Ok(denied(match ks.hot().denied_until(cost, now) {
-            Some((until, covered)) => until - now + ks.wait_beyond(cost, covered),
+        Ok(denied(match ks.cached_wait(cost, now) {
+            Some(wait) => wait,
             None => Level::default().time_until(cost, entry.params.rate) * 1000,
         }))
     }

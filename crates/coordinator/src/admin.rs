@@ -200,29 +200,10 @@ fn error(status: StatusCode, message: String) -> Response {
     (status, Json(serde_json::json!({ "error": message }))).into_response()
 }
 
-/// `%XX` escapes decoded to bytes (a subject need not be UTF-8, as agents take bytes).
+/// `%XX` escapes decoded to bytes (a subject need not be UTF-8, as agents take bytes);
+/// a `%` not followed by two hex digits stays as it is.
 fn percent_decoded(raw: &str) -> Vec<u8> {
-    let b = raw.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = |c: u8| (c as char).to_digit(16);
-        match (
-            b[i],
-            b.get(i + 1).copied().and_then(hex),
-            b.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(hi), Some(lo)) => {
-                out.push((hi * 16 + lo) as u8);
-                i += 3;
-            }
-            (c, _, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    out
+    percent_encoding::percent_decode_str(raw).collect()
 }
 
 async fn key(State(admin): State<Admin>, uri: Uri) -> Response {

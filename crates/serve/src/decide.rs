@@ -114,34 +114,32 @@ pub async fn decide(
         }
         metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => m.metric_key.clone())
             .increment(1);
-        match &m.limit.action {
-            Action::Unlimited => {}
-            Action::DenyAll => {
-                if m.limit.shadow {
-                    metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned()).increment(1);
-                } else {
-                    statuses[i].over_limit = true;
-                    statuses[i].remaining = 0;
-                }
-            }
+        // Over the limit without asking the store (with the reset to report, if any).
+        let refused = match &m.limit.action {
+            Action::Unlimited => None,
+            Action::DenyAll => Some(None),
             Action::Rule(rule) => {
                 let hits = descriptors[i].hits;
-                let params = limiter.bucket_params_for(rule, m.subject.as_bytes());
-                match params {
+                match limiter.bucket_params_for(rule, m.subject.as_bytes()) {
                     // More hits than the bucket can ever hold: over the limit, as in
                     // ratelimit (an error would let Envoy, failing open by default, pass
                     // the request). Retry-After: a whole refill, the longest any wait is.
-                    Ok(p) if hits > p.capacity => {
-                        if m.limit.shadow {
-                            metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned()).increment(1);
-                        } else {
-                            statuses[i].over_limit = true;
-                            statuses[i].remaining = 0;
-                            statuses[i].reset = Some(refill_time(p.capacity, p.rate));
-                        }
+                    Ok(p) if hits > p.capacity => Some(Some(refill_time(p.capacity, p.rate))),
+                    _ => {
+                        checks.push((i, rule.as_str(), m.subject.as_bytes(), hits));
+                        None
                     }
-                    _ => checks.push((i, rule.as_str(), m.subject.as_bytes(), hits)),
                 }
+            }
+        };
+        if let Some(reset) = refused {
+            if m.limit.shadow {
+                metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
+                    .increment(1);
+            } else {
+                statuses[i].over_limit = true;
+                statuses[i].remaining = 0;
+                statuses[i].reset = reset;
             }
         }
     }

@@ -23,10 +23,10 @@ leasing = "lease"
 lease_max = 100
 "#;
 
-async fn limiter() -> Limiter {
+async fn limiter(rules: &str) -> Limiter {
     Limiter::builder()
         .embedded()
-        .rules(Rules::from_toml(RULES).unwrap())
+        .rules(Rules::from_toml(rules).unwrap())
         .build()
         .await
         .unwrap()
@@ -62,7 +62,7 @@ fn header(r: &Response<String>, name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checks_from_the_request_head_all_or_nothing_with_headers() {
-    let l = limiter().await;
+    let l = limiter(RULES).await;
     let inner = tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new("ok".to_owned()))
     });
@@ -142,7 +142,7 @@ async fn checks_from_the_request_head_all_or_nothing_with_headers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rejection_can_be_customised_and_keeps_the_headers() {
-    let l = limiter().await;
+    let l = limiter(RULES).await;
     let inner = tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new("ok".to_owned()))
     });
@@ -185,12 +185,7 @@ async fn the_rejection_can_be_customised_and_keeps_the_headers() {
 async fn a_leased_keys_ratelimit_header_names_the_buckets_quota() {
     let rules =
         "[rules.writes]\ncapacity = 1000\nrate = \"1/h\"\nleasing = \"lease\"\nlease_max = 50\n";
-    let l = Limiter::builder()
-        .embedded()
-        .rules(Rules::from_toml(rules).unwrap())
-        .build()
-        .await
-        .unwrap();
+    let l = limiter(rules).await;
     let inner = tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new("ok".to_owned()))
     });

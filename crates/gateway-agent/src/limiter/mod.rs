@@ -442,7 +442,7 @@ impl KeyState {
 
     #[cold]
     fn wait_beyond_slow(&self, tokens: u64) -> u64 {
-        Level::default().time_until(tokens, self.entry.load().params.rate) * 1000
+        refill_ns(tokens, self.entry.load().params.rate)
     }
 
     /// How long a caller of `cost` is denied without the store, if the key's cached
@@ -607,6 +607,11 @@ fn store_answered(ks: &KeyState) {
     if ks.in_emergency.swap(false, Ordering::AcqRel) {
         *ks.emergency.lock() = None;
     }
+}
+
+/// Nanoseconds `rate` takes to bring `tokens` to an empty bucket.
+fn refill_ns(tokens: u64, rate: Rate) -> u64 {
+    Level::default().time_until(tokens, rate) * 1000
 }
 
 #[inline]
@@ -1144,7 +1149,7 @@ impl Limiter {
         let rate = &entry.params.rate;
         let share = ks.share_milli.load(Ordering::Relaxed);
         let by_share = if share == 0 || share as f64 >= rate.per_sec_f64() * 1000.0 {
-            Level::default().time_until(lacking, *rate) * 1000
+            refill_ns(lacking, *rate)
         } else {
             (lacking as f64 * 1e12 / share as f64) as u64
         };
@@ -1320,7 +1325,7 @@ impl Limiter {
         let now = self.now_ns();
         Ok(denied(match ks.cached_wait(cost, now) {
             Some(wait) => wait,
-            None => Level::default().time_until(cost, entry.params.rate) * 1000,
+            None => refill_ns(cost, entry.params.rate),
         }))
     }
 

@@ -61,8 +61,12 @@ fn one() -> u64 {
 }
 
 fn bad(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, message)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let body = serde_json::json!({ "error": message.into() });
-    (StatusCode::BAD_REQUEST, Json(body)).into_response()
+    (status, Json(body)).into_response()
 }
 
 /// Seconds for `Retry-After`: rounded up, at least 1 (as the tower layer's).
@@ -123,10 +127,7 @@ async fn check(
             Ok(b) => b,
             Err(e) => return bad(format!("the body is not a check request's JSON: {e}")),
         },
-        Err(e) => {
-            let body = serde_json::json!({ "error": e.body_text() });
-            return (e.status(), Json(body)).into_response();
-        }
+        Err(e) => return error(e.status(), e.body_text()),
     };
     if body.checks.is_empty() {
         return bad("checks must not be empty");

@@ -10,6 +10,7 @@
 //! - [`bucket`]: fixed-point token bucket arithmetic (no drift, exact retry times).
 //! - [`key`]: Redis keys of buckets, safe against hostile subjects (I7).
 //! - [`lease`]: the local lease an agent spends from (I3, I4).
+//! - [`local`]: the local share, seats of every key's budget spent without the store.
 //! - [`sizing`]: the agent's lease policy: sizing from demand and share, reported demand,
 //!   reclaim.
 //! - [`policy`]: the agent's per-key policy as a state machine (demand, sizing, denial
@@ -21,6 +22,7 @@
 pub mod bucket;
 pub mod key;
 pub mod lease;
+pub mod local;
 pub mod model;
 pub mod policy;
 pub mod rate;

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rate::{MAX_EXACT, Rate, RateError, parse_duration};
+use crate::local::LocalShare;
+use crate::rate::{MAX_EXACT, MAX_PERIOD_US, Rate, RateError, parse_duration};
 
 /// The largest `capacity * period_us + tokens` of a rule: half of [`MAX_EXACT`], so that a
 /// server time (about 2^51 µs since 1970) plus a bucket's time to refill stays exact too.
@@ -224,6 +225,14 @@ pub struct RuleSpec {
     /// `weights[name] / sum(weights)` of the capacity and the rate.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub weights: BTreeMap<String, u64>,
+    /// The percentage of each key's budget (capacity and rate) that agents spend
+    /// locally, without the store, split in `local_agents` equal seats (see
+    /// [`crate::local`]). Unset: none, every token goes through the store.
+    pub local_percent: Option<u64>,
+    /// With `local_percent`: how many agents hold a seat at a time (each gets
+    /// `local_percent / local_agents` of every key; agents beyond that many use the store
+    /// alone).
+    pub local_agents: Option<u64>,
     /// Per-subject settings: `overrides."tenant-42"` for one subject, or
     /// `overrides."sha256:<64 hex digits>"` for the subject with that SHA-256, so secrets
     /// need not sit in config. Unset fields inherit from the rule.
@@ -301,6 +310,8 @@ impl OverrideSpec {
             shadow: pick(&self.shadow, &base.shadow),
             scope: base.scope.clone(),
             partition_floor: base.partition_floor.clone(),
+            local_percent: base.local_percent,
+            local_agents: base.local_agents,
             weights: base.weights.clone(),
             overrides: BTreeMap::new(),
         }
@@ -345,6 +356,7 @@ pub struct Rule {
     shadow: bool,
     scope: Scope,
     region_fed: Option<RegionParams>,
+    local: Option<LocalShare>,
 }
 
 /// Where a rule's bucket lives in a deployment in regions (`scope` in its spec).
@@ -437,6 +449,18 @@ pub struct PartSeed {
     pub outstanding: u64,
     /// When the parent's last lease record drops.
     pub drop_us: u64,
+}
+
+/// The most of a budget a local share may take: the store keeps at least a tenth.
+const MAX_LOCAL_PERCENT: u64 = 90;
+/// More seats than fleets have gateways: a typo, refused.
+const MAX_LOCAL_AGENTS: u64 = 4096;
+
+fn gcd128(mut a: u128, mut b: u128) -> u128 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a.max(1)
 }
 
 const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
@@ -680,8 +704,10 @@ impl Rule {
             }
         };
         let scope = Self::scope_of(label, spec, rate)?;
+        let local = Self::local_of(label, spec, capacity, rate, &scope)?;
         Ok(Self {
             scope,
+            local,
             region_fed: None,
             replication,
             shadow: spec.shadow.unwrap_or(false),
@@ -697,6 +723,132 @@ impl Rule {
             timeout,
             leasing,
         })
+    }
+
+    /// The seat of a rule's local share, validated (see [`crate::local`]).
+    fn local_of(
+        label: &str,
+        spec: &RuleSpec,
+        capacity: NonZeroU64,
+        rate: Rate,
+        scope: &Scope,
+    ) -> Result<Option<LocalShare>, RuleError> {
+        let range = |field, value: u64, why: String| RuleError::Range {
+            rule: label.to_owned(),
+            field,
+            value,
+            why,
+        };
+        let (percent, agents) = match (spec.local_percent, spec.local_agents) {
+            (None, None) => return Ok(None),
+            (Some(p), Some(n)) => (p, n),
+            (Some(p), None) => {
+                return Err(range("local_percent", p, "needs local_agents".into()));
+            }
+            (None, Some(n)) => {
+                return Err(range("local_agents", n, "needs local_percent".into()));
+            }
+        };
+        if !(1..=MAX_LOCAL_PERCENT).contains(&percent) {
+            return Err(range(
+                "local_percent",
+                percent,
+                format!("must be 1 to {MAX_LOCAL_PERCENT}"),
+            ));
+        }
+        if !(1..=MAX_LOCAL_AGENTS).contains(&agents) {
+            return Err(range(
+                "local_agents",
+                agents,
+                format!("must be 1 to {MAX_LOCAL_AGENTS}"),
+            ));
+        }
+        if !matches!(scope, Scope::Single) {
+            return Err(RuleError::Conflict {
+                rule: label.to_owned(),
+                field: "local_percent",
+                value: percent.to_string(),
+                why: "does not combine with scope (regions share the budget already)",
+            });
+        }
+        let b = capacity.get();
+        let seat = u128::from(b) * u128::from(percent) / 100 / u128::from(agents);
+        let Some(seat) = u64::try_from(seat).ok().and_then(NonZeroU64::new) else {
+            return Err(range(
+                "local_agents",
+                agents,
+                format!(
+                    "{percent}% of capacity {b} over {agents} agents leaves each less than one token; raise local_percent or the capacity, or lower local_agents"
+                ),
+            ));
+        };
+        let part = |tokens: u64| {
+            // r * tokens / B, in lowest terms.
+            let num = u128::from(rate.tokens()) * u128::from(tokens);
+            let den = u128::from(rate.period_us()) * u128::from(b);
+            let g = gcd128(num, den);
+            let (num, den) = (num / g, den / g);
+            let ok = u64::try_from(num).ok().and_then(NonZeroU64::new);
+            let per = u64::try_from(den).ok().filter(|&d| d <= MAX_PERIOD_US);
+            let r = match (ok, per) {
+                (Some(n), Some(d)) => Rate::new(n, Duration::from_micros(d)).ok(),
+                _ => None,
+            };
+            r.filter(|r| {
+                u128::from(tokens) * u128::from(r.period_us()) + u128::from(r.tokens())
+                    <= u128::from(MAX_BUCKET_UNITS)
+            })
+        };
+        let (Some(seat_rate), Some(_)) = (part(seat.get()), part(b - seat.get() * agents)) else {
+            return Err(range(
+                "local_percent",
+                percent,
+                format!(
+                    "a seat's share of rate {rate} (capacity {b}) is too fine to represent; use a shorter rate period"
+                ),
+            ));
+        };
+        Ok(Some(LocalShare {
+            agents: agents as u32,
+            percent: percent as u8,
+            capacity: seat,
+            rate: seat_rate,
+        }))
+    }
+
+    /// One agent's seat of the rule's local share, if it has one.
+    pub fn local(&self) -> Option<LocalShare> {
+        self.local
+    }
+
+    /// The rule as the store keeps it: without a local share, the rule itself; with one,
+    /// what the seats leave, `B - N * s` tokens at `r * (B - N * s) / B`, lease bounds
+    /// within it (see [`crate::local`]).
+    pub fn global_part(&self) -> Rule {
+        let Some(l) = self.local else {
+            return self.clone();
+        };
+        let b = self.capacity.get();
+        let left = b - l.capacity.get() * u64::from(l.agents);
+        // Validated in `local_of`: both exist.
+        let num = u128::from(self.rate.tokens()) * u128::from(left);
+        let den = u128::from(self.rate.period_us()) * u128::from(b);
+        let g = gcd128(num, den);
+        let rate = Rate::new(
+            NonZeroU64::new((num / g) as u64).unwrap_or(NonZeroU64::MIN),
+            Duration::from_micros((den / g) as u64),
+        )
+        .unwrap_or(self.rate);
+        let capacity = NonZeroU64::new(left).unwrap_or(NonZeroU64::MIN);
+        let lease_max = self.lease_max.min(capacity);
+        Rule {
+            capacity,
+            rate,
+            lease_max,
+            lease_min: self.lease_min.min(lease_max),
+            local: None,
+            ..self.clone()
+        }
     }
 
     fn scope_of(label: &str, spec: &RuleSpec, rate: Rate) -> Result<Scope, RuleError> {

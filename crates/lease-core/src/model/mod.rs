@@ -32,6 +32,7 @@
 mod batch;
 mod ops;
 pub mod region;
+pub mod seats;
 mod share;
 mod split;
 mod state;

@@ -1202,7 +1202,69 @@ local function decimal(i)
   end
 end
 
+-- lh_seat: the seats of a rule's local share (model/seats.rs). KEYS[1] = lh:{RULE}:seats,
+-- a hash of agent -> the end of its tenure (server µs), and ts, the last server time
+-- (I5). ARGV: agent (hex), seats, ttl_us, leave (1: give the seat up). Tenures that
+-- ended go first; the agent's live record is extended, a new one made while fewer than
+-- `seats` are live, else the claim is refused. Reply: {held, renewed, ttl_us or, when
+-- refused, the µs until the soonest tenure ends}.
+local MAX_SEATS = 4096
+local MAX_SEAT_TTL = 3600000000
+
+local function seat(keys, args)
+  local key = keys[1]
+  if #keys ~= 1 or type(key) ~= 'string' or #key > 80 or
+      string.find(key, '^lh:{[%w%._%-]+}:seats$') == nil then
+    fail('LH_ARG not a seats key: ' .. clip(tostring(key)))
+  end
+  local id = args[1]
+  if type(id) ~= 'string' or #id < 1 or #id > 32 or not string.find(id, '^%x+$') then
+    fail('LH_ARG invalid argument agent = ' .. clip(tostring(id)))
+  end
+  local n = int(args[2], 'seats', MAX_SEATS)
+  local ttl = int(args[3], 'ttl_us', MAX_SEAT_TTL)
+  local leave = int(args[4], 'leave', 1)
+  if args[5] ~= nil then fail('LH_ARG ' .. fmt(#args - 4) .. ' arguments left over') end
+  if n == 0 or ttl == 0 then fail('LH_ARG invalid argument seats or ttl_us = 0') end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local v = redis.call('HGETALL', key)
+  for i = 1, #v, 2 do
+    if v[i] == 'ts' then now = math.max(now, tonumber(v[i + 1])) end
+  end
+  local live, soonest, latest, mine = 0, nil, now, false
+  for i = 1, #v, 2 do
+    local f = v[i]
+    if f ~= 'ts' then
+      local u = tonumber(v[i + 1])
+      if u <= now or (leave == 1 and f == id) then
+        redis.call('HDEL', key, f)
+      else
+        live = live + 1
+        if soonest == nil or u < soonest then soonest = u end
+        if u > latest then latest = u end
+        if f == id then mine = true end
+      end
+    end
+  end
+  local reply
+  if leave == 1 then
+    reply = {0, 0, 0}
+  elseif mine or live < n then
+    redis.call('HSET', key, id, fmt(now + ttl))
+    if now + ttl > latest then latest = now + ttl end
+    reply = {1, mine and 1 or 0, ttl}
+  else
+    reply = {0, 0, math.max(soonest - now, 1)}
+  end
+  redis.call('HSET', key, 'ts', fmt(now))
+  -- The key outlives its last tenure by a second (no tenure, no state worth keeping).
+  redis.call('PEXPIRE', key, fmt(ceil_div(latest - now, 1000) + 1000))
+  return reply
+end
+
 redis.register_function('lh_call', call)
+redis.register_function('lh_seat', seat)
 redis.register_function('lh_acquire', decimal(1))
 redis.register_function('lh_release', decimal(2))
 redis.register_function('lh_exact', decimal(3))

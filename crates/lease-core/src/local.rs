@@ -31,6 +31,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::rate::Rate;
 
+/// The store key of a rule's seats (`lh:{RULE}:seats`; rule names are plain, see
+/// [`crate::rule::RuleName`]).
+pub fn seats_key(rule: &str) -> String {
+    format!("lh:{{{rule}}}:seats")
+}
+
 /// One agent's seat of a rule's local share: per key, `capacity` tokens refilling at
 /// `rate`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use leasehold_core::key::BucketKey;
+use leasehold_core::local::SeatReply;
+use leasehold_core::model::seats::Seats;
 use leasehold_core::model::{
     AgentId, BatchLog, ExactOutcome, GlobalBucket, Reply, Request, validate,
 };
@@ -31,6 +33,8 @@ pub struct EmbeddedStore {
     offline: Arc<std::sync::atomic::AtomicBool>,
     /// Exact batches' dedup keys, sharded as the buckets are.
     batches: Arc<[Mutex<HashMap<String, BatchLog>>]>,
+    /// The seats of rules' local shares, by rule.
+    seats: Arc<Mutex<HashMap<String, Seats>>>,
 }
 
 impl Default for EmbeddedStore {
@@ -48,6 +52,7 @@ impl EmbeddedStore {
             calls: Arc::new(AtomicU64::new(0)),
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             batches: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            seats: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -126,6 +131,31 @@ impl EmbeddedStore {
         let counts: Vec<usize> = items.iter().map(|it| it.costs.len()).collect();
         log.close(now_us, seq, grace, &out, &counts);
         Ok(out)
+    }
+
+    /// Claims, renews or gives up a seat of `rule`'s local share, as `lh_seat` does.
+    pub fn claim_seat(
+        &self,
+        rule: &str,
+        agent: AgentId,
+        seats: u64,
+        ttl_us: u64,
+        leave: bool,
+    ) -> Result<SeatReply, StoreError> {
+        if self.offline.load(Ordering::Acquire) {
+            return Err(StoreError::Offline);
+        }
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let now_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let mut all = self.seats.lock();
+        let s = all.entry(rule.to_owned()).or_default();
+        if leave {
+            s.leave(agent);
+            return Ok(SeatReply::Full { retry_us: 0 });
+        }
+        Ok(s.claim(agent, seats, ttl_us, now_us))
     }
 
     /// Calls served so far.

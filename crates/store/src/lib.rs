@@ -22,6 +22,7 @@ pub mod rules;
 pub mod wire;
 
 use leasehold_core::key::BucketKey;
+use leasehold_core::local::SeatReply;
 use leasehold_core::model::{AgentId, ExactOutcome, Reply, Request};
 use leasehold_core::rule::BucketParams;
 
@@ -82,6 +83,22 @@ impl Store {
         match self {
             Self::Redis(s) => s.exact_many(agent, seq, items).await,
             Self::Embedded(s) => s.exact_many(agent, seq, items),
+        }
+    }
+
+    /// Claims, renews or gives up `agent`'s seat of `rule`'s local share (see
+    /// [`RedisStore::claim_seat`]).
+    pub async fn claim_seat(
+        &self,
+        rule: &str,
+        agent: AgentId,
+        seats: u64,
+        ttl_us: u64,
+        leave: bool,
+    ) -> Result<SeatReply, StoreError> {
+        match self {
+            Self::Redis(s) => s.claim_seat(rule, agent, seats, ttl_us, leave).await,
+            Self::Embedded(s) => s.claim_seat(rule, agent, seats, ttl_us, leave),
         }
     }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use leasehold_core::local::SeatReply;
 use leasehold_core::key::BucketKey;
 use leasehold_core::model::{
     AgentId, ExactOutcome, MAX_BATCH_COSTS, Op, ProtocolError, Reply, Request, validate,
@@ -874,6 +875,45 @@ impl RedisStore {
             other => other,
         }
         .map_err(classify)
+    }
+
+    /// Claims or renews one of `seats` seats of `rule`'s local share for `agent`, for
+    /// `ttl_us` (`lh_seat`; see [`leasehold_core::local`]), or gives it up (`leave`),
+    /// within the call timeout.
+    pub async fn claim_seat(
+        &self,
+        rule: &str,
+        agent: AgentId,
+        seats: u64,
+        ttl_us: u64,
+        leave: bool,
+    ) -> Result<SeatReply, StoreError> {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg("lh_seat")
+            .arg(1)
+            .arg(leasehold_core::local::seats_key(rule))
+            .arg(agent.to_string())
+            .arg(seats)
+            .arg(ttl_us)
+            .arg(u64::from(leave));
+        let limit = self.config.call_timeout;
+        let v = tokio::time::timeout(limit, self.query_loaded(&cmd))
+            .await
+            .map_err(|_| StoreError::Timeout(limit))??;
+        let r: Vec<u64> = redis::from_redis_value(v.clone())
+            .map_err(|_| StoreError::Misconfigured(format!("unexpected lh_seat reply {v:?}")))?;
+        match r.as_slice() {
+            [1, renewed, ttl_us] => Ok(SeatReply::Held {
+                ttl_us: *ttl_us,
+                renewed: *renewed == 1,
+            }),
+            [0, _, retry_us] => Ok(SeatReply::Full {
+                retry_us: *retry_us,
+            }),
+            _ => Err(StoreError::Misconfigured(format!(
+                "unexpected lh_seat reply {r:?}"
+            ))),
+        }
     }
 
     /// Runs one plain command (agent reports, the coordinator's reads), bounded by the

@@ -52,13 +52,22 @@ fn lh_seat_matches_the_model() {
             assert!(model.held(now) <= 2);
         }
         let pttl: i64 = server.cmd(&["PTTL", &seats_key("seats")]).expect("PTTL");
-        assert!(pttl > 1000 && pttl <= 1300, "the key outlives its last tenure: {pttl}");
+        assert!(
+            pttl > 1000 && pttl <= 1300,
+            "the key outlives its last tenure: {pttl}"
+        );
         let mut c = server.connection().unwrap();
         for (args, want) in [
             (vec!["lh:{x|y}", "ab", "2", "10", "0"], "not a seats key"),
             (vec!["lh:{x}:seats", "zz", "2", "10", "0"], "agent"),
-            (vec!["lh:{x}:seats", "ab", "0", "10", "0"], "seats or ttl_us = 0"),
-            (vec!["lh:{x}:seats", "ab", "5000", "10", "0"], "seats = 5000"),
+            (
+                vec!["lh:{x}:seats", "ab", "0", "10", "0"],
+                "seats or ttl_us = 0",
+            ),
+            (
+                vec!["lh:{x}:seats", "ab", "5000", "10", "0"],
+                "seats = 5000",
+            ),
             (vec!["lh:{x}:seats", "ab", "2", "10", "2"], "leave = 2"),
         ] {
             let e = redis::cmd("FCALL")
@@ -70,5 +79,99 @@ fn lh_seat_matches_the_model() {
                 .to_string();
             assert!(e.contains(want), "{args:?}: {e}");
         }
+    });
+}
+
+/// Eight gateways, four seats, three keys hammered from every gateway for 1.5 s: the
+/// seat holders spend locally, the rest through the store, and each key admits at most
+/// B + r*T over the run and at least nine tenths of it (demand is on every gateway, so
+/// every seat is used). Then a seat holder stops, and a gateway that had none takes its
+/// seat within a renewal or two.
+#[test]
+fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    use leasehold_agent::{Admission, Decision};
+
+    let server = server();
+    let toml = r#"
+        [rules.api]
+        capacity = 40
+        rate = "200/s"
+        local_percent = 50
+        local_agents = 4
+    "#;
+    runtime().block_on(async {
+        let mut fleet = Vec::new();
+        for _ in 0..8 {
+            fleet.push(support::limiter(&server.url(), toml).await);
+        }
+        // Every gateway claims as it starts; the claims settle within a renewal.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let seated = |l: &leasehold_agent::Limiter, subject: &'static str| {
+            let l = l.clone();
+            async move {
+                matches!(
+                    l.check(subject, "api", 1).await.expect("check"),
+                    Decision::Allowed {
+                        via: Admission::Local,
+                        ..
+                    }
+                )
+            }
+        };
+        let mut holders = Vec::new();
+        for (i, l) in fleet.iter().enumerate() {
+            if seated(l, "probe").await {
+                holders.push(i);
+            }
+        }
+        assert_eq!(holders.len(), 4, "four seats, held by {holders:?}");
+        let stop = Arc::new(AtomicBool::new(false));
+        let keys = ["k0", "k1", "k2"];
+        let admitted: Vec<Arc<AtomicU64>> = keys.iter().map(|_| Arc::default()).collect();
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for l in &fleet {
+            for (k, key) in keys.iter().enumerate() {
+                tasks.push(support::hammer(l, key, "api", &stop, &admitted[k]));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            t.await.expect("hammer");
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let bound = 40.0 + 200.0 * secs;
+        for (k, a) in admitted.iter().enumerate() {
+            let a = a.load(Ordering::Relaxed) as f64;
+            assert!(a <= bound, "key {k}: {a} admitted > B + r*T = {bound:.0}");
+            assert!(
+                a >= 0.9 * 200.0 * secs,
+                "key {k}: {a} admitted of {bound:.0}"
+            );
+        }
+        let stats = fleet[holders[0]].stats("api").expect("stats");
+        assert!(stats.admitted_local > 0, "{stats:?}");
+        // A holder stops: its seat goes back at once, and one of the others takes it.
+        let gone = holders[0];
+        fleet[gone].shutdown().await;
+        let waiting: Vec<usize> = (0..8).filter(|i| !holders.contains(i)).collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut taken = None;
+        while taken.is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for &i in &waiting {
+                // A new tenure starts empty: a key its seat has not seen fills in a
+                // whole refill (200 ms here).
+                if seated(&fleet[i], "fresh").await {
+                    taken = Some(i);
+                }
+            }
+        }
+        assert!(taken.is_some(), "no gateway took the freed seat");
     });
 }

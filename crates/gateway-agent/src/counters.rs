@@ -78,9 +78,11 @@ pub enum Counter {
     ShadowDenied,
     /// Would have been refused as unavailable (503), admitted in shadow mode.
     ShadowUnavailable,
+    /// Admitted from the agent's seat of the rule's local share, without the store.
+    AdmittedLocal,
 }
 
-const KINDS: usize = 16;
+const KINDS: usize = 17;
 
 /// The counters of one rule.
 #[derive(Debug)]
@@ -146,6 +148,7 @@ impl RuleCounters {
             reclaims: self.get(Reclaims),
             shadow_denied: self.get(ShadowDenied),
             shadow_unavailable: self.get(ShadowUnavailable),
+            admitted_local: self.get(AdmittedLocal),
         }
     }
 
@@ -155,6 +158,7 @@ impl RuleCounters {
         let rule = rule.to_owned();
         for (outcome, v) in [
             ("admitted_lease", s.admitted_lease),
+            ("admitted_local", s.admitted_local),
             ("admitted_exact", s.admitted_exact),
             ("admitted_fail_open", s.admitted_fail_open),
             ("admitted_emergency", s.admitted_emergency),
@@ -249,6 +253,8 @@ pub struct RuleStats {
     pub shadow_denied: u64,
     /// [`Counter::ShadowUnavailable`].
     pub shadow_unavailable: u64,
+    /// [`Counter::AdmittedLocal`].
+    pub admitted_local: u64,
 }
 
 impl RuleStats {
@@ -256,6 +262,7 @@ impl RuleStats {
     /// they were let through).
     pub fn admitted(&self) -> u64 {
         self.admitted_lease
+            + self.admitted_local
             + self.admitted_exact
             + self.admitted_fail_open
             + self.admitted_emergency

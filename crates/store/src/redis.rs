@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use leasehold_core::local::SeatReply;
 use leasehold_core::key::BucketKey;
+use leasehold_core::local::SeatReply;
 use leasehold_core::model::{
     AgentId, ExactOutcome, MAX_BATCH_COSTS, Op, ProtocolError, Reply, Request, validate,
     validate_exact,

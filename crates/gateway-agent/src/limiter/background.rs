@@ -23,6 +23,9 @@ pub(super) async fn background(
         Duration::from_secs(1),
     );
     publish.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once: a new agent claims its seats as it starts.
+    let mut seats = tokio::time::interval(SEAT_RENEW_EVERY);
+    seats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut topology = tokio::time::interval(TOPOLOGY_EVERY);
     topology.tick().await;
     let mut policy = tokio::time::interval(POLICY_EVERY);
@@ -66,6 +69,12 @@ pub(super) async fn background(
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
                     tokio::spawn(report(Limiter { inner }));
+                }
+            }
+            _ = seats.tick() => {
+                let Some(inner) = inner.upgrade() else { return };
+                if !inner.rules.load().seats.is_empty() {
+                    tokio::spawn(claim_seats(Limiter { inner }));
                 }
             }
             _ = policy.tick() => {
@@ -113,6 +122,34 @@ pub(super) async fn background(
                     tracing::error!(error = %e, "rules file refused; the rules in force stay");
                 }
             }
+        }
+    }
+}
+
+/// Claims or renews this agent's seat of every rule with a local share (see
+/// [`leasehold_core::local`]). A tenure is good until its claim's send time plus the
+/// record's lifetime, less a margin; a refused or failed claim leaves it to run out.
+pub(super) async fn claim_seats(limiter: Limiter) {
+    let inner = &limiter.inner;
+    if inner.shut.load(Ordering::Acquire) {
+        return;
+    }
+    let seats: Vec<(Box<str>, Arc<Seat>)> = (inner.rules.load().seats.iter())
+        .map(|(n, s)| (n.clone(), s.clone()))
+        .collect();
+    for (name, seat) in seats {
+        let sent = limiter.now_ns();
+        let agents = u64::from(seat.share.agents);
+        match (inner.store)
+            .claim_seat(&name, inner.agent, agents, SEAT_TTL_US, false)
+            .await
+        {
+            Ok(reply) if !inner.shut.load(Ordering::Acquire) => {
+                seat.tenure
+                    .answered(reply, sent, limiter.now_ns(), SEAT_MARGIN_NS);
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(rule = %name, error = %e, "seat claim failed"),
         }
     }
 }
@@ -325,6 +362,7 @@ impl Limiter {
             if !ks.active(now) {
                 if now.saturating_sub(ks.last_io_ns.load(Ordering::Relaxed)) >= forget_after
                     && ks.waiters.load(Ordering::Acquire) == 0
+                    && ks.seat.full_at(now)
                 {
                     forget.push(slot.id());
                 }

@@ -306,6 +306,9 @@ pub(super) struct Hot {
     pub(super) hot: AtomicBool,
     /// The key's rule is in shadow mode: refusals are counted and let through.
     pub(super) shadow: AtomicBool,
+    /// The key's rule has a local share: a caller the cached denial covers tries the
+    /// agent's seat first.
+    pub(super) local: AtomicBool,
     /// The least cost the cached denial covers (a smaller one may fit what is left).
     deny_cost: AtomicU32,
 }
@@ -369,8 +372,14 @@ pub(super) struct Cell {
 
 impl Cells {
     /// A cell, empty, set for a key of `capacity` that `hot` leases, of a rule in
-    /// `shadow` mode or not.
-    pub(super) fn take(self: &Arc<Self>, capacity: u64, hot: bool, shadow: bool) -> Cell {
+    /// `shadow` mode or not, with a `local` share or not.
+    pub(super) fn take(
+        self: &Arc<Self>,
+        capacity: u64,
+        hot: bool,
+        shadow: bool,
+        local: bool,
+    ) -> Cell {
         let at = {
             let mut free = self.free.lock();
             match free.pop() {
@@ -386,6 +395,7 @@ impl Cells {
                                 denied_tokens: AtomicU64::new(0),
                                 hot: AtomicBool::new(false),
                                 shadow: AtomicBool::new(false),
+                                local: AtomicBool::new(false),
                                 deny_cost: AtomicU32::new(0),
                             })
                             .collect(),
@@ -409,6 +419,7 @@ impl Cells {
         h.deny_until_ns.store(0, Ordering::Relaxed);
         h.denied_tokens.store(0, Ordering::Relaxed);
         h.shadow.store(shadow, Ordering::Relaxed);
+        h.local.store(local, Ordering::Relaxed);
         h.hot.store(hot, Ordering::Release);
         cell
     }

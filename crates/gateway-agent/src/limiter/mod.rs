@@ -31,6 +31,7 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 use leasehold_core::bucket::Level;
 use leasehold_core::key::{BucketKey, SubjectError};
+use leasehold_core::local::{LocalShare, SeatBucket, SeatRefusal, Tenure};
 use leasehold_core::model::{AgentId, Op, Reply, Split};
 use leasehold_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
 use leasehold_core::{KeyPolicy, PolicyConfig, Rate, Reclaim, Spend, SweepAction};
@@ -101,6 +102,8 @@ pub enum Decision {
 pub enum Admission {
     /// From the agent's local lease, without a network call.
     Lease,
+    /// From the agent's seat of the rule's local share, without a network call.
+    Local,
     /// By one exact call to the store.
     Exact,
     /// Without the store, which is unreachable, because the rule fails open.
@@ -138,7 +141,10 @@ pub enum CheckError {
 }
 
 pub(crate) struct RuleEntry {
+    /// The rule as the store keeps it (its global part when it has a local share).
     rule: Rule,
+    /// This agent's seat of the rule's local share, and the rule's tenure.
+    local: Option<(LocalShare, Arc<Seat>)>,
     pub(crate) params: BucketParams,
     pub(crate) name: Arc<str>,
     /// This rule's `RateLimit-Policy` item, `"NAME";q=B;w=SECONDS` (W: the seconds an
@@ -164,13 +170,18 @@ impl RuleEntry {
         counters: &Arc<RuleCounters>,
         shadow_all: bool,
         region: Option<&str>,
+        seat: Option<&Arc<Seat>>,
     ) -> Result<Arc<Self>, String> {
-        let rule = &rule.in_region(region)?;
-        let shadow = shadow_all || rule.shadow();
-        let p = rule.bucket_params();
+        let whole = rule.in_region(region)?;
+        let shadow = shadow_all || whole.shadow();
+        // The policy a client sees is the whole rule's; the store keeps its global part.
+        let p = whole.bucket_params();
         let w = leasehold_core::refill_secs(p.capacity, p.rate);
-        let policy = format!("\"{}\";q={};w={w}", rule.name(), p.capacity);
+        let policy = format!("\"{}\";q={};w={w}", whole.name(), p.capacity);
+        let local = whole.local().zip(seat.cloned());
+        let rule = &whole.global_part();
         Ok(Arc::new(Self {
+            local,
             policy: policy.into(),
             params: rule.bucket_params(),
             rule: rule.clone(),
@@ -239,6 +250,15 @@ impl RuleSet {
 
 struct RuleTable {
     by_name: FastMap<Box<str>, RuleSet>,
+    /// The seats of the rules with a local share, claimed by the background loop.
+    seats: FastMap<Box<str>, Arc<Seat>>,
+}
+
+/// A rule's local share as this agent holds it: the share it claims a seat of, and the
+/// tenure the store confirmed (see [`leasehold_core::local`]).
+pub(crate) struct Seat {
+    share: LocalShare,
+    tenure: Tenure,
 }
 
 impl RuleTable {
@@ -251,25 +271,51 @@ impl RuleTable {
         region: Option<&str>,
     ) -> Result<Self, String> {
         let mut by_name = FastMap::default();
+        let mut seats = FastMap::default();
         for rule in rules.iter() {
             let name = rule.name().as_str();
             let counters = old
                 .and_then(|t| t.by_name.get(name))
                 .map_or_else(Default::default, |e| e.base.counters.clone());
+            // A seat of the same share goes on; a changed one is claimed anew (its first
+            // answer starts it empty).
+            let seat = rule.local().map(|share| {
+                old.and_then(|t| t.seats.get(name))
+                    .filter(|s| s.share == share)
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        Arc::new(Seat {
+                            share,
+                            tenure: Tenure::new(),
+                        })
+                    })
+            });
             let overrides = match rules.overrides(name) {
                 Some(o) => {
                     let mut entries = FastMap::default();
                     for (n, r) in o.iter() {
-                        entries.insert(n.into(), RuleEntry::new(r, &counters, shadow_all, region)?);
+                        let e = RuleEntry::new(r, &counters, shadow_all, region, seat.as_ref())?;
+                        entries.insert(n.into(), e);
                     }
                     Some((o.clone(), entries))
                 }
                 None => None,
             };
-            let base = RuleEntry::new(rule, &counters, shadow_all, region)?;
+            let base = RuleEntry::new(rule, &counters, shadow_all, region, seat.as_ref())?;
             by_name.insert(name.into(), RuleSet { base, overrides });
+            if let Some(seat) = seat {
+                seats.insert(name.into(), seat);
+            }
         }
-        Ok(Self { by_name })
+        // Seats no longer in force stop at once (their records expire in the store).
+        if let Some(old) = old {
+            for (name, seat) in &old.seats {
+                if !seats.get(name).is_some_and(|s| Arc::ptr_eq(s, seat)) {
+                    seat.tenure.lost();
+                }
+            }
+        }
+        Ok(Self { by_name, seats })
     }
 
     fn get(&self, name: &str) -> Result<&RuleSet, UnknownRule> {
@@ -383,6 +429,8 @@ struct Emergency {
 /// shared with other keys; the rest is touched only off the hot path.
 struct KeyState {
     cell: keymap::Cell,
+    /// The key's bucket of this agent's seat, when its rule has a local share.
+    seat: SeatBucket,
     counters: Arc<RuleCounters>,
     prefetching: AtomicBool,
     rule: Box<str>,
@@ -489,8 +537,14 @@ impl KeyState {
     /// How long the key has been idle, if it may leave the map to make room: inactive
     /// (no lease, no tokens held or unreported) and no caller waiting on it.
     fn idle_if_evictable(&self, now: u64) -> Option<u64> {
-        (!self.active(now) && self.waiters.load(Ordering::Acquire) == 0)
+        (self.forgettable(now) && self.waiters.load(Ordering::Acquire) == 0)
             .then(|| now.saturating_sub(self.last_io_ns.load(Ordering::Relaxed)))
+    }
+
+    /// Whether forgetting the key loses nothing: inactive, and its seat bucket full again
+    /// (a key not held is taken as full: forgetting a spent seat would mint tokens).
+    fn forgettable(&self, now: u64) -> bool {
+        !self.active(now) && self.seat.full_at(now)
     }
 
     fn new(
@@ -508,7 +562,9 @@ impl KeyState {
                 entry.params.capacity,
                 !transient && entry.rule.leasing() == Leasing::Lease,
                 entry.shadow,
+                entry.local.is_some() && !transient,
             ),
+            seat: SeatBucket::new(),
             counters: entry.counters.clone(),
             slot: bucket.slot(),
             bucket,
@@ -613,6 +669,14 @@ fn store_answered(ks: &KeyState) {
 fn refill_ns(tokens: u64, rate: Rate) -> u64 {
     Level::default().time_until(tokens, rate) * 1000
 }
+
+/// How long the store keeps a seat's record after a claim; claims renew it every
+/// [`SEAT_RENEW_EVERY`], so a seat survives two lost renewals, and an agent that stops
+/// renewing frees it within this time.
+const SEAT_TTL_US: u64 = 3_000_000;
+const SEAT_RENEW_EVERY: Duration = Duration::from_secs(1);
+/// Taken off a tenure's end, as off a lease's (clock rate error between agent and store).
+const SEAT_MARGIN_NS: u64 = 100_000_000;
 
 #[inline]
 fn denied(wait_ns: u64) -> Decision {
@@ -745,7 +809,9 @@ impl Limiter {
         each: &mut Vec<Decision>,
     ) -> Result<(Decision, usize), CheckError> {
         each.clear();
-        let mut taken: Vec<(Arc<KeyState>, u64, u64)> = Vec::with_capacity(checks.len());
+        // What to give back should a later check refuse: (key, cost, the lease's epoch,
+        // or None for the seat).
+        let mut taken: Vec<(Arc<KeyState>, u64, Option<u64>)> = Vec::with_capacity(checks.len());
         let mut tightest: Option<(u64, Admission, usize)> = None;
         for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
             let before = self.key(rule, subject);
@@ -772,13 +838,22 @@ impl Limiter {
                     if via == Admission::Lease
                         && let (Some(ks), Some(epoch)) = (before, epoch)
                     {
-                        taken.push((ks, cost, epoch));
+                        taken.push((ks, cost, Some(epoch)));
+                    } else if via == Admission::Local
+                        && let Some(ks) = self.key(rule, subject)
+                    {
+                        taken.push((ks, cost, None));
                     }
                 }
                 other => {
                     // Tokens spent from local leases go back to them when the store's
-                    // view still covers them. Exact and degraded admissions stay spent.
+                    // view still covers them, and to the seats they came from. Exact
+                    // and degraded admissions stay spent.
                     for (ks, cost, epoch) in taken {
+                        let Some(epoch) = epoch else {
+                            Self::refund_seat(&ks, cost);
+                            continue;
+                        };
                         let _driver = ks.driver.lock().await;
                         ks.hot().lease.refund(cost, epoch);
                     }
@@ -908,6 +983,14 @@ impl Limiter {
         now: u64,
     ) -> Option<Decision> {
         if let Some((until, covered)) = hot.denied_until(cost, now) {
+            let seat_wait = if hot.local.load(Ordering::Relaxed) {
+                match self.spend_seat(ks, cost, now) {
+                    Ok(d) => return Some(d),
+                    Err(wait) => wait,
+                }
+            } else {
+                u64::MAX
+            };
             // Only a leasing key's demand is read (lease sizing); a cold key's denials
             // from the cache skip the shared write.
             if hot.hot.load(Ordering::Relaxed) {
@@ -921,11 +1004,16 @@ impl Limiter {
                 }
             } else {
                 counters.incr(Counter::Denied);
-                denied(until - now + ks.wait_beyond(cost, covered))
+                denied((until - now + ks.wait_beyond(cost, covered)).min(seat_wait))
             });
         }
         if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
             return None;
+        }
+        if hot.local.load(Ordering::Relaxed)
+            && let Ok(d) = self.spend_seat(ks, cost, now)
+        {
+            return Some(d);
         }
         let entry = ks.entry.load();
         self.deny_while_refilling(ks, &entry, cost, now)
@@ -943,12 +1031,18 @@ impl Limiter {
         decided: &mut smallvec::SmallVec<[(Decision, Arc<RuleEntry>); 2]>,
     ) -> Result<bool, CheckError> {
         decided.clear();
-        let mut taken: smallvec::SmallVec<[(Arc<KeyState>, u64, u64); 2]> =
-            smallvec::SmallVec::new();
-        let give_back = |taken: &mut smallvec::SmallVec<[(Arc<KeyState>, u64, u64); 2]>| {
+        // (key, cost, the lease's epoch or None for the seat), as in `check_all_each`.
+        type Taken = smallvec::SmallVec<[(Arc<KeyState>, u64, Option<u64>); 2]>;
+        let mut taken: Taken = smallvec::SmallVec::new();
+        let give_back = |taken: &mut Taken| {
             for (ks, cost, epoch) in taken.drain(..) {
-                if let Ok(_driver) = ks.driver.try_lock() {
-                    ks.hot().lease.refund(cost, epoch);
+                match epoch {
+                    None => Self::refund_seat(&ks, cost),
+                    Some(epoch) => {
+                        if let Ok(_driver) = ks.driver.try_lock() {
+                            ks.hot().lease.refund(cost, epoch);
+                        }
+                    }
                 }
             }
         };
@@ -963,7 +1057,7 @@ impl Limiter {
             });
             if let Some(Some((d, ks, epoch))) = spent {
                 decided.push((self.with_quota(&ks, d), ks.entry.load_full()));
-                taken.push((ks, cost, epoch));
+                taken.push((ks, cost, Some(epoch)));
                 continue;
             }
             let looked = self.look_up(subject, rule, cost, None);
@@ -975,6 +1069,14 @@ impl Limiter {
                         None => self.inner.rules.load().get(rule)?.resolve(subject).clone(),
                     };
                     let refused = !matches!(d, Decision::Allowed { .. });
+                    if let Decision::Allowed {
+                        via: Admission::Local,
+                        ..
+                    } = d
+                        && let Some(ks) = self.key(rule, subject)
+                    {
+                        taken.push((ks, cost, None));
+                    }
                     decided.push((d, entry));
                     if refused {
                         give_back(&mut taken);
@@ -1080,6 +1182,9 @@ impl Limiter {
             if let Some(d) = self.deny_cached(ks.hot(), &ks.counters, &ks, cost, now) {
                 return Ok(Local::Decided(d));
             }
+            if let Ok(d) = self.spend_seat(&ks, cost, now) {
+                return Ok(Local::Decided(d));
+            }
             return Ok(Local::NeedsStore(ks, entry));
         }
         let bucket = entry.key(subject)?;
@@ -1111,9 +1216,45 @@ impl Limiter {
                 return Ok(Local::NeedsStore(ks, entry));
             }
         }
+        if let Ok(d) = self.spend_seat(&ks, cost, now) {
+            return Ok(Local::Decided(d));
+        }
         // Another caller may have inserted it first, with the same entry.
         let entry = ks.entry.load_full();
         Ok(Local::NeedsStore(ks, entry))
+    }
+
+    /// Takes `cost` from the key's bucket of this agent's seat, if its rule has a local
+    /// share, the agent holds a seat now, and the bucket covers it. Otherwise how long
+    /// until it would (`u64::MAX`: never, no seat).
+    fn spend_seat(&self, ks: &KeyState, cost: u64, now: u64) -> Result<Decision, u64> {
+        if ks.transient {
+            // Its bucket would be forgotten with it: a new one starts full.
+            return Err(u64::MAX);
+        }
+        let entry = ks.entry.load();
+        let Some((share, seat)) = &entry.local else {
+            return Err(u64::MAX);
+        };
+        let since = seat.tenure.since(now).ok_or(u64::MAX)?;
+        match ks.seat.take(share, cost, now, since) {
+            Ok(left) => {
+                ks.counters.incr(Counter::AdmittedLocal);
+                Ok(Decision::Allowed {
+                    remaining: left,
+                    via: Admission::Local,
+                })
+            }
+            Err(SeatRefusal::Short { wait_ns }) => Err(wait_ns),
+            Err(SeatRefusal::NoSeat) => Err(u64::MAX),
+        }
+    }
+
+    /// Gives `cost` back to the key's seat bucket (another rule refused the request).
+    fn refund_seat(ks: &KeyState, cost: u64) {
+        if let Some((share, _)) = &ks.entry.load().local {
+            ks.seat.refund(share, cost);
+        }
     }
 
     /// A caller the lease cannot cover, on a key where the policy says so
@@ -1206,7 +1347,19 @@ impl Limiter {
                 }
             });
         }
-        let d = self.consult_store(ks, entry.clone(), cost).await;
+        let d = match self.consult_store(ks.clone(), entry.clone(), cost).await {
+            // The seat may have refilled meanwhile; if not, the caller may come back when
+            // it has, if that is sooner than the store's time.
+            Decision::Denied { retry_after } if entry.local.is_some() => {
+                match self.spend_seat(&ks, cost, self.now_ns()) {
+                    Ok(d) => d,
+                    Err(wait) => Decision::Denied {
+                        retry_after: retry_after.min(Duration::from_nanos(wait.max(1))),
+                    },
+                }
+            }
+            d => d,
+        };
         entry.enforce(d)
     }
 
@@ -1774,6 +1927,9 @@ impl Limiter {
                         ks.hot().deny_until_ns.store(0, Ordering::Relaxed);
                     }
                     ks.hot().shadow.store(entry.shadow, Ordering::Relaxed);
+                    ks.hot()
+                        .local
+                        .store(entry.local.is_some() && !ks.transient, Ordering::Relaxed);
                     ks.entry.store(entry.clone());
                     entry.params.capacity
                 }
@@ -1809,6 +1965,17 @@ impl Limiter {
     pub async fn shutdown(&self) {
         self.inner.shut.store(true, Ordering::Release);
         self.inner.stop.notify_one();
+        // Seats stop at once and go back, so another agent may take them.
+        let seats: Vec<(Box<str>, Arc<Seat>)> = (self.inner.rules.load().seats.iter())
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect();
+        for (name, seat) in seats {
+            seat.tenure.lost();
+            let agents = u64::from(seat.share.agents);
+            let _ = (self.inner.store)
+                .claim_seat(&name, self.inner.agent, agents, SEAT_TTL_US, true)
+                .await;
+        }
         let keys: Vec<Arc<KeyState>> = {
             let mut all = Vec::with_capacity(self.inner.keys.len());
             self.inner.keys.for_each(|slot| all.push(slot.ks.clone()));

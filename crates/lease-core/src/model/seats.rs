@@ -53,7 +53,9 @@ impl Seats {
 
     /// Whether nothing is held past `now_us` (the key may go).
     pub fn idle(&self, now_us: u64) -> bool {
-        self.holders.values().all(|&u| u <= now_us.max(self.last_us))
+        self.holders
+            .values()
+            .all(|&u| u <= now_us.max(self.last_us))
     }
 
     /// Live records at `now_us`.

@@ -55,9 +55,9 @@ enum Command {
     /// Runs agents against a global store under a workload and reports Leasehold, the
     /// naive per-request Lua bucket and governor side by side.
     Simulate {
-        /// A built-in scenario: steady, burst, hot-key, zipf, long-tail, shifting,
-        /// agent-crash, redis-down, failover, failover-wait, cluster, hot-split, fleet,
-        /// fleet-under, regions, region-partition.
+        /// A built-in scenario: steady, burst, hot-key, zipf, long-tail, zipf-store,
+        /// long-tail-store, shifting, agent-crash, redis-down, failover, failover-wait,
+        /// cluster, hot-split, fleet, fleet-under, regions, region-partition.
         #[arg(
             long,
             default_value = "hot-key",

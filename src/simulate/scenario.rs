@@ -296,6 +296,8 @@ pub(crate) const BUILT_IN: &[&str] = &[
     "hot-key",
     "zipf",
     "long-tail",
+    "zipf-store",
+    "long-tail-store",
     "shifting",
     "agent-crash",
     "redis-down",
@@ -326,6 +328,13 @@ pub(crate) const FAULTS: &[&str] = &[
 
 fn rule(capacity: u64, rate: &str) -> RuleSpec {
     RuleSpec::new(capacity, rate)
+}
+
+/// `r` with half its budget in 8 gateways' seats (see `leasehold_core::local`).
+fn local_share(mut r: RuleSpec) -> RuleSpec {
+    r.local_percent = Some(50);
+    r.local_agents = Some(8);
+    r
 }
 
 /// The rule of the region scenarios: one worldwide bucket, leased, a 2 s term.
@@ -406,20 +415,23 @@ impl Scenario {
                 keys(1, "uniform"),
                 vec![phase(0.0, 0.0, None)],
             ),
-            // 100 000 tenants with Zipf demand; each gateway has 16 requests in flight.
+            // 100 000 tenants with Zipf demand; each gateway has 16 requests in flight. The
+            // rule keeps half of each tenant's budget in the gateways' seats (a local
+            // share over the 8 gateways): tenants' traffic is spread over the gateways.
             "zipf" => Scenario {
                 threads_per_agent: 16,
                 ..base(
-                    rule(100, "1000/s"),
+                    local_share(rule(100, "1000/s")),
                     keys(100_000, "zipf"),
                     vec![phase(0.0, 0.0, None)],
                 )
             },
-            // A million tenants, most of them seen a few times: the cold path's scenario.
+            // A million tenants, most of them seen a few times: the cold path's scenario,
+            // with the same local share.
             "long-tail" => Scenario {
                 threads_per_agent: 16,
                 ..base(
-                    rule(100, "1000/s"),
+                    local_share(rule(100, "1000/s")),
                     Keys {
                         count: 1_000_000,
                         distribution: "zipf".into(),
@@ -428,6 +440,14 @@ impl Scenario {
                     vec![phase(0.0, 0.0, None)],
                 )
             },
+            // zipf and long-tail without a local share: every cold decision goes to the
+            // store (in batches).
+            "zipf-store" | "long-tail-store" => {
+                let mut s = Self::built_in(name.trim_end_matches("-store"))?;
+                s.rule = rule(100, "1000/s");
+                s.name = name.to_owned();
+                s
+            }
             // Demand moves from half the agents to the other half and back.
             "shifting" => base(
                 rule(10_000, "20000/s"),

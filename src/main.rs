@@ -318,6 +318,19 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
         if r.shadow() { "yes" } else { "no" },
         failure
     );
+    if let Some(l) = r.local() {
+        let g = r.global_part();
+        println!(
+            "{:<36} local share {}%: {} seats of {} tokens at {:.3}/s; the store keeps {} at {:.3}/s",
+            "",
+            l.percent,
+            l.agents,
+            l.capacity,
+            l.rate.per_sec_f64(),
+            g.capacity(),
+            g.rate().per_sec_f64()
+        );
+    }
 }
 
 fn check_config(file: &PathBuf) -> ExitCode {

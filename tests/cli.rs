@@ -23,7 +23,8 @@ fn check_config_accepts_the_example_file() {
     assert!(
         stdout.contains("api.write")
             && stdout.contains("override \"tenant-42\"")
-            && stdout.contains("3 rule(s), 2 override(s) ok"),
+            && stdout.contains("4 rule(s), 2 override(s) ok")
+            && stdout.contains("local share 50%: 8 seats of 50 tokens at 250.000/s"),
         "{stdout}"
     );
 }

@@ -97,6 +97,8 @@ pub fn key_view(
     pttl_ms: i64,
     now_us: u64,
 ) -> KeyView {
+    // The bucket the store keeps: with a local share, the rule's global part.
+    let rule = &rule.global_part();
     let mut agents: BTreeMap<&str, AgentView> = BTreeMap::new();
     for (name, value) in fields {
         let Some((id, field)) = name.split_once(':') else {

@@ -1055,8 +1055,12 @@ impl Rule {
         self.shadow
     }
 
-    /// The integers the global bucket works with.
+    /// The integers the global bucket works with (with a local share, its global part's:
+    /// see [`Rule::global_part`]).
     pub fn bucket_params(&self) -> BucketParams {
+        if self.local.is_some() {
+            return self.global_part().bucket_params();
+        }
         BucketParams {
             capacity: self.capacity.get(),
             rate: self.rate,

@@ -198,6 +198,8 @@ fn the_parts_add_up_to_the_rule() {
     assert_eq!(g.rate().per_sec_f64(), 760.0);
     assert_eq!(g.local(), None);
     assert_eq!(g.bucket_params().capacity, 76);
+    // What the store works with is the global part, whoever asks.
+    assert_eq!(rule.bucket_params(), g.bucket_params());
     // Without a local share the rule is its own global part.
     let plain = Rule::new("p", 100, "1000/s").unwrap();
     assert_eq!(plain.global_part(), plain);

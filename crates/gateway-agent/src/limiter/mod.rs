@@ -175,9 +175,9 @@ impl RuleEntry {
         let whole = rule.in_region(region)?;
         let shadow = shadow_all || whole.shadow();
         // The policy a client sees is the whole rule's; the store keeps its global part.
-        let p = whole.bucket_params();
-        let w = leasehold_core::refill_secs(p.capacity, p.rate);
-        let policy = format!("\"{}\";q={};w={w}", whole.name(), p.capacity);
+        let (b, r) = (whole.capacity().get(), whole.rate());
+        let w = leasehold_core::refill_secs(b, r);
+        let policy = format!("\"{}\";q={b};w={w}", whole.name());
         let local = whole.local().zip(seat.cloned());
         let rule = &whole.global_part();
         Ok(Arc::new(Self {
@@ -443,7 +443,8 @@ struct KeyState {
     /// This agent's last granted share of the key (thousandths of a token per second),
     /// for the emergency limit.
     share_milli: AtomicU64,
-    /// Tokens admitted without the store (emergency, fail-open) not yet reported.
+    /// Tokens admitted without the store (emergency, fail-open, a leasing key's seat) not
+    /// yet reported.
     without_store: AtomicU64,
     /// Tokens the global bucket had left at the store's last answer, and when (agent
     /// clock): with what the lease holds, the quota a leased admission reports.
@@ -1240,6 +1241,11 @@ impl Limiter {
         match ks.seat.take(share, cost, now, since) {
             Ok(left) => {
                 ks.counters.incr(Counter::AdmittedLocal);
+                // A leasing key's report to the coordinator counts every admission; a
+                // cold key's is not reported (its decisions are exact by construction).
+                if ks.hot().hot.load(Ordering::Relaxed) {
+                    ks.without_store.fetch_add(cost, Ordering::Relaxed);
+                }
                 Ok(Decision::Allowed {
                     remaining: left,
                     via: Admission::Local,

@@ -86,3 +86,64 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
         }
     });
 }
+
+/// Rules with a local share on a cluster: each rule's seats key lives on its own slot,
+/// wherever that is, and every gateway (two here, two seats) spends its seat of every
+/// rule without the store once its claims are answered.
+#[test]
+fn seats_are_claimed_on_whichever_shard_holds_their_rule() {
+    let c = Cluster::start().unwrap_or_else(|e| panic!("{e}"));
+    let names = ["a", "b", "c", "d", "e", "f"];
+    let mut rules = String::new();
+    for n in names {
+        rules.push_str(&format!(
+            "[rules.{n}]\ncapacity = 100\nrate = \"100/s\"\nlocal_percent = 50\nlocal_agents = 2\n"
+        ));
+    }
+    let slots: std::collections::BTreeSet<u16> = names
+        .iter()
+        .map(|n| {
+            c.owner(leasehold_core::key::slot_of(
+                leasehold_core::local::seats_key(n).as_bytes(),
+            ))
+            .unwrap()
+            .port
+        })
+        .collect();
+    assert!(slots.len() >= 2, "the seats keys spread over shards");
+    support::runtime().block_on(async {
+        let mut fleet = Vec::new();
+        for _ in 0..2 {
+            fleet.push(
+                Limiter::builder()
+                    .cluster(c.urls())
+                    .rules(support::rules(&rules))
+                    .config({
+                        let mut c = LimiterConfig::default();
+                        c.store = support::config();
+                        c
+                    })
+                    .build()
+                    .await
+                    .unwrap(),
+            );
+        }
+        // Claimed at start; a new tenure's seat fills within one refill (1 s here).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for l in &fleet {
+            for n in names {
+                let d = l.check("tenant", n, 1).await.unwrap();
+                assert!(
+                    matches!(
+                        d,
+                        Decision::Allowed {
+                            via: Admission::Local,
+                            ..
+                        }
+                    ),
+                    "rule {n}: {d:?}"
+                );
+            }
+        }
+    });
+}

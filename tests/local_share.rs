@@ -175,3 +175,40 @@ fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
         assert!(taken.is_some(), "no gateway took the freed seat");
     });
 }
+
+/// What a seat admission reports as left (quota headers, Envoy's `limit_remaining`): the
+/// seat's tokens and what the store's part was last seen to hold, not the seat alone.
+#[test]
+fn a_seat_admission_reports_the_whole_quota_left() {
+    use std::time::Duration;
+
+    use leasehold_agent::{Admission, Decision};
+
+    let server = server();
+    let toml = r#"
+        [rules.api]
+        capacity = 100
+        rate = "100/s"
+        local_percent = 50
+        local_agents = 2
+    "#;
+    runtime().block_on(async {
+        let l = support::limiter(&server.url(), toml).await;
+        // The seat (25 tokens) fills within a refill (1 s) of the tenure's start.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let mut each = Vec::new();
+        let (d, _) = l
+            .check_all_each(&[(b"tenant".as_slice(), "api", 1)], &mut each)
+            .await
+            .expect("check");
+        let Decision::Allowed {
+            remaining,
+            via: Admission::Local,
+        } = d
+        else {
+            panic!("not from the seat: {d:?}");
+        };
+        // 24 in the seat, 50 in the store's part (full: never touched).
+        assert_eq!(remaining, 74, "{d:?}");
+    });
+}

@@ -212,6 +212,17 @@ impl SeatBucket {
             });
     }
 
+    /// Tokens the bucket holds at `now_ns`, during the tenure that began at `since_ns`.
+    pub fn level(&self, share: &LocalShare, now_ns: u64, since_ns: u64) -> u64 {
+        let tau = share.tolerance_ns();
+        let from = (self.tat_ns.load(Ordering::Acquire))
+            .max(now_ns)
+            .max(since_ns.saturating_add(tau));
+        let left_ns = now_ns.saturating_add(tau).saturating_sub(from);
+        (u128::from(left_ns) * u128::from(share.rate.tokens())
+            / (u128::from(share.rate.period_us()) * 1000)) as u64
+    }
+
     /// Whether the bucket is full at `now_ns` (the key may be forgotten: a key not seen
     /// is taken as full).
     #[inline]
@@ -257,7 +268,9 @@ mod tests {
             Err(SeatRefusal::Short { wait_ns: 10 * MS })
         );
         // 10 ms later one token exists.
+        assert_eq!(b.level(&sh, 11 * MS, since), 1);
         assert_eq!(b.take(&sh, 1, 11 * MS, since), Ok(0));
+        assert_eq!(b.level(&sh, 500 * MS, since), 10);
         // Long after, a whole bucket and no more.
         let later = 500 * MS;
         assert_eq!(b.take(&sh, 10, later, since), Ok(0));

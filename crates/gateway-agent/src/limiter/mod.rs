@@ -509,7 +509,8 @@ impl KeyState {
 
     /// About how many tokens the key has left for this agent's callers: what the lease
     /// holds plus what the global bucket had at the store's last answer, refilled since
-    /// at the rule's rate, at most its capacity. (Other agents' leases are not seen: on a
+    /// at the rule's rate, at most its capacity, plus what the agent's seat of the key
+    /// holds when the rule has a local share. (Other agents' leases are not seen: on a
     /// key many agents lease, the bucket's own level is low while their leases hold
     /// tokens.)
     fn quota_left(&self, now: u64) -> u64 {
@@ -520,7 +521,18 @@ impl KeyState {
             / u128::from(rate.period_us().max(1));
         let left = u128::from(self.store_left.load(Ordering::Relaxed)) + refilled;
         let held = u128::from(self.hot().lease.held());
-        (left + held).min(u128::from(capacity)) as u64
+        (left + held).min(u128::from(capacity)) as u64 + self.seat_level(now)
+    }
+
+    /// What the key's bucket of this agent's seat holds now (0 without a seat).
+    fn seat_level(&self, now: u64) -> u64 {
+        let entry = self.entry.load();
+        let Some((share, seat)) = &entry.local else {
+            return 0;
+        };
+        seat.tenure
+            .since(now)
+            .map_or(0, |since| self.seat.level(share, now, since))
     }
 
     /// Whether the sweep visits this key every tick and the coordinator's report covers
@@ -820,7 +832,7 @@ impl Limiter {
             let mut decided = self.check(subject, rule, cost).await;
             if let Ok(
                 d @ Decision::Allowed {
-                    via: Admission::Lease,
+                    via: Admission::Lease | Admission::Local,
                     ..
                 },
             ) = decided
@@ -918,17 +930,18 @@ impl Limiter {
     }
 
     /// About how many tokens `subject` has left under `rule`, for quota headers after a
-    /// leased admission (whose [`Decision::Allowed`] names only what the local lease
-    /// holds): the lease plus the global bucket's level at the store's last answer,
-    /// refilled since at the rule's rate, at most its capacity. An estimate: tokens other
-    /// agents lease are not seen. `None` for a key this agent does not hold.
+    /// leased or seat admission (whose [`Decision::Allowed`] names only what the local
+    /// lease or seat holds): the lease plus the global bucket's level at the store's last
+    /// answer, refilled since at the rule's rate, at most its capacity, plus the agent's
+    /// seat of the key (rules with a local share). An estimate: tokens other agents lease
+    /// or hold in their seats are not seen. `None` for a key this agent does not hold.
     pub fn quota_left(&self, rule: &str, subject: impl AsRef<[u8]>) -> Option<u64> {
         let ks = self.key(rule, subject.as_ref())?;
         Some(ks.quota_left(self.now_ns()))
     }
 
-    /// `d` as the quota headers report it: a leased admission names its key's
-    /// [`Limiter::quota_left`]; anything else stays as it is.
+    /// `d` as the quota headers report it: an admission from the lease or the seat names
+    /// its key's [`Limiter::quota_left`]; anything else stays as it is.
     fn with_quota(&self, ks: &KeyState, d: Decision) -> Decision {
         match d {
             Decision::Allowed {
@@ -937,6 +950,13 @@ impl Limiter {
             } => Decision::Allowed {
                 remaining: ks.quota_left(self.now_ns()),
                 via: Admission::Lease,
+            },
+            Decision::Allowed {
+                via: Admission::Local,
+                ..
+            } => Decision::Allowed {
+                remaining: ks.quota_left(self.now_ns()),
+                via: Admission::Local,
             },
             d => d,
         }
@@ -1070,12 +1090,14 @@ impl Limiter {
                         None => self.inner.rules.load().get(rule)?.resolve(subject).clone(),
                     };
                     let refused = !matches!(d, Decision::Allowed { .. });
+                    let mut d = d;
                     if let Decision::Allowed {
                         via: Admission::Local,
                         ..
                     } = d
                         && let Some(ks) = self.key(rule, subject)
                     {
+                        d = self.with_quota(&ks, d);
                         taken.push((ks, cost, None));
                     }
                     decided.push((d, entry));

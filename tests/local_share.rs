@@ -212,3 +212,74 @@ fn a_seat_admission_reports_the_whole_quota_left() {
         assert_eq!(remaining, 74, "{d:?}");
     });
 }
+
+/// Seats follow the traffic: gateways holding seats no decision wants give them back
+/// after `seat_idle_after`, and a busy gateway that had none takes one.
+#[test]
+fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
+    use std::time::{Duration, Instant};
+
+    use leasehold_agent::{Admission, Decision, Limiter, LimiterConfig};
+
+    let server = server();
+    let toml = r#"
+        [rules.api]
+        capacity = 100
+        rate = "100/s"
+        local_percent = 50
+        local_agents = 2
+    "#;
+    runtime().block_on(async {
+        let mut fleet = Vec::new();
+        for _ in 0..3 {
+            let mut c = LimiterConfig::default();
+            c.store = support::config();
+            c.seat_idle_after = Duration::from_millis(1500);
+            let l = Limiter::builder()
+                .redis(server.url())
+                .rules(support::rules(toml))
+                .config(c)
+                .build()
+                .await
+                .expect("limiter");
+            fleet.push(l);
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let mut seated = Vec::new();
+        for (i, l) in fleet.iter().enumerate() {
+            let d = l.check("probe", "api", 1).await.expect("check");
+            if matches!(
+                d,
+                Decision::Allowed {
+                    via: Admission::Local,
+                    ..
+                }
+            ) {
+                seated.push(i);
+            }
+        }
+        assert_eq!(seated.len(), 2, "{seated:?}");
+        let busy = (0..3).find(|i| !seated.contains(i)).unwrap();
+        // Only the third gateway has traffic from now on.
+        let holders = || -> Vec<String> {
+            let v: Vec<String> = server
+                .cmd(&["HGETALL", &seats_key("api")])
+                .expect("HGETALL");
+            v.chunks(2)
+                .map(|p| p[0].clone())
+                .filter(|f| f != "ts")
+                .collect()
+        };
+        let deadline = Instant::now() + Duration::from_secs(8);
+        let me = fleet[busy].agent_id().to_string();
+        while !holders().contains(&me) && Instant::now() < deadline {
+            fleet[busy].check("busy", "api", 1).await.expect("check");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            holders(),
+            vec![me],
+            "the idle gateways gave their seats back"
+        );
+    });
+}

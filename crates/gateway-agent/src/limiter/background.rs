@@ -127,8 +127,9 @@ pub(super) async fn background(
 }
 
 /// Claims or renews this agent's seat of every rule with a local share (see
-/// [`leasehold_core::local`]). A tenure is good until its claim's send time plus the
-/// record's lifetime, less a margin; a refused or failed claim leaves it to run out.
+/// [`leasehold_core::local`]), or gives back a seat no decision wanted for
+/// `seat_idle_after`. A tenure is good until its claim's send time plus the record's
+/// lifetime, less a margin; a refused or failed claim leaves it to run out.
 pub(super) async fn claim_seats(limiter: Limiter) {
     let inner = &limiter.inner;
     if inner.shut.load(Ordering::Acquire) {
@@ -137,9 +138,24 @@ pub(super) async fn claim_seats(limiter: Limiter) {
     let seats: Vec<(Box<str>, Arc<Seat>)> = (inner.rules.load().seats.iter())
         .map(|(n, s)| (n.clone(), s.clone()))
         .collect();
+    let idle_after = inner.config.seat_idle_after.as_nanos() as u64;
     for (name, seat) in seats {
         let sent = limiter.now_ns();
         let agents = u64::from(seat.share.agents);
+        // At start nothing was wanted yet, and the agent clock starts at 0: a new agent
+        // claims, and gives the seat back if no decision wants it.
+        if sent.saturating_sub(seat.wanted_ns.load(Ordering::Relaxed)) > idle_after {
+            if seat.tenure.deadline_ns() > 0 {
+                seat.tenure.lost();
+                let left = (inner.store)
+                    .claim_seat(&name, inner.agent, agents, SEAT_TTL_US, true)
+                    .await;
+                if let Err(e) = left {
+                    tracing::debug!(rule = %name, error = %e, "giving a seat back failed");
+                }
+            }
+            continue;
+        }
         match (inner.store)
             .claim_seat(&name, inner.agent, agents, SEAT_TTL_US, false)
             .await

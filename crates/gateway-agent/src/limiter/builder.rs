@@ -85,6 +85,10 @@ pub struct LimiterConfig {
     /// region's broker (`leasehold coordinator --region`), and rules of scope `region` the
     /// region's share. `None` (the default): no regions; every rule has one bucket.
     pub region: Option<String>,
+    /// A seat of a rule's local share (see `local_percent` in the README) that no decision
+    /// of the rule wanted for this long goes back to the store, so a gateway with traffic
+    /// can take it; the gateway claims one again once its decisions want it.
+    pub seat_idle_after: Duration,
     /// Every rule in shadow mode: refusals are counted (`shadow_denied`,
     /// `shadow_unavailable`) and let through. Default: the `LEASEHOLD_SHADOW`
     /// environment variable (`1`, `true` or `yes`); rules and overrides can also set
@@ -122,6 +126,7 @@ impl Default for LimiterConfig {
             breaker: BreakerConfig::default(),
             store: StoreConfig::default(),
             region: None,
+            seat_idle_after: Duration::from_secs(10),
             shadow: std::env::var("LEASEHOLD_SHADOW")
                 .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes")),
         }

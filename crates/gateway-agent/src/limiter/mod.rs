@@ -259,6 +259,22 @@ struct RuleTable {
 pub(crate) struct Seat {
     share: LocalShare,
     tenure: Tenure,
+    /// When a decision of the rule last wanted the seat (agent clock, to about
+    /// [`SEAT_WANTED_GRAIN_NS`]): an idle gateway gives its seat back.
+    wanted_ns: AtomicU64,
+}
+
+/// How stale [`Seat::wanted_ns`] may be: it is written at most once per this long, so
+/// the threads deciding on a rule's keys do not all write one word.
+const SEAT_WANTED_GRAIN_NS: u64 = 50_000_000;
+
+impl Seat {
+    #[inline]
+    fn wanted(&self, now: u64) {
+        if now.saturating_sub(self.wanted_ns.load(Ordering::Relaxed)) > SEAT_WANTED_GRAIN_NS {
+            self.wanted_ns.store(now, Ordering::Relaxed);
+        }
+    }
 }
 
 impl RuleTable {
@@ -287,6 +303,7 @@ impl RuleTable {
                         Arc::new(Seat {
                             share,
                             tenure: Tenure::new(),
+                            wanted_ns: AtomicU64::new(0),
                         })
                     })
             });
@@ -1259,6 +1276,7 @@ impl Limiter {
         let Some((share, seat)) = &entry.local else {
             return Err(u64::MAX);
         };
+        seat.wanted(now);
         let since = seat.tenure.since(now).ok_or(u64::MAX)?;
         match ks.seat.take(share, cost, now, since) {
             Ok(left) => {
@@ -1606,6 +1624,11 @@ impl Limiter {
         needed: u64,
     ) -> Result<Reply, CallError> {
         let sent = self.now_ns();
+        // A key that leases has traffic: the rule's seat stays wanted (its decisions
+        // covered by the lease never reach the seat).
+        if let Some((_, seat)) = &entry.local {
+            seat.wanted(sent);
+        }
         let args = driver.policy.acquire(
             &entry.rule,
             &self.inner.policy,

@@ -9,48 +9,64 @@ use leasehold_core::model::AgentId;
 use leasehold_core::model::seats::Seats;
 use support::{runtime, server, store};
 
-/// Claims, renewals, refusals and leaving, the same on Redis as in the model (with the
-/// model run at Redis's own times, read back from the key's `ts`), and hostile input
-/// refused by name.
+/// Claims, renewals, refusals and leaving in a random order (agents, seats, pauses that
+/// end tenures; `LEASEHOLD_SEED` replays one), the same on Redis as in the model run at
+/// Redis's own times (read back from the key's `ts`): every reply and every stored
+/// record. Then the key's expiry, and hostile input refused by name.
 #[test]
 fn lh_seat_matches_the_model() {
+    use rand::{Rng, SeedableRng};
+
     let server = server();
+    let seed = std::env::var("LEASEHOLD_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     runtime().block_on(async {
         let st = store(&server.url()).await;
         let mut model = Seats::new();
-        let ttl = 300_000;
-        let steps: &[(u64, bool, u64)] = &[
-            (1, false, 0),
-            (2, false, 0),
-            (3, false, 0),
-            (1, false, 50),
-            (3, false, 0),
-            (2, true, 0),
-            (3, false, 0),
-            (4, false, 0),
-            (1, false, 400),
-            (4, false, 0),
-            (5, false, 0),
-        ];
-        for &(agent, leave, sleep_ms) in steps {
-            tokio::time::sleep(std::time::Duration::from_millis(sleep_ms)).await;
+        let ttl = 40_000;
+        let seats = rng.random_range(1..=3u64);
+        for step in 0..150 {
+            if rng.random_bool(0.15) {
+                let ms = rng.random_range(0..60);
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            let agent = rng.random_range(1..=5u64);
+            let leave = rng.random_bool(0.1);
             let got = st
-                .claim_seat("seats", AgentId(agent), 2, ttl, leave)
+                .claim_seat("seats", AgentId(agent), seats, ttl, leave)
                 .await
                 .expect("lh_seat");
-            let ts: String = server
-                .cmd(&["HGET", &seats_key("seats"), "ts"])
-                .expect("ts");
-            let now: u64 = ts.parse().unwrap();
+            let fields: Vec<String> = server
+                .cmd(&["HGETALL", &seats_key("seats")])
+                .expect("HGETALL");
+            let mut stored: Vec<(AgentId, u64)> = Vec::new();
+            let mut now = 0;
+            for kv in fields.chunks(2) {
+                let v: u64 = kv[1].parse().unwrap();
+                if kv[0] == "ts" {
+                    now = v;
+                } else {
+                    stored.push((AgentId(u64::from_str_radix(&kv[0], 16).unwrap()), v));
+                }
+            }
+            stored.sort_unstable();
             let want = if leave {
-                model.leave(AgentId(agent));
+                model.leave(AgentId(agent), now);
                 SeatReply::Full { retry_us: 0 }
             } else {
-                model.claim(AgentId(agent), 2, ttl, now)
+                model.claim(AgentId(agent), seats, ttl, now)
             };
-            assert_eq!(got, want, "agent {agent} leave {leave} at {now}");
-            assert!(model.held(now) <= 2);
+            let ctx = format!("seed {seed} step {step}: agent {agent} leave {leave} at {now}");
+            assert_eq!(got, want, "{ctx}");
+            assert_eq!((stored, now), model.stored(), "{ctx}");
+            assert!(model.held(now) as u64 <= seats, "{ctx}");
         }
+        let _ = st
+            .claim_seat("seats", AgentId(9), seats, 300_000, false)
+            .await;
         let pttl: i64 = server.cmd(&["PTTL", &seats_key("seats")]).expect("PTTL");
         assert!(
             pttl > 1000 && pttl <= 1300,

@@ -152,7 +152,7 @@ impl EmbeddedStore {
         let mut all = self.seats.lock();
         let s = all.entry(rule.to_owned()).or_default();
         if leave {
-            s.leave(agent);
+            s.leave(agent, now_us);
             return Ok(SeatReply::Full { retry_us: 0 });
         }
         Ok(s.claim(agent, seats, ttl_us, now_us))

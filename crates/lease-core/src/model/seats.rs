@@ -46,9 +46,21 @@ impl Seats {
         }
     }
 
-    /// `agent` gives its seat up (it stops): the record goes at once.
-    pub fn leave(&mut self, agent: AgentId) {
-        self.holders.remove(&agent);
+    /// `agent` gives its seat up at server time `now_us` (it stops, or no longer needs
+    /// it): its record goes at once, with every tenure that ended.
+    pub fn leave(&mut self, agent: AgentId, now_us: u64) {
+        let now = now_us.max(self.last_us);
+        self.last_us = now;
+        self.holders.retain(|a, until| *until > now && *a != agent);
+    }
+
+    /// The records kept, agent and end of tenure (server µs), and the last server time:
+    /// what `lh_seat` stores.
+    pub fn stored(&self) -> (Vec<(AgentId, u64)>, u64) {
+        (
+            self.holders.iter().map(|(a, u)| (*a, *u)).collect(),
+            self.last_us,
+        )
     }
 
     /// Whether nothing is held past `now_us` (the key may go).
@@ -86,7 +98,7 @@ mod tests {
         assert_eq!(s.claim(b, 2, 100, 1_111), SeatReply::Full { retry_us: 39 });
         // A clock stepping back ends nothing early.
         assert_eq!(s.held(900), 2);
-        s.leave(a);
+        s.leave(a, 1_115);
         assert_eq!(s.claim(b, 2, 100, 1_120), held(false));
         assert!(!s.idle(1_200));
         assert!(s.idle(1_300));

@@ -100,7 +100,7 @@ fn lh_seat_matches_the_model() {
 
 /// Eight gateways, four seats, three keys hammered from every gateway for 1.5 s: the
 /// seat holders spend locally, the rest through the store, and each key admits at most
-/// B + r*T over the run and at least nine tenths of it (demand is on every gateway, so
+/// B + r*T over the run and at least four fifths of r*T (demand is on every gateway, so
 /// every seat is used). Then a seat holder stops, and a gateway that had none takes its
 /// seat within a renewal or two.
 #[test]
@@ -166,7 +166,7 @@ fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
             let a = a.load(Ordering::Relaxed) as f64;
             assert!(a <= bound, "key {k}: {a} admitted > B + r*T = {bound:.0}");
             assert!(
-                a >= 0.9 * 200.0 * secs,
+                a >= 0.8 * 200.0 * secs,
                 "key {k}: {a} admitted of {bound:.0}"
             );
         }

@@ -356,7 +356,9 @@ pub struct Rule {
     shadow: bool,
     scope: Scope,
     region_fed: Option<RegionParams>,
-    local: Option<LocalShare>,
+    /// One agent's seat of the local share, and the global part's rate (`r * (B - N * s)
+    /// / B`), both worked out once, when the rule is validated.
+    local: Option<(LocalShare, Rate)>,
 }
 
 /// Where a rule's bucket lives in a deployment in regions (`scope` in its spec).
@@ -725,14 +727,15 @@ impl Rule {
         })
     }
 
-    /// The seat of a rule's local share, validated (see [`crate::local`]).
+    /// The seat of a rule's local share and the global part's rate, validated (see
+    /// [`crate::local`]).
     fn local_of(
         label: &str,
         spec: &RuleSpec,
         capacity: NonZeroU64,
         rate: Rate,
         scope: &Scope,
-    ) -> Result<Option<LocalShare>, RuleError> {
+    ) -> Result<Option<(LocalShare, Rate)>, RuleError> {
         let range = |field, value: u64, why: String| RuleError::Range {
             rule: label.to_owned(),
             field,
@@ -799,7 +802,9 @@ impl Rule {
                     <= u128::from(MAX_BUCKET_UNITS)
             })
         };
-        let (Some(seat_rate), Some(_)) = (part(seat.get()), part(b - seat.get() * agents)) else {
+        let (Some(seat_rate), Some(global_rate)) =
+            (part(seat.get()), part(b - seat.get() * agents))
+        else {
             return Err(range(
                 "local_percent",
                 percent,
@@ -808,37 +813,29 @@ impl Rule {
                 ),
             ));
         };
-        Ok(Some(LocalShare {
+        let share = LocalShare {
             agents: agents as u32,
             percent: percent as u8,
             capacity: seat,
             rate: seat_rate,
-        }))
+        };
+        Ok(Some((share, global_rate)))
     }
 
     /// One agent's seat of the rule's local share, if it has one.
     pub fn local(&self) -> Option<LocalShare> {
-        self.local
+        self.local.map(|(share, _)| share)
     }
 
     /// The rule as the store keeps it: without a local share, the rule itself; with one,
     /// what the seats leave, `B - N * s` tokens at `r * (B - N * s) / B`, lease bounds
     /// within it (see [`crate::local`]).
     pub fn global_part(&self) -> Rule {
-        let Some(l) = self.local else {
+        let Some((l, rate)) = self.local else {
             return self.clone();
         };
-        let b = self.capacity.get();
-        let left = b - l.capacity.get() * u64::from(l.agents);
-        // Validated in `local_of`: both exist.
-        let num = u128::from(self.rate.tokens()) * u128::from(left);
-        let den = u128::from(self.rate.period_us()) * u128::from(b);
-        let g = gcd128(num, den);
-        let rate = Rate::new(
-            NonZeroU64::new((num / g) as u64).unwrap_or(NonZeroU64::MIN),
-            Duration::from_micros((den / g) as u64),
-        )
-        .unwrap_or(self.rate);
+        let left = self.capacity.get() - l.capacity.get() * u64::from(l.agents);
+        // `local_of` keeps at least a tenth of B in the global part.
         let capacity = NonZeroU64::new(left).unwrap_or(NonZeroU64::MIN);
         let lease_max = self.lease_max.min(capacity);
         Rule {

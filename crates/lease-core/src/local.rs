@@ -60,6 +60,13 @@ impl LocalShare {
         u64::try_from(num.div_ceil(t)).unwrap_or(u64::MAX)
     }
 
+    /// Whole tokens the seat refills in `ns` nanoseconds (rounded down).
+    #[inline]
+    pub fn tokens_in(&self, ns: u64) -> u64 {
+        let num = u128::from(ns) * u128::from(self.rate.tokens());
+        (num / (u128::from(self.rate.period_us()) * 1000)) as u64
+    }
+
     /// Nanoseconds a full seat bucket holds: the time an empty one takes to refill
     /// (rounded down: never more than `capacity` tokens).
     #[inline]
@@ -190,12 +197,7 @@ impl SeatBucket {
                 .tat_ns
                 .compare_exchange_weak(tat, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => {
-                    let left_ns = u128::from(limit - next);
-                    let left = left_ns * u128::from(share.rate.tokens())
-                        / (u128::from(share.rate.period_us()) * 1000);
-                    return Ok(left as u64);
-                }
+                Ok(_) => return Ok(share.tokens_in(limit - next)),
                 Err(seen) => tat = seen,
             }
         }
@@ -218,9 +220,7 @@ impl SeatBucket {
         let from = (self.tat_ns.load(Ordering::Acquire))
             .max(now_ns)
             .max(since_ns.saturating_add(tau));
-        let left_ns = now_ns.saturating_add(tau).saturating_sub(from);
-        (u128::from(left_ns) * u128::from(share.rate.tokens())
-            / (u128::from(share.rate.period_us()) * 1000)) as u64
+        share.tokens_in(now_ns.saturating_add(tau).saturating_sub(from))
     }
 
     /// Whether the bucket is full at `now_ns` (the key may be forgotten: a key not seen

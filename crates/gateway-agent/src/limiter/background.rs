@@ -135,24 +135,15 @@ pub(super) async fn claim_seats(limiter: Limiter) {
     if inner.shut.load(Ordering::Acquire) {
         return;
     }
-    let seats: Vec<(Box<str>, Arc<Seat>)> = (inner.rules.load().seats.iter())
-        .map(|(n, s)| (n.clone(), s.clone()))
-        .collect();
     let idle_after = inner.config.seat_idle_after.as_nanos() as u64;
-    for (name, seat) in seats {
+    for (name, seat) in limiter.seats() {
         let sent = limiter.now_ns();
         let agents = u64::from(seat.share.agents);
         // At start nothing was wanted yet, and the agent clock starts at 0: a new agent
         // claims, and gives the seat back if no decision wants it.
         if sent.saturating_sub(seat.wanted_ns.load(Ordering::Relaxed)) > idle_after {
             if seat.tenure.deadline_ns() > 0 {
-                seat.tenure.lost();
-                let left = (inner.store)
-                    .claim_seat(&name, inner.agent, agents, SEAT_TTL_US, true)
-                    .await;
-                if let Err(e) = left {
-                    tracing::debug!(rule = %name, error = %e, "giving a seat back failed");
-                }
+                limiter.give_seat_back(&name, &seat).await;
             }
             continue;
         }

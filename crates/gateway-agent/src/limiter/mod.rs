@@ -2017,15 +2017,8 @@ impl Limiter {
         self.inner.shut.store(true, Ordering::Release);
         self.inner.stop.notify_one();
         // Seats stop at once and go back, so another agent may take them.
-        let seats: Vec<(Box<str>, Arc<Seat>)> = (self.inner.rules.load().seats.iter())
-            .map(|(n, s)| (n.clone(), s.clone()))
-            .collect();
-        for (name, seat) in seats {
-            seat.tenure.lost();
-            let agents = u64::from(seat.share.agents);
-            let _ = (self.inner.store)
-                .claim_seat(&name, self.inner.agent, agents, SEAT_TTL_US, true)
-                .await;
+        for (name, seat) in self.seats() {
+            self.give_seat_back(&name, &seat).await;
         }
         let keys: Vec<Arc<KeyState>> = {
             let mut all = Vec::with_capacity(self.inner.keys.len());
@@ -2036,6 +2029,27 @@ impl Limiter {
             let entry = ks.entry.load_full();
             let mut driver = ks.driver.lock().await;
             let _ = self.release(&ks, &mut driver, &entry, true).await;
+        }
+    }
+
+    /// The seats of the rules in force with a local share (a snapshot, so no lock is held
+    /// across store calls).
+    fn seats(&self) -> Vec<(Box<str>, Arc<Seat>)> {
+        (self.inner.rules.load().seats.iter())
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect()
+    }
+
+    /// Stops spending `seat` of the rule `name` and gives it back to the store, so
+    /// another agent may take it (its tenure starts empty).
+    async fn give_seat_back(&self, name: &str, seat: &Seat) {
+        seat.tenure.lost();
+        let agents = u64::from(seat.share.agents);
+        let left = (self.inner.store)
+            .claim_seat(name, self.inner.agent, agents, SEAT_TTL_US, true)
+            .await;
+        if let Err(e) = left {
+            tracing::debug!(rule = %name, error = %e, "giving a seat back failed");
         }
     }
 

@@ -109,8 +109,6 @@ fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::time::{Duration, Instant};
 
-    use leasehold_agent::{Admission, Decision};
-
     let server = server();
     let toml = r#"
         [rules.api]
@@ -126,24 +124,7 @@ fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
         }
         // Every gateway claims as it starts; the claims settle within a renewal.
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        let seated = |l: &leasehold_agent::Limiter, subject: &'static str| {
-            let l = l.clone();
-            async move {
-                matches!(
-                    l.check(subject, "api", 1).await.expect("check"),
-                    Decision::Allowed {
-                        via: Admission::Local,
-                        ..
-                    }
-                )
-            }
-        };
-        let mut holders = Vec::new();
-        for (i, l) in fleet.iter().enumerate() {
-            if seated(l, "probe").await {
-                holders.push(i);
-            }
-        }
+        let holders = seated(&fleet, "probe").await;
         assert_eq!(holders.len(), 4, "four seats, held by {holders:?}");
         let stop = Arc::new(AtomicBool::new(false));
         let keys = ["k0", "k1", "k2"];
@@ -183,7 +164,7 @@ fn gateways_beyond_the_seats_use_the_store_and_take_a_freed_seat() {
             for &i in &waiting {
                 // A new tenure starts empty: a key its seat has not seen fills in a
                 // whole refill (200 ms here).
-                if seated(&fleet[i], "fresh").await {
+                if from_seat(&fleet[i], "fresh").await {
                     taken = Some(i);
                 }
             }
@@ -235,7 +216,7 @@ fn a_seat_admission_reports_the_whole_quota_left() {
 fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
     use std::time::{Duration, Instant};
 
-    use leasehold_agent::{Admission, Decision, Limiter, LimiterConfig};
+    use leasehold_agent::{Limiter, LimiterConfig};
 
     let server = server();
     let toml = r#"
@@ -261,19 +242,7 @@ fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
             fleet.push(l);
         }
         tokio::time::sleep(Duration::from_millis(1200)).await;
-        let mut seated = Vec::new();
-        for (i, l) in fleet.iter().enumerate() {
-            let d = l.check("probe", "api", 1).await.expect("check");
-            if matches!(
-                d,
-                Decision::Allowed {
-                    via: Admission::Local,
-                    ..
-                }
-            ) {
-                seated.push(i);
-            }
-        }
+        let seated = seated(&fleet, "probe").await;
         assert_eq!(seated.len(), 2, "{seated:?}");
         let busy = (0..3).find(|i| !seated.contains(i)).unwrap();
         // Only the third gateway has traffic from now on.
@@ -298,4 +267,26 @@ fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
             "the idle gateways gave their seats back"
         );
     });
+}
+
+/// Whether one check of `subject` under `api` on `l` was admitted from its seat.
+async fn from_seat(l: &leasehold_agent::Limiter, subject: &str) -> bool {
+    matches!(
+        l.check(subject, "api", 1).await.expect("check"),
+        leasehold_agent::Decision::Allowed {
+            via: leasehold_agent::Admission::Local,
+            ..
+        }
+    )
+}
+
+/// The gateways of `fleet` whose check of `subject` was admitted from their seat.
+async fn seated(fleet: &[leasehold_agent::Limiter], subject: &str) -> Vec<usize> {
+    let mut seated = Vec::new();
+    for (i, l) in fleet.iter().enumerate() {
+        if from_seat(l, subject).await {
+            seated.push(i);
+        }
+    }
+    seated
 }

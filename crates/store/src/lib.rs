@@ -8,6 +8,7 @@
 //! - [`embedded`]: [`EmbeddedStore`], the reference model in process.
 //! - [`Store`]: either, behind one `call`.
 //! - [`rules`]: the rule set, read from a TOML file and validated.
+//! - [`secret`]: store addresses in errors and logs, with no password.
 //! - [`report`]: what agents report to the coordinator every second.
 //! - [`wire`]: the arguments, replies and hash fields of the function library.
 //! - [`args`] (feature `cli`): the command-line flags that name a store.
@@ -19,6 +20,8 @@ pub mod embedded;
 pub mod redis;
 pub mod report;
 pub mod rules;
+pub mod secret;
+mod sentinel;
 pub mod wire;
 
 use leasehold_core::key::BucketKey;

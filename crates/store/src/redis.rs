@@ -21,6 +21,8 @@ use leasehold_core::model::{
     validate_exact,
 };
 
+pub use crate::secret::{redact, redact_in};
+use crate::sentinel::SentinelConn;
 use crate::wire::{self, ExactItem};
 use leasehold_core::rule::{BucketParams, Replication};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -309,7 +311,7 @@ fn no_tls(address: &str) -> StoreError {
 fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
     let bad = |e: RedisError| {
         StoreError::Misconfigured(format!(
-            "redis url {:?}: {}",
+            "redis url {}: {}",
             redact(url),
             redact_in(&e.to_string(), url)
         ))
@@ -370,83 +372,29 @@ impl Conn {
     }
 }
 
-/// The primary that the Sentinels name, found again after a failover: a call that finds
-/// the node gone or demoted (`READONLY`) starts one lookup in the background, and the
-/// calls after it go to the primary the Sentinels name then.
-struct SentinelConn {
-    sentinels: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
-    current: arc_swap::ArcSwap<ConnectionManager>,
-    settings: ConnectionManagerConfig,
-    looking: std::sync::atomic::AtomicBool,
-    /// Where the service was found, for logs.
-    service: String,
-}
-
-impl SentinelConn {
-    async fn query(self: &Arc<Self>, cmd: &Cmd) -> Result<Value, RedisError> {
-        let mut conn = ConnectionManager::clone(&self.current.load());
-        let reply = cmd.query_async(&mut conn).await;
-        self.after(&reply);
-        reply
-    }
-
-    async fn query_pipe(
-        self: &Arc<Self>,
-        pipe: &redis::Pipeline,
-    ) -> Result<Vec<Value>, RedisError> {
-        let mut conn = ConnectionManager::clone(&self.current.load());
-        let reply = pipe.query_async(&mut conn).await;
-        self.after(&reply);
-        reply
-    }
-
-    fn after<T>(self: &Arc<Self>, reply: &Result<T, RedisError>) {
-        let Err(e) = reply else { return };
-        let moved = e.is_io_error()
-            || e.is_connection_refusal()
-            || e.is_connection_dropped()
-            || e.is_timeout()
-            || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
-        if moved && !self.looking.swap(true, Ordering::AcqRel) {
-            let me = Arc::clone(self);
-            tokio::spawn(async move {
-                me.find_primary().await;
-                me.looking.store(false, Ordering::Release);
-            });
-        }
-    }
-
-    async fn find_primary(&self) {
-        let client = match self.sentinels.lock().await.async_get_client().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(service = %self.service, error = %e, "no Sentinel named a primary");
-                return;
-            }
-        };
-        let addr = client.get_connection_info().addr().to_string();
-        match ConnectionManager::new_with_config(client, self.settings.clone()).await {
-            Ok(conn) => {
-                tracing::warn!(service = %self.service, primary = %addr, "connected to the primary the Sentinels name");
-                self.current.store(Arc::new(conn));
-            }
-            Err(e) => {
-                tracing::warn!(service = %self.service, primary = %addr, error = %e, "primary named by the Sentinels unreachable");
-            }
-        }
-    }
-}
-
 struct Loader {
     generation: AtomicU64,
     loads: AtomicU64,
     lock: tokio::sync::Mutex<()>,
 }
 
+/// The connection a store holds, once it has one, and whether it may be used.
+struct Link {
+    /// Set once, when the store is first reached; every connection type reconnects by
+    /// itself after that.
+    conn: std::sync::OnceLock<Conn>,
+    /// `true` from the moment `conn` is set.
+    connected: tokio::sync::watch::Sender<bool>,
+    /// Why the store must not be used, while it must not (see [`RedisStore::refuse`]).
+    refused: arc_swap::ArcSwapOption<String>,
+    /// The address, without its password, for logs.
+    shown: String,
+}
+
 /// A connection to the store that holds the global buckets.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: Conn,
+    link: Arc<Link>,
     loader: Arc<Loader>,
     config: StoreConfig,
 }
@@ -454,12 +402,14 @@ pub struct RedisStore {
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
+            .field("address", &self.link.shown)
             .field(
                 "mode",
-                &match self.conn {
-                    Conn::Single(_) => "single",
-                    Conn::Cluster(_) => "cluster",
-                    Conn::Sentinel(_) => "sentinel",
+                &match self.link.conn.get() {
+                    None => "connecting",
+                    Some(Conn::Single(_)) => "single",
+                    Some(Conn::Cluster(_)) => "cluster",
+                    Some(Conn::Sentinel(_)) => "sentinel",
                 },
             )
             .field("library_loads", &self.library_loads())
@@ -467,58 +417,50 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-impl RedisStore {
-    /// Connects to the store `address` names and loads the library:
-    /// - `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or `rediss://…` for TLS: one Redis;
-    /// - `cluster://HOST:PORT,HOST:PORT` (or `clusters://…` for TLS): a Redis Cluster, by
-    ///   any of its nodes;
-    /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE` (or
-    ///   `rediss+sentinel://…`): the primary that these Sentinels name for `SERVICE`,
-    ///   followed through failovers. The credentials are the data nodes'.
-    pub async fn open(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
-        let result = if let Some(nodes) = address.strip_prefix("cluster://") {
-            Self::connect_cluster(&node_urls("redis", nodes), config).await
+/// How a store is reached. Made from the address at once, so a malformed address or a
+/// bad TLS file is refused before anything is dialled; dialled as often as it takes.
+enum Dialer {
+    Single(redis::Client),
+    Cluster(Box<redis::cluster::ClusterClient>),
+    Sentinel {
+        sentinels: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
+        /// The Sentinels' own addresses, whose announcements of a failover are followed.
+        watch: Vec<redis::ConnectionAddr>,
+        /// The TLS files for the Sentinels, when given.
+        certs: Option<Certs>,
+        service: String,
+    },
+}
+
+/// The TLS files of a connection (none without the `tls` feature).
+#[cfg(feature = "tls")]
+pub(crate) type Certs = redis::TlsCertificates;
+/// The TLS files of a connection (none without the `tls` feature).
+#[cfg(not(feature = "tls"))]
+pub(crate) type Certs = std::convert::Infallible;
+
+impl Dialer {
+    /// Takes `address` apart (see [`RedisStore::open`]); errors name what is wrong.
+    fn new(address: &str, config: &StoreConfig) -> Result<Self, StoreError> {
+        if let Some(nodes) = address.strip_prefix("cluster://") {
+            Self::cluster(&node_urls("redis", nodes), config)
         } else if let Some(nodes) = address.strip_prefix("clusters://") {
-            Self::connect_cluster(&node_urls("rediss", nodes), config).await
+            Self::cluster(&node_urls("rediss", nodes), config)
         } else if let Some(rest) = address.strip_prefix("redis+sentinel://") {
-            Self::connect_sentinel(false, rest, config).await
+            Self::sentinel(false, rest, config)
         } else if let Some(rest) = address.strip_prefix("rediss+sentinel://") {
-            Self::connect_sentinel(true, rest, config).await
+            Self::sentinel(true, rest, config)
         } else {
-            Self::connect(address, config).await
-        };
-        result.map_err(|e| match e {
-            StoreError::Misconfigured(text) => StoreError::Misconfigured(redact_in(&text, address)),
-            other => other,
-        })
+            Ok(Self::Single(client(address, &config.tls)?))
+        }
     }
 
-    /// Connects to one Redis (`redis://host:port`, `rediss://host:port`) and loads the
-    /// library.
-    pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
-        let client = client(url, &config.tls)?;
-        let conn = tokio::time::timeout(
-            config.connect_timeout * 2,
-            ConnectionManager::new_with_config(client, manager_settings(&config)),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
-        .map_err(StoreError::Unavailable)?;
-        Self::start(Conn::Single(conn), config).await
-    }
-
-    /// Connects to the primary that the Sentinels in `rest`
-    /// (`[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE`) name, and loads the library.
-    async fn connect_sentinel(
-        tls: bool,
-        rest: &str,
-        config: StoreConfig,
-    ) -> Result<Self, StoreError> {
+    fn sentinel(tls: bool, rest: &str, config: &StoreConfig) -> Result<Self, StoreError> {
+        let shown = redact(&format!("redis+sentinel://{rest}"));
         let bad = |why: &str| {
             StoreError::Misconfigured(format!(
-                "sentinel address {:?}: {why}; expected \
-                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE",
-                redact(&format!("redis+sentinel://{rest}"))
+                "sentinel address {shown}: {why}; expected \
+                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE"
             ))
         };
         let (authority, service) = rest.split_once('/').ok_or_else(|| bad("no /SERVICE"))?;
@@ -555,8 +497,9 @@ impl RedisStore {
         if sentinels.is_empty() {
             return Err(bad("no Sentinel given"));
         }
+        let mut certs: Option<Certs> = None;
         let mut builder = redis::sentinel::SentinelClientBuilder::new(
-            sentinels,
+            sentinels.clone(),
             service,
             redis::sentinel::SentinelServerType::Master,
         )
@@ -572,7 +515,7 @@ impl RedisStore {
         }
         if tls {
             #[cfg(not(feature = "tls"))]
-            return Err(no_tls(&redact(&format!("rediss+sentinel://{rest}"))));
+            return Err(no_tls(&shown));
             #[cfg(feature = "tls")]
             {
                 tls_provider();
@@ -580,10 +523,11 @@ impl RedisStore {
                     .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
                     .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
                 if !config.tls.is_empty() {
-                    let certs = config.tls.load()?;
+                    let loaded = config.tls.load()?;
                     builder = builder
-                        .set_client_to_redis_certificates(certs.clone())
-                        .set_client_to_sentinel_certificates(certs);
+                        .set_client_to_redis_certificates(loaded.clone())
+                        .set_client_to_sentinel_certificates(loaded.clone());
+                    certs = Some(loaded);
                 }
             }
         } else if !config.tls.is_empty() {
@@ -591,31 +535,16 @@ impl RedisStore {
                 "TLS files were given for a plain-text address (use rediss+sentinel://)",
             ));
         }
-        let mut sentinel = builder.build().map_err(|e| bad(&e.to_string()))?;
-        let settings = manager_settings(&config);
-        let conn = tokio::time::timeout(config.connect_timeout * 2, async {
-            let client = sentinel.async_get_client().await?;
-            ConnectionManager::new_with_config(client, settings.clone()).await
-        })
-        .await
-        .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
-        .map_err(StoreError::Unavailable)?;
-        let conn = SentinelConn {
-            sentinels: tokio::sync::Mutex::new(sentinel),
-            current: arc_swap::ArcSwap::from_pointee(conn),
-            settings,
-            looking: std::sync::atomic::AtomicBool::new(false),
+        let sentinel = builder.build().map_err(|e| bad(&e.to_string()))?;
+        Ok(Self::Sentinel {
+            sentinels: Arc::new(tokio::sync::Mutex::new(sentinel)),
+            watch: sentinels,
+            certs,
             service: service.to_owned(),
-        };
-        Self::start(Conn::Sentinel(Arc::new(conn)), config).await
+        })
     }
 
-    /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
-    /// every primary.
-    pub async fn connect_cluster(
-        nodes: &[String],
-        config: StoreConfig,
-    ) -> Result<Self, StoreError> {
+    fn cluster(nodes: &[String], config: &StoreConfig) -> Result<Self, StoreError> {
         let builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.call_timeout)
@@ -649,26 +578,214 @@ impl RedisStore {
             let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
             StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
         })?;
-        let conn = tokio::time::timeout(config.connect_timeout * 2, client.get_async_connection())
-            .await
-            .map_err(|_| StoreError::Timeout(config.connect_timeout * 2))?
-            .map_err(StoreError::Unavailable)?;
-        Self::start(Conn::Cluster(conn), config).await
+        Ok(Self::Cluster(Box::new(client)))
     }
 
-    async fn start(conn: Conn, config: StoreConfig) -> Result<Self, StoreError> {
-        let store = Self {
-            conn,
+    fn tls(&self) -> bool {
+        match self {
+            Self::Single(c) => matches!(
+                c.get_connection_info().addr(),
+                redis::ConnectionAddr::TcpTls { .. }
+            ),
+            Self::Cluster(_) => false,
+            Self::Sentinel { watch, .. } => {
+                matches!(watch.first(), Some(redis::ConnectionAddr::TcpTls { .. }))
+            }
+        }
+    }
+
+    /// One attempt to connect, within twice the connect timeout.
+    async fn dial(&self, config: &StoreConfig) -> Result<Conn, StoreError> {
+        let limit = config.connect_timeout * 2;
+        let settings = manager_settings(config);
+        let dialled = tokio::time::timeout(limit, async {
+            Ok(match self {
+                Self::Single(client) => Conn::Single(
+                    ConnectionManager::new_with_config(client.clone(), settings).await?,
+                ),
+                Self::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+                Self::Sentinel {
+                    sentinels,
+                    watch,
+                    certs,
+                    service,
+                } => {
+                    let client = sentinels.lock().await.async_get_client().await?;
+                    let conn = ConnectionManager::new_with_config(client, settings.clone()).await?;
+                    Conn::Sentinel(SentinelConn::start(
+                        Arc::clone(sentinels),
+                        watch.clone(),
+                        certs.clone(),
+                        service.clone(),
+                        conn,
+                        settings,
+                        config.call_timeout,
+                    ))
+                }
+            })
+        })
+        .await;
+        match dialled {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
+            Err(_) if self.tls() => Err(StoreError::Misconfigured(format!(
+                "no TLS session within {limit:?}: the server may not speak TLS on that port \
+                 (rediss:// needs a TLS port; use redis:// for plain text)"
+            ))),
+            Err(_) => Err(StoreError::Timeout(limit)),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects to the store `address` names and loads the library:
+    /// - `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or `rediss://…` for TLS: one Redis;
+    /// - `cluster://HOST:PORT,HOST:PORT` (or `clusters://…` for TLS): a Redis Cluster, by
+    ///   any of its nodes;
+    /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE` (or
+    ///   `rediss+sentinel://…`): the primary that these Sentinels name for `SERVICE`,
+    ///   followed through failovers. The credentials are the data nodes'.
+    ///
+    /// No error shows the password.
+    pub async fn open(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let opened = async {
+            let dialer = Dialer::new(address, &config)?;
+            let store = Self::unconnected(redact(address), config);
+            let conn = dialer.dial(&store.config).await?;
+            store.connect_with(conn).await?;
+            Ok(store)
+        };
+        opened.await.map_err(|e| redacted(e, address))
+    }
+
+    /// Like [`RedisStore::open`], but returns at once, with a store that connects in the
+    /// background: until it has connected and loaded the library, every call fails as
+    /// `Unavailable` (so each rule's failure policy decides), and it keeps trying,
+    /// logging what stops it. A malformed address or a bad TLS file is still an error
+    /// here: retrying cannot mend it. Needs a tokio runtime.
+    pub fn open_in_background(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let dialer = Dialer::new(address, &config).map_err(|e| redacted(e, address))?;
+        Ok(Self::in_background(
+            dialer,
+            redact(address),
+            config,
+            vec![address.to_owned()],
+        ))
+    }
+
+    /// [`RedisStore::open_in_background`] for a Redis Cluster reached through `nodes`.
+    pub fn cluster_in_background(
+        nodes: &[String],
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let dialer = Dialer::cluster(nodes, &config)?;
+        let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+        Ok(Self::in_background(
+            dialer,
+            shown.join(","),
+            config,
+            nodes.to_vec(),
+        ))
+    }
+
+    /// A store that `dialer` connects in the background; `secrets` are the addresses
+    /// whose passwords its log lines must not show.
+    fn in_background(
+        dialer: Dialer,
+        shown: String,
+        config: StoreConfig,
+        secrets: Vec<String>,
+    ) -> Self {
+        let store = Self::unconnected(shown, config);
+        let weak = Arc::downgrade(&store.link);
+        let (loader, config) = (Arc::clone(&store.loader), store.config.clone());
+        tokio::spawn(async move {
+            let mut wait = Duration::from_millis(100);
+            let mut failures = 0u64;
+            loop {
+                let Some(link) = weak.upgrade() else { return };
+                let store = RedisStore {
+                    link,
+                    loader: Arc::clone(&loader),
+                    config: config.clone(),
+                };
+                let tried = match dialer.dial(&config).await {
+                    Ok(conn) => store.connect_with(conn).await,
+                    Err(e) => Err(e),
+                };
+                match tried {
+                    Ok(()) => {
+                        tracing::warn!(
+                            store = %store.link.shown,
+                            after_failures = failures,
+                            "store connected; deciding with it from now on"
+                        );
+                        return;
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        // The first failure, then one line every ~30 s.
+                        if failures == 1 || failures.is_multiple_of(15) {
+                            let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
+                            tracing::error!(
+                                store = %store.link.shown,
+                                error = %text,
+                                failures,
+                                "store unreachable; each rule's failure policy decides meanwhile; retrying"
+                            );
+                        }
+                    }
+                }
+                drop(store);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+        });
+        store
+    }
+
+    /// Connects to one Redis (`redis://host:port`, `rediss://host:port`) and loads the
+    /// library.
+    pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        Self::open(url, config).await
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
+    /// every primary.
+    pub async fn connect_cluster(
+        nodes: &[String],
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let dialer = Dialer::cluster(nodes, &config)?;
+        let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+        let store = Self::unconnected(shown.join(","), config);
+        let conn = dialer.dial(&store.config).await?;
+        store.connect_with(conn).await?;
+        Ok(store)
+    }
+
+    fn unconnected(shown: String, config: StoreConfig) -> Self {
+        Self {
+            link: Arc::new(Link {
+                conn: std::sync::OnceLock::new(),
+                connected: tokio::sync::watch::Sender::new(false),
+                refused: arc_swap::ArcSwapOption::empty(),
+                shown,
+            }),
             loader: Arc::new(Loader {
                 generation: AtomicU64::new(0),
                 loads: AtomicU64::new(0),
                 lock: tokio::sync::Mutex::new(()),
             }),
             config,
-        };
+        }
+    }
+
+    /// Checks `conn` (credentials, then the library) and makes it the store's.
+    async fn connect_with(&self, conn: Conn) -> Result<(), StoreError> {
         // A small command first: an unauthenticated client's large FUNCTION LOAD is cut
         // off by Redis as a protocol error, which would hide the missing password.
-        if let Err(e) = store.conn.query(&redis::cmd("PING")).await
+        if let Err(e) = conn.query(&redis::cmd("PING")).await
             && e.code() == Some("NOAUTH")
         {
             return Err(StoreError::Misconfigured(
@@ -677,8 +794,62 @@ impl RedisStore {
                     .into(),
             ));
         }
-        store.reload(0).await?;
-        Ok(store)
+        self.load_library(&conn).await?;
+        if self.link.conn.set(conn).is_err() {
+            return Err(StoreError::Misconfigured("store connected twice".into()));
+        }
+        self.link.connected.send_replace(true);
+        Ok(())
+    }
+
+    /// Whether the store has been reached (it may have been lost again since: calls
+    /// tell). A store from [`RedisStore::open`] always has.
+    pub fn is_connected(&self) -> bool {
+        self.link.conn.get().is_some()
+    }
+
+    /// Waits until [`RedisStore::is_connected`].
+    pub async fn connected(&self) {
+        let mut rx = self.link.connected.subscribe();
+        // Err only when the sender is gone, which it is not while `self` lives.
+        let _ = rx.wait_for(|c| *c).await;
+    }
+
+    /// Makes every bucket call fail with `why` (a misconfigured store whose buckets must
+    /// not be used, as one that may evict them), or with `None`, lets them through again.
+    /// Plain commands ([`RedisStore::query`], the policy and topology reads) still go.
+    pub fn refuse(&self, why: Option<String>) {
+        self.link.refused.store(why.map(Arc::new));
+    }
+
+    /// Why the store is refused, if it is (see [`RedisStore::refuse`]).
+    pub fn refused(&self) -> Option<String> {
+        self.link.refused.load_full().map(|s| s.as_ref().clone())
+    }
+
+    /// Whether the Sentinels are failing the service over now: calls wait for the new
+    /// primary (see [`crate::sentinel`]).
+    pub fn failing_over(&self) -> bool {
+        matches!(self.link.conn.get(), Some(Conn::Sentinel(s)) if s.fenced())
+    }
+
+    /// `Err` while the store is refused (see [`RedisStore::refuse`]).
+    fn not_refused(&self) -> Result<(), StoreError> {
+        match self.link.refused.load().as_deref() {
+            Some(why) => Err(StoreError::Misconfigured(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The connection, or why there is none yet.
+    fn conn(&self) -> Result<&Conn, StoreError> {
+        self.link.conn.get().ok_or_else(|| {
+            StoreError::Unavailable(RedisError::from((
+                redis::ErrorKind::Io,
+                "not connected yet",
+                self.link.shown.clone(),
+            )))
+        })
     }
 
     /// How many times the library was loaded (once at connect, then once per loss).
@@ -687,15 +858,19 @@ impl RedisStore {
     }
 
     /// Loads the library unless another caller already did since `seen` generation.
-    #[tracing::instrument(level = "info", name = "library_load", skip_all)]
     async fn reload(&self, seen: u64) -> Result<(), StoreError> {
         let _one_at_a_time = self.loader.lock.lock().await;
         if self.loader.generation.load(Ordering::Acquire) != seen {
             return Ok(());
         }
+        self.load_library(self.conn()?).await
+    }
+
+    #[tracing::instrument(level = "info", name = "library_load", skip_all)]
+    async fn load_library(&self, conn: &Conn) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("FUNCTION");
         cmd.arg("LOAD").arg("REPLACE").arg(LIBRARY);
-        self.conn.query(&cmd).await.map_err(classify)?;
+        conn.query(&cmd).await.map_err(classify)?;
         self.loader.loads.fetch_add(1, Ordering::Relaxed);
         self.loader.generation.fetch_add(1, Ordering::Release);
         tracing::info!(
@@ -732,6 +907,7 @@ impl RedisStore {
         replication: Option<Replication>,
     ) -> Result<Reply, StoreError> {
         validate(params, req)?;
+        self.not_refused()?;
         let cmd = fcall(key, params, req);
         let wait = replication.filter(|_| matches!(req.op, Op::Acquire { .. } | Op::Exact { .. }));
         let limit = self.config.call_timeout;
@@ -745,10 +921,10 @@ impl RedisStore {
                 .cmd("WAIT")
                 .arg(r.replicas)
                 .arg(r.timeout.as_millis().max(1) as u64);
-            let replies = match self.conn.query_pipe(&pipe, key.slot()).await {
+            let replies = match self.conn()?.query_pipe(&pipe, key.slot()).await {
                 Err(e) if is_missing_library(&e) => {
                     self.reload(seen).await?;
-                    self.conn.query_pipe(&pipe, key.slot()).await
+                    self.conn()?.query_pipe(&pipe, key.slot()).await
                 }
                 other => other,
             }
@@ -787,11 +963,12 @@ impl RedisStore {
         items: &[ExactItem<'_>],
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         validate_batch(seq, items)?;
+        self.not_refused()?;
         let limit = self.config.call_timeout;
         tokio::time::timeout(limit, async {
             match self.exact_many_once(agent, seq, items).await {
                 Err(StoreError::Server { code, .. })
-                    if matches!(self.conn, Conn::Cluster(_))
+                    if matches!(self.link.conn.get(), Some(Conn::Cluster(_)))
                         && matches!(code.as_str(), "MOVED" | "ASK" | "CROSSSLOT" | "TRYAGAIN") =>
                 {
                     self.exact_many_by_slot(agent, seq, items).await
@@ -867,10 +1044,10 @@ impl RedisStore {
     /// notices first) if the store lost it.
     async fn query_loaded(&self, cmd: &Cmd) -> Result<Value, StoreError> {
         let seen = self.loader.generation.load(Ordering::Acquire);
-        match self.conn.query(cmd).await {
+        match self.conn()?.query(cmd).await {
             Err(e) if is_missing_library(&e) => {
                 self.reload(seen).await?;
-                self.conn.query(cmd).await
+                self.conn()?.query(cmd).await
             }
             other => other,
         }
@@ -888,6 +1065,7 @@ impl RedisStore {
         ttl_us: u64,
         leave: bool,
     ) -> Result<SeatReply, StoreError> {
+        self.not_refused()?;
         let mut cmd = redis::cmd("FCALL");
         cmd.arg("lh_seat")
             .arg(1)
@@ -920,7 +1098,7 @@ impl RedisStore {
     /// call timeout.
     pub async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
         let limit = self.config.call_timeout;
-        let v = tokio::time::timeout(limit, self.conn.query(cmd))
+        let v = tokio::time::timeout(limit, self.conn()?.query(cmd))
             .await
             .map_err(|_| StoreError::Timeout(limit))?
             .map_err(classify)?;
@@ -963,7 +1141,7 @@ impl RedisStore {
     /// The slot ranges of the store's primaries, named `host:port`: one range covering
     /// every slot for a single Redis, `CLUSTER SLOTS` for a cluster.
     pub async fn shards(&self) -> Result<Vec<crate::ShardRange>, StoreError> {
-        if let Conn::Single(_) | Conn::Sentinel(_) = self.conn {
+        if let Some(Conn::Single(_) | Conn::Sentinel(_)) = self.link.conn.get() {
             return Ok(vec![(
                 0,
                 leasehold_core::key::SLOTS - 1,
@@ -972,7 +1150,7 @@ impl RedisStore {
         }
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("SLOTS");
-        let v = self.conn.query(&cmd).await.map_err(classify)?;
+        let v = self.conn()?.query(&cmd).await.map_err(classify)?;
         let bad = || StoreError::Misconfigured(format!("unexpected CLUSTER SLOTS reply {v:?}"));
         let Value::Array(entries) = &v else {
             return Err(bad());
@@ -1008,14 +1186,14 @@ impl RedisStore {
     ) -> Result<(std::collections::HashMap<String, String>, i64, u64), StoreError> {
         let mut ty = redis::cmd("TYPE");
         ty.arg(key.as_str());
-        let ty: String = redis::from_redis_value(self.conn.query(&ty).await.map_err(classify)?)
+        let ty: String = redis::from_redis_value(self.conn()?.query(&ty).await.map_err(classify)?)
             .map_err(|e| StoreError::Misconfigured(format!("TYPE {key}: {e}")))?;
         let fields = if ty == "string" {
             // A compact bucket: the hash it stands for.
             let mut get = redis::cmd("GET");
             get.arg(key.as_str());
             let v: Option<Vec<u8>> =
-                redis::from_redis_value(self.conn.query(&get).await.map_err(classify)?)
+                redis::from_redis_value(self.conn()?.query(&get).await.map_err(classify)?)
                     .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
             match v {
                 // Expired since TYPE.
@@ -1031,7 +1209,7 @@ impl RedisStore {
         } else {
             let mut hgetall = redis::cmd("HGETALL");
             hgetall.arg(key.as_str());
-            let fields = self.conn.query(&hgetall).await.map_err(classify)?;
+            let fields = self.conn()?.query(&hgetall).await.map_err(classify)?;
             let pairs: Vec<(Vec<u8>, Vec<u8>)> = redis::from_redis_value(fields)
                 .map_err(|e| StoreError::Misconfigured(format!("bucket {key}: {e}")))?;
             crate::wire::bucket_fields(&pairs)
@@ -1042,10 +1220,10 @@ impl RedisStore {
         };
         let mut pttl = redis::cmd("PTTL");
         pttl.arg(key.as_str());
-        let ttl: i64 = redis::from_redis_value(self.conn.query(&pttl).await.map_err(classify)?)
+        let ttl: i64 = redis::from_redis_value(self.conn()?.query(&pttl).await.map_err(classify)?)
             .map_err(|e| StoreError::Misconfigured(format!("PTTL {key}: {e}")))?;
         let now = match self
-            .conn
+            .conn()?
             .query(&redis::cmd("TIME"))
             .await
             .map_err(classify)?
@@ -1065,7 +1243,7 @@ impl RedisStore {
     pub async fn maxmemory_policy(&self) -> Result<String, StoreError> {
         let mut cmd = redis::cmd("CONFIG");
         cmd.arg("GET").arg("maxmemory-policy");
-        let v = self.conn.query(&cmd).await.map_err(classify)?;
+        let v = self.conn()?.query(&cmd).await.map_err(classify)?;
         let found = match v {
             Value::Array(items) => items.get(1).cloned(),
             Value::Map(pairs) => pairs.into_iter().next().map(|(_, v)| v),
@@ -1119,6 +1297,14 @@ fn is_missing_library(e: &RedisError) -> bool {
     e.to_string().contains("Function not found")
 }
 
+/// `e` with `address`'s secrets taken out of its text.
+fn redacted(e: StoreError, address: &str) -> StoreError {
+    match e {
+        StoreError::Misconfigured(text) => StoreError::Misconfigured(redact_in(&text, address)),
+        other => other,
+    }
+}
+
 fn classify(e: RedisError) -> StoreError {
     if let Some(code) = e.code()
         && code.starts_with("LH_")
@@ -1166,56 +1352,9 @@ fn parse_value(v: Value) -> Result<Reply, StoreError> {
     }
 }
 
-/// `url` with its password replaced by `***` (`redis://user:***@host:6379`), for errors
-/// and logs: credentials are never echoed.
-pub fn redact(url: &str) -> String {
-    match password(url) {
-        Some((start, end)) => format!("{}***{}", &url[..start], &url[end..]),
-        None => url.to_owned(),
-    }
-}
-
-/// `text` with every occurrence of `url`'s password replaced by `***`.
-pub fn redact_in(text: &str, url: &str) -> String {
-    match password(url) {
-        Some((start, end)) if end > start => text.replace(&url[start..end], "***"),
-        _ => text.to_owned(),
-    }
-}
-
-/// Where the password of `scheme://user:password@host/...` lies, if there is one.
-fn password(url: &str) -> Option<(usize, usize)> {
-    let after_scheme = url.find("://")? + 3;
-    let authority_end = url[after_scheme..]
-        .find(['/', '?', '#'])
-        .map_or(url.len(), |i| after_scheme + i);
-    let at = url[after_scheme..authority_end].rfind('@')? + after_scheme;
-    let colon = url[after_scheme..at].find(':')? + after_scheme;
-    Some((colon + 1, at))
-}
-
 #[cfg(test)]
 mod redact_tests {
     use super::*;
-
-    #[test]
-    fn passwords_never_show() {
-        assert_eq!(
-            redact("redis://:s3cret@10.0.0.1:6379/0"),
-            "redis://:***@10.0.0.1:6379/0"
-        );
-        assert_eq!(
-            redact("rediss://app:p@ss:w@host:6380"),
-            "rediss://app:***@host:6380"
-        );
-        assert_eq!(redact("redis://app@host"), "redis://app@host");
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
-        assert_eq!(redact("not a url"), "not a url");
-        assert_eq!(
-            redact_in("failed: s3cret rejected", "redis://:s3cret@h"),
-            "failed: *** rejected"
-        );
-    }
 
     #[test]
     fn connect_errors_carry_no_password() {
@@ -1251,7 +1390,7 @@ mod no_tls_tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("without its `tls` feature"), "{e}");
-        assert!(e.contains("rediss://:***@127.0.0.1:1"), "{e}");
+        assert!(e.contains("rediss://***@127.0.0.1:1"), "{e}");
         assert!(!e.contains("secret"), "{e}");
     }
 }

@@ -114,6 +114,18 @@ impl Overrides {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RulesError {
+    /// A reloaded file lacks a rule the process checks (a gateway's configured rule):
+    /// taking it would make every request of that rule fail.
+    #[error(
+        "rules file {path}: rule {rule:?} is missing, and requests are checked against it; \
+         the rules in force stay"
+    )]
+    Required {
+        /// The file.
+        path: String,
+        /// The rule it lacks.
+        rule: String,
+    },
     /// The file could not be read or is not valid TOML of the expected shape.
     #[error("rules file {path}: {source}")]
     Read {

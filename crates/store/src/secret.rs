@@ -1,0 +1,297 @@
+//! Store addresses in errors and logs: a password, or anything that might be one, never
+//! shows.
+//!
+//! A well-formed address keeps what an operator needs to recognise it (scheme, hosts,
+//! database or service) with its credentials replaced by `***`. A malformed one
+//! cannot be taken apart reliably (`redis//:PW@host`, `redis:/:PW@host`, a bare password,
+//! `redis+sentinel://PW`), so the part that does not parse is not shown at all: the
+//! message says what is wrong with its shape instead.
+
+/// The schemes a store address may start with.
+pub const SCHEMES: [&str; 6] = [
+    "redis",
+    "rediss",
+    "cluster",
+    "clusters",
+    "redis+sentinel",
+    "rediss+sentinel",
+];
+
+/// `address` for errors and logs: `redis://***@host:6379/0`. The user and password are
+/// hidden whole (in a mistyped address a password can stand where a user name goes);
+/// hosts that are not `HOST:PORT` (or, for one Redis, `localhost` or an address), a path
+/// that is not a database number or service name, and any query are shown as `***`; an
+/// address without a known scheme is described, not shown.
+pub fn redact(address: &str) -> String {
+    let Some(parts) = Parts::of(address) else {
+        return format!(
+            "<not shown: {} characters, not of the form SCHEME://…; SCHEME is one of {}>",
+            address.chars().count(),
+            SCHEMES.join(", ")
+        );
+    };
+    let mut out = format!("{}://", parts.scheme);
+    if parts.userinfo.is_some() {
+        out.push_str("***@");
+    }
+    out.push_str(if parts.hosts_ok { parts.hosts } else { "***" });
+    if !parts.path.is_empty() {
+        out.push_str(if parts.path_ok { parts.path } else { "/***" });
+    }
+    if parts.query.is_some() {
+        out.push_str("?***");
+    }
+    out
+}
+
+/// `text` with everything [`redact`] hides of `address` replaced by `***`: the password
+/// (also percent-decoded), hidden userinfo, hosts, path or query, and for an address that
+/// does not parse, every word of it that could be a secret.
+pub fn redact_in(text: &str, address: &str) -> String {
+    let mut secrets: Vec<String> = Vec::new();
+    match Parts::of(address) {
+        Some(p) => {
+            if let Some(u) = p.userinfo {
+                secrets.push(u.to_owned());
+                secrets.extend(u.split(':').map(str::to_owned));
+            }
+            if !p.hosts_ok {
+                secrets.push(p.hosts.to_owned());
+            }
+            if !p.path_ok {
+                secrets.push(p.path.trim_start_matches('/').to_owned());
+            }
+            if let Some(q) = p.query {
+                secrets.push(q.to_owned());
+                secrets.extend(q.split(['&', '=']).map(str::to_owned));
+            }
+        }
+        None => {
+            secrets.push(address.to_owned());
+            secrets.extend(
+                address
+                    .split([':', '/', '@', ',', '?', '#', ' '])
+                    .filter(|w| !SCHEMES.contains(w) && !w.chars().all(|c| c.is_ascii_digit()))
+                    .filter(|w| w.parse::<std::net::IpAddr>().is_err())
+                    .map(str::to_owned),
+            );
+        }
+    }
+    let decoded: Vec<String> = secrets.iter().filter_map(|s| percent_decoded(s)).collect();
+    secrets.extend(decoded);
+    // Longest first, so a secret that contains another is replaced whole.
+    secrets.retain(|s| !s.is_empty());
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    let mut out = text.to_owned();
+    for s in &secrets {
+        out = out.replace(s.as_str(), "***");
+    }
+    out
+}
+
+/// An address taken apart: `scheme://[userinfo@]hosts[path][?query]`.
+struct Parts<'a> {
+    scheme: &'a str,
+    userinfo: Option<&'a str>,
+    hosts: &'a str,
+    hosts_ok: bool,
+    path: &'a str,
+    path_ok: bool,
+    query: Option<&'a str>,
+}
+
+impl<'a> Parts<'a> {
+    fn of(address: &'a str) -> Option<Self> {
+        let (scheme, rest) = address.split_once("://")?;
+        if !SCHEMES.contains(&scheme) {
+            return None;
+        }
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let (path, query) = match tail.find(['?', '#']) {
+            Some(i) => (&tail[..i], Some(&tail[i + 1..])),
+            None => (tail, None),
+        };
+        let single = matches!(scheme, "redis" | "rediss");
+        Some(Self {
+            scheme,
+            userinfo,
+            hosts,
+            hosts_ok: !hosts.is_empty()
+                && (!single || !hosts.contains(','))
+                && hosts.split(',').all(|h| host(h, single)),
+            path,
+            // A database number for one Redis, a service name for Sentinels.
+            path_ok: path.strip_prefix('/').is_some_and(|p| match scheme {
+                "redis" | "rediss" => p.chars().all(|c| c.is_ascii_digit()),
+                _ => plain(p),
+            }),
+            query,
+        })
+    }
+}
+
+/// A user name, database number or service name that may be shown.
+fn plain(s: &str) -> bool {
+    s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `HOST:PORT` (`[v6]:PORT`); for one Redis, `localhost` or an address may leave the
+/// port out.
+fn host(h: &str, port_optional: bool) -> bool {
+    let (name, port) = match h.rsplit_once(':') {
+        Some((n, p)) if !n.ends_with(':') || n.starts_with('[') => (n, Some(p)),
+        _ => (h, None),
+    };
+    let port_ok = match port {
+        Some(p) => !p.is_empty() && p.len() <= 5 && p.chars().all(|c| c.is_ascii_digit()),
+        // A bare word could be a password typed where the host goes.
+        None => port_optional && (name == "localhost" || name.parse::<std::net::IpAddr>().is_ok()),
+    };
+    let name_ok = match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => !name.is_empty() && name.len() <= 253 && plain(name),
+    };
+    port_ok && name_ok
+}
+
+/// `s` with its `%XX` escapes decoded, when it has any.
+fn percent_decoded(s: &str) -> Option<String> {
+    if !s.contains('%') {
+        return None;
+    }
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn well_formed_addresses_keep_all_but_the_password() {
+        assert_eq!(
+            redact("redis://:s3cret@10.0.0.1:6379/0"),
+            "redis://***@10.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact("rediss://app:p@ss:w@host:6380"),
+            "rediss://***@host:6380"
+        );
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        assert_eq!(redact("redis://localhost"), "redis://localhost");
+        assert_eq!(
+            redact("redis+sentinel://:pw@a:26379,[::1]:26380/mymaster"),
+            "redis+sentinel://***@a:26379,[::1]:26380/mymaster"
+        );
+        assert_eq!(
+            redact("cluster://127.0.0.1:7000,127.0.0.1:7001"),
+            "cluster://127.0.0.1:7000,127.0.0.1:7001"
+        );
+        assert_eq!(
+            redact_in("failed: s3cret rejected", "redis://:s3cret@h"),
+            "failed: *** rejected"
+        );
+    }
+
+    /// The shapes an operator gets wrong, each of which once printed its password.
+    #[test]
+    fn malformed_addresses_show_no_secret() {
+        let pw = "Pw7leak-check";
+        let shapes = [
+            format!("redis//:{pw}@127.0.0.1:1"),
+            format!("redis:/:{pw}@127.0.0.1:1"),
+            format!("redis:{pw}@127.0.0.1:1"),
+            pw.to_owned(),
+            format!("redis+sentinel://{pw}"),
+            format!("redis+sentinel://{pw}/mymaster"),
+            format!("redis://{pw}@host:1"),
+            format!("redis://:{pw}@host:notaport"),
+            format!("redis://host:1/{pw}"),
+            format!("redis://host:1/0?password={pw}"),
+            format!("cluster://{pw}"),
+            format!("http://:{pw}@host:1"),
+            format!(" redis://:{pw}@host:1"),
+            format!("redis://:{}@host:1", pw.replace('-', "%2D")),
+        ];
+        for a in &shapes {
+            let shown = redact(a);
+            assert!(!shown.contains("Pw7"), "{a:?} shown as {shown:?}");
+            let text = format!("error parsing {a}: {pw} in {a:?}");
+            let hidden = redact_in(&text, a);
+            assert!(!hidden.contains("Pw7"), "{a:?}: {hidden:?}");
+        }
+    }
+
+    /// A fuzzed set: well-formed addresses of every kind with one separator dropped,
+    /// doubled or swapped for another (the typos that break a URL), never show the
+    /// password, shown or echoed.
+    #[test]
+    fn no_address_shape_shows_its_password() {
+        let mut state = 0x9E37_79B9_7F4A_7C15_u64;
+        let mut below = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let templates = [
+            "redis://:PW@127.0.0.1:6379/0",
+            "redis://app:PW@cache.internal:6379",
+            "rediss://default:PW@[::1]:6380/2",
+            "redis+sentinel://:PW@10.0.0.1:26379,10.0.0.2:26379/mymaster",
+            "rediss+sentinel://u:PW@s1:26379/svc",
+            "cluster://:PW@127.0.0.1:7000,127.0.0.1:7001",
+        ];
+        let separators = [':', '/', '@', ',', '?', '#', '%', ' '];
+        for round in 0..20_000 {
+            let template = templates[round % templates.len()];
+            let password = ["Zq9secret", "Zq9s:e@c/r", "Zq9%41x"][below(3)];
+            let mut a: Vec<char> = template.replace("PW", password).chars().collect();
+            // Positions of separators outside the password.
+            let start = template.find("PW").unwrap_or(0);
+            let end = start + password.chars().count();
+            let places: Vec<usize> = (0..a.len())
+                .filter(|&i| (i < start || i >= end) && separators.contains(&a[i]))
+                .collect();
+            let at = places[below(places.len())];
+            match below(3) {
+                0 => {
+                    a.remove(at);
+                }
+                1 => a.insert(at, a[at]),
+                _ => a[at] = separators[below(separators.len())],
+            }
+            let a: String = a.into_iter().collect();
+            let shown = redact(&a);
+            assert!(!shown.contains("Zq9"), "{a:?} shown as {shown:?}");
+            // Errors echo the address, whole or quoted.
+            let hidden = redact_in(&format!("bad address {a}: {a:?}"), &a);
+            assert!(!hidden.contains("Zq9"), "{a:?}: {hidden:?}");
+        }
+    }
+}

@@ -27,7 +27,7 @@ pub mod store {
 }
 
 pub use limiter::{
-    Admission, BuildError, CheckError, Decision, Limiter, LimiterBuilder, LimiterConfig,
+    Admission, BuildError, CheckError, Decision, Health, Limiter, LimiterBuilder, LimiterConfig,
 };
 pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
 pub use rules::{Overrides, Rules, RulesError, UnknownRule};

@@ -183,19 +183,34 @@ pub fn serve_prometheus(
     };
     let served = handle.clone();
     runtime.spawn(async move {
+        // At most this many scrapes at once; a scraper must send its request head within
+        // 10 s.
+        let open = std::sync::Arc::new(tokio::sync::Semaphore::new(64));
         loop {
-            let Ok((mut socket, _)) = listener.accept().await else {
+            let (mut socket, _) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors, say: pause rather than spin.
+                    tracing::warn!(error = %e, "prometheus listener: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = open.clone().try_acquire_owned() else {
                 continue;
             };
+            let _ = socket.set_nodelay(true);
             let body = served.render();
             tokio::spawn(async move {
-                // Read the request head (bounded), answer, close.
+                let _permit = permit;
+                // Read the request head (bounded in size and time), answer, close.
                 let mut buf = [0u8; 4096];
                 let mut seen = 0;
+                let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
                 while seen < buf.len() {
-                    match socket.read(&mut buf[seen..]).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => seen += n,
+                    match tokio::time::timeout_at(deadline, socket.read(&mut buf[seen..])).await {
+                        Ok(Ok(0) | Err(_)) | Err(_) => return,
+                        Ok(Ok(n)) => seen += n,
                     }
                     if buf[..seen].windows(4).any(|w| w == b"\r\n\r\n") {
                         break;

@@ -83,8 +83,15 @@ pub(super) async fn background(
                     let r = r.clone();
                     let inner = Arc::downgrade(&inner);
                     tokio::spawn(async move {
+                        if !r.is_connected() {
+                            return;
+                        }
                         let found = super::builder::evicting_policy(&r).await;
                         let Some(inner) = inner.upgrade() else { return };
+                        if found.is_none() && r.refused().is_some() {
+                            r.refuse(None);
+                            tracing::warn!("Redis maxmemory-policy is noeviction now: the store is used from now on");
+                        }
                         let was = inner.evicting.swap(found.is_some(), Ordering::Relaxed);
                         if let (Some(policy), false) = (found, was) {
                             tracing::error!(
@@ -123,6 +130,40 @@ pub(super) async fn background(
                 }
             }
         }
+    }
+}
+
+/// Finishes what `build` could not while the store was unreachable (see
+/// [`LimiterBuilder::start_degraded`](super::LimiterBuilder::start_degraded)): once the store
+/// answers, reads its eviction policy (a store that may evict buckets is refused until
+/// its policy is `noeviction`, unless `allow_evicting_store`) and its slot map.
+pub(super) async fn when_connected(store: RedisStore, inner: Weak<Inner>) {
+    store.connected().await;
+    if let Some(policy) = super::builder::evicting_policy(&store).await {
+        let Some(inner) = inner.upgrade() else { return };
+        inner.evicting.store(true, Ordering::Relaxed);
+        if inner.config.allow_evicting_store {
+            tracing::error!(
+                %policy,
+                "Redis maxmemory-policy may evict bucket keys, and an evicted bucket comes \
+                 back full (allow_evicting_store is set)"
+            );
+        } else {
+            let why = format!(
+                "Redis maxmemory-policy is {policy}: it may evict bucket keys, and an evicted \
+                 bucket comes back full; the store is not used until its policy is noeviction"
+            );
+            tracing::error!("{why}");
+            store.refuse(Some(why));
+        }
+    }
+    match store.shards().await {
+        Ok(ranges) => {
+            if let Some(inner) = inner.upgrade() {
+                inner.breakers.set_topology(&ranges);
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "slot map read failed; the next refresh retries"),
     }
 }
 

@@ -152,6 +152,7 @@ pub struct LimiterBuilder {
     #[cfg(feature = "prometheus")]
     prometheus: Option<std::net::TcpListener>,
     agent: Option<u64>,
+    degraded: bool,
 }
 
 impl LimiterBuilder {
@@ -209,6 +210,19 @@ impl LimiterBuilder {
         self.prometheus = Some(listener);
         self
     }
+    /// Come up even when the store cannot be reached: `build` waits for it at most the
+    /// store's connect timeout (a malformed address or a bad TLS file is still an
+    /// error), then returns; while it is out of reach decisions follow each
+    /// rule's failure policy, and the store is dialled again until it answers; then the
+    /// library is loaded, the eviction policy read (a store that may evict buckets is
+    /// refused, with an error logged, until its policy is `noeviction`, unless
+    /// `allow_evicting_store`) and decisions use it. [`Limiter::health`] tells which.
+    /// Without this (the default) `build` fails when the store does not answer. The
+    /// binaries start this way, so a gateway restarted during an outage comes back.
+    pub fn start_degraded(mut self, yes: bool) -> Self {
+        self.degraded = yes;
+        self
+    }
     /// A fixed agent id instead of a random one (ids must be unique per live process).
     pub fn agent_id(mut self, id: u64) -> Self {
         self.agent = Some(id);
@@ -235,19 +249,39 @@ impl LimiterBuilder {
         // Checked before connecting: a rule that does not fit the region is a config error.
         RuleTable::new(&rules, None, false, self.config.region.as_deref())
             .map_err(BuildError::Region)?;
-        let store = match self.target.ok_or(BuildError::NoStore)? {
-            StoreChoice::Redis(url) => {
-                Store::Redis(RedisStore::open(&url, self.config.store.clone()).await?)
+        let config = self.config.store.clone();
+        let store = match (self.target.ok_or(BuildError::NoStore)?, self.degraded) {
+            (StoreChoice::Redis(url), false) => Store::Redis(RedisStore::open(&url, config).await?),
+            (StoreChoice::Redis(url), true) => {
+                Store::Redis(RedisStore::open_in_background(&url, config)?)
             }
-            StoreChoice::Cluster(nodes) => {
-                Store::Redis(RedisStore::connect_cluster(&nodes, self.config.store.clone()).await?)
+            (StoreChoice::Cluster(nodes), false) => {
+                Store::Redis(RedisStore::connect_cluster(&nodes, config).await?)
             }
-            StoreChoice::Embedded => Store::Embedded(EmbeddedStore::new()),
-            StoreChoice::Store(store) => store,
+            (StoreChoice::Cluster(nodes), true) => {
+                Store::Redis(RedisStore::cluster_in_background(&nodes, config)?)
+            }
+            (StoreChoice::Embedded, _) => Store::Embedded(EmbeddedStore::new()),
+            (StoreChoice::Store(store), _) => store,
         };
         let breakers = Breakers::new(self.config.breaker);
         let evicting = AtomicBool::new(false);
-        if let Store::Redis(r) = &store {
+        // A store that answers at once is set up now, as without `start_degraded`.
+        if let Store::Redis(r) = &store
+            && self.degraded
+        {
+            let limit = self.config.store.connect_timeout;
+            if tokio::time::timeout(limit, r.connected()).await.is_err() {
+                tracing::warn!(
+                    waited = ?limit,
+                    "store not connected yet: starting degraded (each rule's failure policy \
+                     decides until it is)"
+                );
+            }
+        }
+        if let Store::Redis(r) = &store
+            && r.is_connected()
+        {
             if let Some(policy) = evicting_policy(r).await {
                 if !self.config.allow_evicting_store {
                     return Err(BuildError::EvictingStore { policy });
@@ -284,6 +318,7 @@ impl LimiterBuilder {
             ),
             rules_file: self.rules_file,
             rules_mtime: parking_lot::Mutex::new(None),
+            required: parking_lot::Mutex::new(Vec::new()),
             keys: super::keymap::KeyMap::new(),
             cells: Arc::default(),
             base: clock.raw(),
@@ -302,6 +337,14 @@ impl LimiterBuilder {
             config: self.config,
         });
         inner.note_rules_mtime();
+        if let Store::Redis(r) = &inner.store
+            && !r.is_connected()
+        {
+            handle.spawn(super::background::when_connected(
+                r.clone(),
+                Arc::downgrade(&inner),
+            ));
+        }
         handle.spawn(background(Arc::downgrade(&inner), rx, self.watch));
         Ok(Limiter { inner })
     }

@@ -47,12 +47,14 @@ use crate::store::{EmbeddedStore, Store};
 mod background;
 mod batch;
 mod builder;
+mod health;
 mod keymap;
 mod route;
 
 use background::background;
 pub(crate) use batch::ExactBatch;
 pub use builder::{BuildError, LimiterBuilder, LimiterConfig};
+pub use health::Health;
 use route::{Dest, ROUTE_REFRESH_US, Route, dest, term_ending};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -628,6 +630,8 @@ struct Inner {
     rules: ArcSwap<RuleTable>,
     rules_file: Option<PathBuf>,
     rules_mtime: parking_lot::Mutex<Option<SystemTime>>,
+    /// Rules a reload may not remove (see [`Limiter::require_rules`]).
+    required: parking_lot::Mutex<Vec<String>>,
     keys: keymap::KeyMap,
     cells: Arc<keymap::Cells>,
     clock: quanta::Clock,
@@ -1945,10 +1949,38 @@ impl Limiter {
         };
         self.inner.note_rules_mtime();
         let rules = Rules::from_file(path)?;
+        if let Some(rule) = self
+            .inner
+            .required
+            .lock()
+            .iter()
+            .find(|r| rules.get(r).is_err())
+        {
+            return Err(RulesError::Required {
+                path: path.display().to_string(),
+                rule: rule.clone(),
+            });
+        }
         let n = rules.len();
         self.set_rules(&rules);
         tracing::info!(rules = n, path = %path.display(), "rules reloaded");
         Ok(n)
+    }
+
+    /// Names rules this process checks requests against (a gateway's configured rules):
+    /// each must exist now, and a reload of the rules file that lacks one is refused, with
+    /// the rules in force kept, as a file lacking it is refused at start.
+    pub fn require_rules<S: AsRef<str>>(
+        &self,
+        names: impl IntoIterator<Item = S>,
+    ) -> Result<(), UnknownRule> {
+        let names: Vec<String> = names.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        let table = self.inner.rules.load();
+        for n in &names {
+            table.get(n)?;
+        }
+        self.inner.required.lock().extend(names);
+        Ok(())
     }
 
     /// Replaces the rules with ones built in code. Rules that do not fit this agent's

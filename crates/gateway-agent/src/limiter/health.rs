@@ -1,0 +1,62 @@
+//! Whether a limiter decides with its store (ready) or by its rules' failure policies
+//! (degraded), for `/health` and readiness probes.
+
+use crate::store::Store;
+
+use super::Limiter;
+
+/// What [`Limiter::health`] reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Health {
+    /// Decisions use the store.
+    Ready,
+    /// Decisions that need the store follow each rule's failure policy, for this reason
+    /// (leases already held are still spent).
+    Degraded(String),
+}
+
+impl Health {
+    /// `ready`, or `degraded: REASON`: one line for a probe's body or a log.
+    pub fn line(&self) -> String {
+        match self {
+            Self::Ready => "ready".into(),
+            Self::Degraded(why) => format!("degraded: {why}"),
+        }
+    }
+}
+
+impl Limiter {
+    /// Whether decisions use the store now: not while it has not been reached (see
+    /// [`LimiterBuilder::start_degraded`](super::LimiterBuilder::start_degraded)), is
+    /// refused (an eviction policy that may lose buckets), is failing over (Sentinel), or
+    /// while any shard's breaker is open.
+    pub fn health(&self) -> Health {
+        let Store::Redis(r) = &self.inner.store else {
+            return Health::Ready;
+        };
+        if !r.is_connected() {
+            return Health::Degraded("store not reached yet; connecting".into());
+        }
+        if let Some(why) = r.refused() {
+            return Health::Degraded(why);
+        }
+        if r.failing_over() {
+            return Health::Degraded("store failover under way".into());
+        }
+        let open: Vec<String> = self
+            .inner
+            .breakers
+            .states(self.now_ns())
+            .into_iter()
+            .filter_map(|(shard, open)| open.then_some(shard))
+            .collect();
+        if !open.is_empty() {
+            return Health::Degraded(format!(
+                "store unreachable (breaker open: {})",
+                open.join(", ")
+            ));
+        }
+        Health::Ready
+    }
+}

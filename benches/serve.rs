@@ -138,6 +138,7 @@ fn main() {
             Some(listener),
             None,
             None,
+            leasehold_net::Limits::default(),
             async {
                 let _ = stopped.await;
             },

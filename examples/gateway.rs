@@ -9,8 +9,13 @@
 //! ```
 //!
 //! The subject is the `x-api-key` header: identity must come from authenticated data (in
-//! a real gateway, the key is validated first). Requests without it are limited by client
-//! address under `--ip-rule`, if given, else refused with 401.
+//! a real gateway, the key is validated first). A request with more than one is refused
+//! with 400 (no second header can pick whose budget it spends). Requests without it are
+//! limited by client address under `--ip-rule`, if given, else refused with 401.
+//!
+//! The gateway comes up while the store is unreachable (each rule's failure policy
+//! decides until it answers); `/health` says `ready` or `degraded: REASON`, and `/ready`
+//! answers 503 while degraded, for a readiness probe.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -18,7 +23,9 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::ConnectInfo;
-use axum::routing::any;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
 use clap::Parser;
 use leasehold::agent::Limiter;
 use leasehold::agent::http::{Check, Checks, RateLimitLayer};
@@ -69,7 +76,8 @@ async fn main() -> std::process::ExitCode {
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = Limiter::builder()
         .rules_file(&args.config)
-        .watch_rules(Duration::from_secs(1));
+        .watch_rules(Duration::from_secs(1))
+        .start_degraded(true);
     builder = match args.store.address()? {
         None => builder.embedded(),
         Some(a) if a == "embedded" => builder.embedded(),
@@ -84,30 +92,30 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             std::net::TcpListener::bind(addr).map_err(|e| format!("--metrics {addr}: {e}"))?;
         builder = builder.prometheus(listener);
     }
-    let limiter = builder.build().await?;
-    // Every rule the gateway will check must exist now, not answer 500 at each request.
-    for rule in std::iter::once(&args.rule)
+    let limiter = builder
+        .build()
+        .await
+        .map_err(|e| match args.store.address() {
+            Ok(Some(a)) => leasehold::store::redis::redact_in(&e.to_string(), &a),
+            _ => e.to_string(),
+        })?;
+    // Every rule the gateway will check must exist now, not answer 500 at each request,
+    // and a reload of the rules file that drops one is refused.
+    let used: Vec<&String> = std::iter::once(&args.rule)
         .chain(args.ip_rule.as_ref())
         .chain(args.write_rule.as_ref())
-    {
-        limiter
-            .bucket_params(rule)
-            .map_err(|e| format!("--rule {rule}: {e}"))?;
-    }
+        .collect();
+    limiter
+        .require_rules(&used)
+        .map_err(|e| format!("--rule: {e}"))?;
     // Rule names are read once here; each request clones an Arc, never a String.
     let rule: std::sync::Arc<str> = args.rule.as_str().into();
     let ip_rule: Option<std::sync::Arc<str>> = args.ip_rule.as_deref().map(Into::into);
     let write_rule: Option<std::sync::Arc<str>> = args.write_rule.as_deref().map(Into::into);
     let layer = RateLimitLayer::new(limiter.clone(), move |req: &axum::http::request::Parts| {
-        // Every x-api-key header counts: with several, the subject is all of them, so a
-        // second header cannot pick whose budget a request spends.
-        let mut keys = req.headers.get_all("x-api-key").iter();
-        if let Some(first) = keys.next() {
+        // A request with several x-api-key headers never gets here (400, below).
+        if let Some(first) = req.headers.get("x-api-key") {
             let mut subject = first.as_bytes().to_vec();
-            for k in keys {
-                subject.push(b',');
-                subject.extend_from_slice(k.as_bytes());
-            }
             let mut checks = Checks::none().and(Check::new(&rule, &subject, 1));
             if let Some(w) = &write_rule
                 && !req.method.is_safe()
@@ -122,20 +130,51 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         let ConnectInfo(peer) = req.extensions.get::<ConnectInfo<SocketAddr>>()?;
         Some(Check::new(ip_rule, peer.ip().to_string(), 1).into())
     });
+    let health = limiter.clone();
+    let ready = limiter.clone();
     let app = Router::new()
         .route("/", any(|| async { "ok\n" }))
         .route("/{*path}", any(|| async { "ok\n" }))
-        .layer(layer);
+        .layer(layer)
+        // Outside the limit: probes are not rate limited.
+        .route(
+            "/health",
+            get(move || async move { health.health().line() + "\n" }),
+        )
+        .route(
+            "/ready",
+            get(move || async move {
+                let h = ready.health();
+                let status = match h {
+                    leasehold::agent::Health::Ready => StatusCode::OK,
+                    _ => StatusCode::SERVICE_UNAVAILABLE,
+                };
+                (status, h.line() + "\n")
+            }),
+        )
+        .layer(axum::middleware::from_fn(one_identity));
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     println!("listening on {}", listener.local_addr()?);
-    axum::serve(
+    // TCP_NODELAY, header-read and idle timeouts, and a bound on open connections.
+    leasehold_net::serve(
+        "gateway",
         listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
+        app,
+        leasehold_net::Limits::default(),
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
     )
-    .with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
     .await?;
     limiter.shutdown().await;
     Ok(())
+}
+
+/// Refuses a request that carries more than one `x-api-key` (400): which of them names the
+/// tenant would be a guess, and a guess an attacker could steer.
+async fn one_identity(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if req.headers().get_all("x-api-key").iter().nth(1).is_some() {
+        return (StatusCode::BAD_REQUEST, "more than one x-api-key header\n").into_response();
+    }
+    next.run(req).await
 }

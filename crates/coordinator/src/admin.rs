@@ -75,6 +75,7 @@ impl Admin {
     pub fn router(self) -> Router {
         Router::new()
             .route("/health", get(|| async { "ok\n" }))
+            .route("/ready", get(ready))
             .route("/metrics", get(metrics_text))
             .route("/keys", get(keys))
             .route("/keys/{rule}/{subject}", get(key))
@@ -82,15 +83,31 @@ impl Admin {
     }
 }
 
-/// Serves `admin` on `listener` until `shutdown` completes.
+/// Serves `admin` on `listener` until `shutdown` completes (`TCP_NODELAY`, timeouts and
+/// a bound on connections: see [`leasehold_net`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     admin: Admin,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, admin.router())
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = leasehold_net::Limits::default().max_connections(256);
+    leasehold_net::serve("admin", listener, admin.router(), limits, shutdown).await
+}
+
+/// 200 `ready` once the store answers, else 503 `degraded: REASON` (a readiness probe).
+async fn ready(State(admin): State<Admin>) -> Response {
+    let why = if !admin.store.is_connected() {
+        "store not reached yet; connecting"
+    } else if admin.store.failing_over() {
+        "store failover under way"
+    } else {
+        return "ready\n".into_response();
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("degraded: {why}\n"),
+    )
+        .into_response()
 }
 
 async fn metrics_text(State(admin): State<Admin>) -> Response {

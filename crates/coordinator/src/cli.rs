@@ -69,8 +69,10 @@ pub enum LogFormat {
 pub fn init_logging(format: LogFormat, default: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    // Colour only for a terminal: a file or a log collector gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     // Err only when a subscriber is installed already, which then serves.
     let _ = match format {
@@ -79,10 +81,11 @@ pub fn init_logging(format: LogFormat, default: &str) {
     };
 }
 
-/// Connects to the store `address` names (see [`RedisStore::open`]); the error never
-/// shows the password.
-pub async fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
-    RedisStore::open(address, config).await.map_err(|e| {
+/// The store `address` names (see [`RedisStore::open`]), connecting in the background:
+/// a store that does not answer yet is dialled again until it does. A malformed address
+/// is an error at once; no error shows the password.
+pub fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
+    RedisStore::open_in_background(address, config).map_err(|e| {
         let text = leasehold_store::redis::redact_in(&e.to_string(), address);
         format!("{}: {text}", leasehold_store::redis::redact(address))
     })
@@ -109,7 +112,7 @@ pub async fn run(
     let address = args.store.address()?.ok_or(
         "no store given: pass --redis URL, --redis-url-file FILE or set LEASEHOLD_REDIS_URL",
     )?;
-    let store = connect(&address, args.store.config()).await?;
+    let store = connect(&address, args.store.config())?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("listen {}: {e}", args.listen))?;
@@ -142,7 +145,7 @@ pub async fn run(
         // The slow link: calls there wait longer than the region's own.
         let mut global_config = args.store.config();
         global_config.call_timeout = Duration::from_secs(1);
-        let global = connect(global.trim(), global_config).await?;
+        let global = connect(global.trim(), global_config)?;
         let broker = crate::broker::Broker::new(
             region,
             store.clone(),
@@ -158,7 +161,7 @@ pub async fn run(
         println!("coordinator brokers region {region}");
     }
     let coordinator = Arc::new(coordinator);
-    let admin = Admin::new(store, rules)
+    let admin = Admin::new(store.clone(), rules)
         .with_rules(coordinator.rules())
         .with_snapshot(coordinator.snapshot())
         .with_metrics(crate::admin::install_prometheus()?);
@@ -167,14 +170,24 @@ pub async fn run(
         listener.local_addr().map_err(|e| e.to_string())?
     );
     let reloading = tokio::spawn(reload_rules(coordinator.clone(), args.config.clone()));
-    let running = coordinator.spawn();
     let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(crate::serve(listener, admin, async {
         let _ = stopped.await;
     }));
-    shutdown.await;
+    // The admin endpoint answers (`/ready`: 503) while the store is out of reach; the
+    // coordinator's work starts once it answers.
+    let mut shutdown = std::pin::pin!(shutdown);
+    let running = tokio::select! {
+        () = store.connected() => Some(coordinator.spawn()),
+        () = &mut shutdown => None,
+    };
+    if running.is_some() {
+        shutdown.await;
+    }
     reloading.abort();
-    running.stop().await;
+    if let Some(running) = running {
+        running.stop().await;
+    }
     let _ = stop_admin.send(());
     serving
         .await

@@ -24,9 +24,55 @@ pub struct Args {
     /// Serve the Envoy rate limit service v3 (gRPC) here.
     #[arg(long, env = "LEASEHOLD_GRPC", value_name = "ADDR")]
     pub grpc: Option<SocketAddr>,
-    /// Serve the HTTP check API, /metrics and /health here.
+    /// Serve the HTTP check API, /metrics, /health and /ready here.
     #[arg(long, env = "LEASEHOLD_HTTP", value_name = "ADDR")]
     pub http: Option<SocketAddr>,
+    /// Connections each listener keeps open at once; more are closed as they arrive
+    /// (default: three quarters of the open-files limit, at most 16384).
+    #[arg(long, env = "LEASEHOLD_MAX_CONNECTIONS", value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Seconds a request head may take to arrive (HTTP/1), and an idle keep-alive
+    /// connection may wait for the next one.
+    #[arg(
+        long,
+        default_value_t = 10,
+        env = "LEASEHOLD_HEADER_TIMEOUT",
+        value_name = "SECS"
+    )]
+    pub header_timeout: u64,
+    /// Seconds after which a connection nothing was read from is closed (HTTP/2 with
+    /// GOAWAY).
+    #[arg(
+        long,
+        default_value_t = 300,
+        env = "LEASEHOLD_IDLE_TIMEOUT",
+        value_name = "SECS"
+    )]
+    pub idle_timeout: u64,
+}
+
+impl Args {
+    /// The listeners' limits these flags give.
+    fn limits(&self) -> Result<leasehold_net::Limits, String> {
+        if !(1..=3600).contains(&self.header_timeout) || !(1..=86_400).contains(&self.idle_timeout)
+        {
+            return Err(format!(
+                "--header-timeout {} / --idle-timeout {}: between 1 and 3600 / 86400 seconds",
+                self.header_timeout, self.idle_timeout
+            ));
+        }
+        let mut limits = leasehold_net::Limits::default().timeouts(
+            std::time::Duration::from_secs(self.header_timeout),
+            std::time::Duration::from_secs(self.idle_timeout),
+        );
+        if let Some(n) = self.max_connections {
+            if n == 0 {
+                return Err("--max-connections 0: at least 1".into());
+            }
+            limits = limits.max_connections(n);
+        }
+        Ok(limits)
+    }
 }
 
 /// The limits a config file gives: the domains (YAML) and the rules.
@@ -54,6 +100,7 @@ pub async fn run(
     if args.grpc.is_none() && args.http.is_none() {
         return Err("nothing to serve: give --grpc ADDR, --http ADDR or both".into());
     }
+    let limits = args.limits()?;
     let (domains, rules) = load(&args.config).map_err(|e| format!("--config {e}"))?;
     if args.grpc.is_some() && domains.domain_names().is_empty() {
         return Err(format!(
@@ -61,7 +108,9 @@ pub async fn run(
             args.config.display()
         ));
     }
-    let mut builder = Limiter::builder().rules(rules);
+    // A store that does not answer yet is dialled again in the background: serve comes up
+    // and answers by each rule's failure policy meanwhile (`/ready` says which).
+    let mut builder = Limiter::builder().rules(rules).start_degraded(true);
     builder = match args.store.address()? {
         None => builder.embedded(),
         Some(a) if a == "embedded" => builder.embedded(),
@@ -72,7 +121,13 @@ pub async fn run(
         }),
     };
     let metrics = leasehold_agent::telemetry::install_prometheus()?;
-    let limiter = builder.build().await.map_err(|e| e.to_string())?;
+    let limiter = builder
+        .build()
+        .await
+        .map_err(|e| match args.store.address() {
+            Ok(Some(a)) => leasehold_store::redis::redact_in(&e.to_string(), &a),
+            _ => e.to_string(),
+        })?;
     let domains = Arc::new(ArcSwap::from_pointee(domains));
     let grpc = match args.grpc {
         Some(addr) => Some(
@@ -110,6 +165,7 @@ pub async fn run(
         grpc,
         http,
         Some(metrics),
+        limits,
         shutdown,
     )
     .await;

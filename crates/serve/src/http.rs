@@ -10,7 +10,9 @@
 //!   2xx (allow) and 401/403 (deny): 204 when admitted, 403 when refused (limited or
 //!   unavailable), with `Retry-After` and `X-Leasehold-Outcome: limited|unavailable` for
 //!   nginx to pass on; 400 for a bad request (nginx answers 500 then).
-//! - `GET /health`: 200 `ok`. `GET /metrics`: Prometheus text.
+//! - `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
+//!   store follow the failure policies (liveness: the process answers). `GET /ready`: the
+//!   same line, 503 while degraded (readiness). `GET /metrics`: Prometheus text.
 
 use axum::Json;
 use axum::Router;
@@ -28,14 +30,28 @@ struct Api {
     metrics: Option<PrometheusHandle>,
 }
 
-/// The router: `/v1/check`, `/v1/auth`, `/health`, `/metrics`.
+/// The router: `/v1/check`, `/v1/auth`, `/health`, `/ready`, `/metrics`.
 pub fn router(limiter: Limiter, metrics: Option<PrometheusHandle>) -> Router {
     Router::new()
         .route("/v1/check", post(check))
         .route("/v1/auth", get(auth))
-        .route("/health", get(|| async { "ok\n" }))
+        .route(
+            "/health",
+            get(|State(api): State<Api>| async move { api.limiter.health().line() + "\n" }),
+        )
+        .route("/ready", get(ready))
         .route("/metrics", get(render))
         .with_state(Api { limiter, metrics })
+}
+
+/// 200 `ready`, or 503 `degraded: REASON`: for an orchestrator's readiness probe.
+async fn ready(State(api): State<Api>) -> Response {
+    let health = api.limiter.health();
+    let status = match health {
+        leasehold_agent::Health::Ready => StatusCode::OK,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    (status, health.line() + "\n").into_response()
 }
 
 /// The most checks one `POST /v1/check` may carry (each may be a store call).

@@ -24,43 +24,43 @@ use arc_swap::ArcSwap;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Serves the gRPC rate limit service on `grpc` and the HTTP API on `http` (either may
-/// be absent) until `shutdown` completes, then lets calls in flight finish.
+/// be absent) until `shutdown` completes, then lets calls in flight finish. Both
+/// listeners set `TCP_NODELAY`, time out idle and half-sent connections and bound how
+/// many are open (see [`leasehold_net`]).
 pub async fn serve(
     limiter: Limiter,
     domains: Arc<ArcSwap<Domains>>,
     grpc: Option<tokio::net::TcpListener>,
     http: Option<tokio::net::TcpListener>,
     metrics: Option<PrometheusHandle>,
+    limits: leasehold_net::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let (stop, _) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     if let Some(listener) = grpc {
         let service = grpc::Rls::new(limiter.clone(), domains).into_server();
+        let app = tonic::service::Routes::new(service)
+            .prepare()
+            .into_axum_router();
         let mut rx = stop.subscribe();
         tasks.push(tokio::spawn(async move {
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(listener),
-                    async move {
-                        let _ = rx.wait_for(|s| *s).await;
-                    },
-                )
-                .await
-                .map_err(|e| format!("grpc: {e}"))
+            leasehold_net::serve("grpc", listener, app, limits, async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+            .map_err(|e| format!("grpc: {e}"))
         }));
     }
     if let Some(listener) = http {
         let app = http::router(limiter, metrics);
         let mut rx = stop.subscribe();
         tasks.push(tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                })
-                .await
-                .map_err(|e| format!("http: {e}"))
+            leasehold_net::serve("http", listener, app, limits, async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+            .await
+            .map_err(|e| format!("http: {e}"))
         }));
     }
     shutdown.await;

@@ -146,6 +146,7 @@ fn envoy_rls_and_http_check_on_redis() {
             Some(grpc),
             Some(http),
             Some(metrics),
+            leasehold_net::Limits::default(),
             async {
                 let _ = stopped.await;
             },
@@ -350,7 +351,9 @@ fn envoy_rls_and_http_check_on_redis() {
         assert_eq!(support::http_get(http_addr, &path).await.0, 204);
         assert_eq!(support::http_get(http_addr, &path).await.0, 403);
         let (status, body) = support::http_get(http_addr, "/health").await;
-        assert_eq!((status, body.as_str()), (200, "ok\n"));
+        assert_eq!((status, body.as_str()), (200, "ready\n"));
+        let (status, body) = support::http_get(http_addr, "/ready").await;
+        assert_eq!((status, body.as_str()), (200, "ready\n"));
         let (status, body) = support::http_get(http_addr, "/metrics").await;
         assert_eq!(status, 200);
         assert!(body.contains("leasehold_serve_requests_total"), "{body}");

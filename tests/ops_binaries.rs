@@ -1,0 +1,321 @@
+//! What operators run, from outside: `leasehold serve`, `leasehold coordinator` and the
+//! example gateway as processes, on a real Redis that is down when they start.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use leasehold_redis_harness::RedisServer;
+
+/// A binary run as a process, its output in files; killed on drop.
+struct Proc {
+    child: Child,
+    out: PathBuf,
+    err: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Proc {
+    fn start(exe: &Path, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+        let child = Command::new(exe)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).expect("stdout file"))
+            .stderr(std::fs::File::create(&err).expect("stderr file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", exe.display()));
+        Self {
+            child,
+            out,
+            err,
+            _dir: dir,
+        }
+    }
+
+    /// The address printed after `prefix` on stdout, once it is (the process is up).
+    fn address(&mut self, prefix: &str) -> SocketAddr {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = std::fs::read_to_string(&self.out).unwrap_or_default();
+            if let Some(rest) = out.lines().find_map(|l| l.split_once(prefix).map(|x| x.1)) {
+                return rest.trim().parse().expect("an address");
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("exited with {status} before serving: {}", self.stderr());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {prefix:?}: {}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.err).unwrap_or_default()
+    }
+
+    /// Waits until stderr shows `needle`.
+    fn wait_log(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.stderr().contains(needle) {
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?}: {}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 request: the status and the body.
+fn http(addr: SocketAddr, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).expect("send");
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).expect("receive");
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {resp:?}"));
+    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}
+
+fn wait_ready(addr: SocketAddr, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = http(addr, "GET", "/ready", &[], "");
+        if status == 200 {
+            assert_eq!(body, "ready\n");
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} never ready: {body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn check(addr: SocketAddr, rule: &str) -> u16 {
+    let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"t"}}]}}"#);
+    http(addr, "POST", "/v1/check", &[], &body).0
+}
+
+/// Every binary comes up while its Redis is down, answers by each rule's failure policy
+/// (503 for fail_closed, 200 for fail_open), says `degraded` on `/ready`, logs why without
+/// the password, and decides with the store once it appears, without a restart.
+#[test]
+fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
+    let mut redis = RedisServer::start_with(&["--requirepass", "pw-Zq9secret"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    redis.kill();
+    let url = format!("redis://:pw-Zq9secret@127.0.0.1:{}", redis.port());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[rules.closed]\ncapacity = 5\nrate = \"1/s\"\non_failure = \"fail_closed\"\n\
+         [rules.open]\ncapacity = 5\nrate = \"1/s\"\non_failure = \"fail_open\"\n",
+    )
+    .expect("rules");
+    let rules = rules.to_str().expect("utf-8");
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
+    let gateway_exe = exe
+        .parent()
+        .expect("target")
+        .join("examples")
+        .join("gateway");
+    assert!(gateway_exe.is_file(), "cargo test builds the examples");
+
+    let mut serve = Proc::start(
+        &exe,
+        &[
+            "serve",
+            "--config",
+            rules,
+            "--redis",
+            &url,
+            "--http",
+            "127.0.0.1:0",
+        ],
+    );
+    let serve_at = serve.address("http check API on ");
+    let mut coordinator = Proc::start(
+        &exe,
+        &[
+            "coordinator",
+            "--config",
+            rules,
+            "--redis",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+        ],
+    );
+    let coordinator_at = coordinator.address("admin endpoint on http://");
+    let mut gateway = Proc::start(
+        &gateway_exe,
+        &[
+            "--config",
+            rules,
+            "--redis",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--rule",
+            "open",
+        ],
+    );
+    let gateway_at = gateway.address("listening on ");
+
+    for (what, addr) in [
+        ("serve", serve_at),
+        ("coordinator", coordinator_at),
+        ("gateway", gateway_at),
+    ] {
+        let (status, body) = http(addr, "GET", "/ready", &[], "");
+        assert_eq!(status, 503, "{what}: {body}");
+        assert!(body.starts_with("degraded: "), "{what}: {body}");
+    }
+    assert_eq!(check(serve_at, "closed"), 503);
+    assert_eq!(check(serve_at, "open"), 200);
+    let tenant = "x-api-key: tenant-1";
+    assert_eq!(http(gateway_at, "GET", "/", &[tenant], "").0, 200);
+    // Two identities: which one pays would be a guess.
+    assert_eq!(
+        http(gateway_at, "GET", "/", &[tenant, "x-api-key: other"], "").0,
+        400
+    );
+
+    for p in [&serve, &coordinator, &gateway] {
+        p.wait_log("store unreachable");
+        // The log names the store (without its password).
+        p.wait_log(&format!("redis://***@127.0.0.1:{}", redis.port()));
+    }
+    redis.restart().unwrap_or_else(|e| panic!("{e}"));
+    for (what, addr) in [
+        ("serve", serve_at),
+        ("coordinator", coordinator_at),
+        ("gateway", gateway_at),
+    ] {
+        wait_ready(addr, what);
+    }
+    // Decided by the store now: 5 tokens, then 429.
+    let statuses: Vec<u16> = (0..6).map(|_| check(serve_at, "closed")).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+    for (what, p) in [
+        ("serve", &mut serve),
+        ("coordinator", &mut coordinator),
+        ("gateway", &mut gateway),
+    ] {
+        assert!(p.running(), "{what} exited: {}", p.stderr());
+        let log = p.stderr();
+        assert!(log.contains("store connected"), "{what}: {log}");
+        assert!(
+            !log.contains("Zq9secret"),
+            "{what} printed the password: {log}"
+        );
+        assert!(!log.contains('\u{1b}'), "{what} coloured a log file: {log}");
+    }
+}
+
+/// However the address is mistyped, no binary prints the password: a malformed address
+/// is refused at once, naming what is wrong, with the password hidden.
+#[test]
+fn no_binary_prints_the_password_of_a_malformed_address() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(&rules, "[rules.a]\ncapacity = 5\nrate = \"1/s\"\n").expect("rules");
+    let rules = rules.to_str().expect("utf-8");
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
+    let gateway_exe = exe
+        .parent()
+        .expect("target")
+        .join("examples")
+        .join("gateway");
+    let pw = "Pw7Zq9leak";
+    for address in [
+        format!("redis//:{pw}@127.0.0.1:1"),
+        format!("redis:/:{pw}@127.0.0.1:1"),
+        pw.to_owned(),
+        format!("redis+sentinel://{pw}"),
+        format!("redis://{pw}@127.0.0.1:notaport"),
+        format!("cluster://:{pw}@"),
+    ] {
+        let runs: [(&Path, Vec<&str>); 3] = [
+            (
+                &exe,
+                vec!["serve", "--config", rules, "--http", "127.0.0.1:0"],
+            ),
+            (
+                &exe,
+                vec!["coordinator", "--config", rules, "--listen", "127.0.0.1:0"],
+            ),
+            (
+                &gateway_exe,
+                vec!["--config", rules, "--listen", "127.0.0.1:0", "--rule", "a"],
+            ),
+        ];
+        for (bin, args) in runs {
+            // From the command line and from the environment.
+            for by_env in [false, true] {
+                let mut cmd = Command::new(bin);
+                cmd.args(&args).stdin(Stdio::null());
+                if by_env {
+                    cmd.env("LEASEHOLD_REDIS_URL", &address);
+                } else {
+                    cmd.args(["--redis", &address]);
+                }
+                let mut child = cmd
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("spawn");
+                // Refused at once; should one start anyway, it is stopped here.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while child.try_wait().expect("wait").is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = child.kill();
+                let out = child.wait_with_output().expect("output");
+                let text = format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(
+                    !text.contains("Zq9"),
+                    "{address:?} via {bin:?} {args:?}: {text}"
+                );
+                assert!(!out.status.success(), "{address:?} accepted: {text}");
+            }
+        }
+    }
+}

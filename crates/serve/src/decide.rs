@@ -26,6 +26,9 @@ pub struct Status {
 pub struct Verdict {
     /// Some descriptor is over its limit.
     pub over_limit: bool,
+    /// Some descriptor could not be decided: the store is unreachable and its rule
+    /// fails closed (it counts as over the limit).
+    pub unavailable: bool,
     /// Per descriptor, in the request's order.
     pub statuses: Vec<Status>,
     /// Headers for Envoy to add to the response: `retry-after` when over the limit,
@@ -112,7 +115,7 @@ pub async fn decide(
         if !applies(m.limit) {
             continue;
         }
-        metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => m.metric_key.clone())
+        metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => metric_key(domain, &m.metric_key))
             .increment(1);
         // Over the limit without asking the store (with the reset to report, if any).
         let refused = match &m.limit.action {
@@ -144,6 +147,7 @@ pub async fn decide(
         }
     }
     let denied_already = statuses.iter().any(|s| s.over_limit);
+    let mut unavailable = false;
     if !checks.is_empty() && !denied_already {
         let list: Vec<(&[u8], &str, u64)> = checks.iter().map(|c| (c.2, c.1, c.3)).collect();
         let mut each = Default::default();
@@ -160,6 +164,7 @@ pub async fn decide(
                         .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
                 }
                 Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
+                    unavailable |= matches!(d, Decision::Unavailable { .. });
                     s.over_limit = true;
                     s.remaining = 0;
                     s.reset = Some(retry_after);
@@ -195,12 +200,71 @@ pub async fn decide(
     }
     Ok(Verdict {
         over_limit,
+        unavailable,
         statuses,
         headers,
     })
 }
 
+/// Distinct `key` labels `leasehold_serve_hits_total` takes; past them, hits count under
+/// `key="_overflow"`. A descriptor with `detailed_metric` or `value_to_metric` names its
+/// runtime value in the key, and every series a Prometheus recorder has seen stays in
+/// memory and in every scrape: without a bound, a flood of distinct values grew the
+/// process by about 2 KB per value.
+pub const MAX_METRIC_KEYS: usize = 10_000;
+
+/// The label for `key` of `domain`: itself while fewer than [`MAX_METRIC_KEYS`] were
+/// seen, else `_overflow` (logged once).
+fn metric_key(domain: &str, key: &str) -> String {
+    use std::collections::HashSet;
+    use std::sync::{LazyLock, Mutex};
+    static SEEN: LazyLock<Mutex<HashSet<(String, String)>>> = LazyLock::new(Mutex::default);
+    let mut seen = SEEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let pair = (domain.to_owned(), key.to_owned());
+    if seen.contains(&pair) {
+        return pair.1;
+    }
+    if seen.len() < MAX_METRIC_KEYS {
+        seen.insert(pair.clone());
+        return pair.1;
+    }
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            max = MAX_METRIC_KEYS,
+            "leasehold_serve_hits_total has as many key labels as it keeps: hits of new \
+             keys count under key=\"_overflow\" (detailed_metric or value_to_metric on a \
+             descriptor whose values are unbounded?)"
+        );
+    });
+    "_overflow".to_owned()
+}
+
 /// Time for `missing` tokens to refill at `rate`.
 fn refill_time(missing: u64, rate: leasehold_core::Rate) -> Duration {
     Duration::from_micros(leasehold_core::Level::default().time_until(missing, rate))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Per-value metric keys are bounded: past the cap, new keys count as `_overflow`,
+    /// and keys seen before keep their own series.
+    #[test]
+    fn metric_keys_past_the_cap_count_as_overflow() {
+        let first = metric_key("cap-test", "value-0");
+        assert_eq!(first, "value-0");
+        let mut overflowed = 0;
+        for i in 1..=MAX_METRIC_KEYS + 100 {
+            if metric_key("cap-test", &format!("value-{i}")) == "_overflow" {
+                overflowed += 1;
+            }
+        }
+        assert!(overflowed >= 100, "{overflowed}");
+        assert_eq!(metric_key("cap-test", "value-0"), "value-0");
+        assert_eq!(metric_key("cap-test", "never-seen"), "_overflow");
+    }
 }

@@ -111,7 +111,9 @@ impl RateLimitService for Rls {
                 ..DescriptorStatus::default()
             })
             .collect();
-        let outcome = if verdict.over_limit {
+        let outcome = if verdict.unavailable {
+            "unavailable"
+        } else if verdict.over_limit {
             "over_limit"
         } else {
             "ok"

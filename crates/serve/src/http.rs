@@ -199,7 +199,13 @@ async fn check(
             )
         }
     };
-    metrics::counter!("leasehold_serve_requests_total", "api" => "http", "outcome" => if status == StatusCode::OK { "ok" } else { "over_limit" })
+    let outcome = match status {
+        StatusCode::OK => "ok",
+        StatusCode::TOO_MANY_REQUESTS => "over_limit",
+        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+        _ => "error",
+    };
+    metrics::counter!("leasehold_serve_requests_total", "api" => "http", "outcome" => outcome)
         .increment(1);
     (status, headers, Json(json)).into_response()
 }

@@ -21,7 +21,32 @@ use crate::wire::ExactItem;
 
 const SHARDS: usize = 64;
 
-type Shard = Mutex<HashMap<BucketKey, GlobalBucket>>;
+/// One shard's buckets, and the calls it served since it was last swept.
+#[derive(Debug, Default)]
+struct Buckets {
+    map: HashMap<BucketKey, GlobalBucket>,
+    since_sweep: u64,
+}
+
+impl Buckets {
+    /// Every this many calls to a shard, its buckets Redis would have expired go.
+    const SWEEP_EVERY: u64 = 1024;
+
+    /// The bucket at `key`, after dropping what Redis would have expired (full,
+    /// leaseless buckets, safe to forget: I6) when the shard is due, as Redis expiry
+    /// keeps memory to the live keys whatever the traffic's shape.
+    fn bucket(&mut self, key: &BucketKey, now_us: u64) -> &mut GlobalBucket {
+        self.since_sweep += 1;
+        if self.since_sweep >= Self::SWEEP_EVERY {
+            self.since_sweep = 0;
+            self.map
+                .retain(|_, b| b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms));
+        }
+        self.map.entry(key.clone()).or_default()
+    }
+}
+
+type Shard = Mutex<Buckets>;
 
 /// The reference model of every bucket, in memory, with the wall clock as server time.
 /// Expired buckets are dropped as the model says Redis would drop them.
@@ -47,7 +72,7 @@ impl EmbeddedStore {
     /// An empty store.
     pub fn new() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
             hasher: foldhash::fast::RandomState::default(),
             calls: Arc::new(AtomicU64::new(0)),
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -77,21 +102,8 @@ impl EmbeddedStore {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_micros() as u64);
         let mut shard = self.shards[(self.hasher.hash_one(key) as usize) % SHARDS].lock();
-        let n = self.calls.fetch_add(1, Ordering::Relaxed);
-        if n.is_multiple_of(4096) {
-            // Keys Redis would have expired: full, leaseless buckets, safe to forget (I6).
-            shard.retain(|_, b| b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms));
-        }
-        let reply = match shard.get_mut(key) {
-            Some(bucket) => bucket.apply(params, now_us, req),
-            None => {
-                let mut bucket = GlobalBucket::new();
-                let reply = bucket.apply(params, now_us, req);
-                shard.insert(key.clone(), bucket);
-                reply
-            }
-        };
-        Ok(reply?)
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        Ok(shard.bucket(key, now_us).apply(params, now_us, req)?)
     }
 
     /// Runs one exact batch as `lh_exact_batch` does: each key atomically at one server
@@ -124,7 +136,7 @@ impl EmbeddedStore {
         let mut out = Vec::with_capacity(items.len());
         for it in items {
             let mut shard = self.shards[(self.hasher.hash_one(it.key) as usize) % SHARDS].lock();
-            let bucket = shard.entry(it.key.clone()).or_default();
+            let bucket = shard.bucket(it.key, now_us);
             out.push(bucket.exact_many(it.params, now_us, it.costs)?);
         }
         let grace = items.iter().map(|it| it.params.grace_us).max().unwrap_or(0);
@@ -165,6 +177,6 @@ impl EmbeddedStore {
 
     /// Buckets held (including expired ones not yet swept).
     pub fn buckets(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.shards.iter().map(|s| s.lock().map.len()).sum()
     }
 }

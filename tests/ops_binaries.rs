@@ -124,7 +124,11 @@ fn wait_ready(addr: SocketAddr, what: &str) {
 }
 
 fn check(addr: SocketAddr, rule: &str) -> u16 {
-    let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"t"}}]}}"#);
+    check_as(addr, rule, "t")
+}
+
+fn check_as(addr: SocketAddr, rule: &str, subject: &str) -> u16 {
+    let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"{subject}"}}]}}"#);
     http(addr, "POST", "/v1/check", &[], &body).0
 }
 
@@ -230,6 +234,27 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     // Decided by the store now: 5 tokens, then 429.
     let statuses: Vec<u16> = (0..6).map(|_| check(serve_at, "closed")).collect();
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+
+    // Lost and found again: each change of state is a log line.
+    redis.kill();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    while !serve.stderr().contains("breaker open") {
+        assert!(Instant::now() < deadline, "{}", serve.stderr());
+        n += 1;
+        check_as(serve_at, "closed", &format!("tenant-{n}"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(http(serve_at, "GET", "/ready", &[], "").0, 503);
+    redis.restart().unwrap_or_else(|e| panic!("{e}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !serve.stderr().contains("breaker closed") {
+        assert!(Instant::now() < deadline, "{}", serve.stderr());
+        n += 1;
+        check_as(serve_at, "closed", &format!("tenant-{n}"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_ready(serve_at, "serve");
     for (what, p) in [
         ("serve", &mut serve),
         ("coordinator", &mut coordinator),

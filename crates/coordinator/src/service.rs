@@ -420,6 +420,17 @@ impl Coordinator {
         }
         publish(leader, agents.len(), &statuses, started_splits);
         let mut snap = self.snapshot.write();
+        if snap.leader != leader {
+            if leader {
+                tracing::warn!(
+                    "this coordinator holds the leader lock now: it splits and merges keys"
+                );
+            } else {
+                tracing::warn!(
+                    "this coordinator lost the leader lock: another one splits and merges keys"
+                );
+            }
+        }
         snap.leader = leader;
         snap.agents = agents.len();
         snap.at_ms = now_ms;

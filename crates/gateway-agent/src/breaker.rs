@@ -51,6 +51,8 @@ impl Default for BreakerConfig {
 /// The breaker and bulkhead of one shard.
 #[derive(Debug)]
 pub(crate) struct Breaker {
+    /// The shard, for log lines.
+    name: Box<str>,
     failures: AtomicU32,
     open_until_ns: AtomicU64,
     probing: AtomicBool,
@@ -105,8 +107,9 @@ impl Drop for Permit<'_> {
 }
 
 impl Breaker {
-    fn new(config: BreakerConfig) -> Self {
+    fn new(name: &str, config: BreakerConfig) -> Self {
         Self {
+            name: name.into(),
             failures: AtomicU32::new(0),
             open_until_ns: AtomicU64::new(0),
             probing: AtomicBool::new(false),
@@ -144,7 +147,9 @@ impl Breaker {
     fn success(&self, now_ns: u64) {
         self.last_success_ns.fetch_max(now_ns, Ordering::AcqRel);
         self.failures.store(0, Ordering::Relaxed);
-        self.open_until_ns.store(0, Ordering::Release);
+        if self.open_until_ns.swap(0, Ordering::AcqRel) != 0 {
+            tracing::warn!(shard = %self.name, "store answers again: breaker closed");
+        }
         self.probing.store(false, Ordering::Release);
     }
 
@@ -159,7 +164,14 @@ impl Breaker {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         if probe || n >= self.config.failures_to_open {
             let until = now_ns + self.config.cooldown.as_nanos() as u64;
-            self.open_until_ns.store(until.max(1), Ordering::Release);
+            if self.open_until_ns.swap(until.max(1), Ordering::AcqRel) == 0 {
+                tracing::warn!(
+                    shard = %self.name,
+                    failures = n,
+                    "store unreachable: breaker open; each rule's failure policy decides \
+                     until a probe succeeds"
+                );
+            }
         }
     }
 
@@ -197,7 +209,7 @@ impl Breakers {
         Self {
             topology: ArcSwap::from_pointee(Topology {
                 by_slot: vec![0; usize::from(SLOTS)],
-                shards: vec![("all".to_owned(), Arc::new(Breaker::new(config)))],
+                shards: vec![("all".to_owned(), Arc::new(Breaker::new("all", config)))],
             }),
             config,
         }
@@ -213,9 +225,10 @@ impl Breakers {
         let mut index: HashMap<String, u16> = HashMap::new();
         let mut shard_of = |name: &str, shards: &mut Vec<(String, Arc<Breaker>)>| {
             *index.entry(name.to_owned()).or_insert_with(|| {
-                let b = known
-                    .get(name)
-                    .map_or_else(|| Arc::new(Breaker::new(self.config)), |b| Arc::clone(b));
+                let b = known.get(name).map_or_else(
+                    || Arc::new(Breaker::new(name, self.config)),
+                    |b| Arc::clone(b),
+                );
                 shards.push((name.to_owned(), b));
                 (shards.len() - 1) as u16
             })
@@ -292,7 +305,7 @@ mod tests {
 
     #[test]
     fn opens_after_failures_probes_once_and_closes_on_success() {
-        let b = Breaker::new(config(2, 4));
+        let b = Breaker::new("test", config(2, 4));
         b.enter(0).unwrap().failed(0);
         b.enter(1).unwrap().failed(1);
         assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
@@ -315,7 +328,7 @@ mod tests {
 
     #[test]
     fn a_cancelled_probe_ends_the_probe() {
-        let b = Breaker::new(config(1, 4));
+        let b = Breaker::new("test", config(1, 4));
         b.enter(0).unwrap().failed(0);
         let probe = b.enter(200).expect("a probe after the cooldown");
         // The caller's future is dropped mid-call: no verdict, but the probe is over.
@@ -329,7 +342,7 @@ mod tests {
 
     #[test]
     fn a_probe_refused_for_saturation_ends_the_probe() {
-        let b = Breaker::new(config(1, 1));
+        let b = Breaker::new("test", config(1, 1));
         let busy = b.enter(0).unwrap();
         b.failure(0, 0, false);
         assert_eq!(b.enter(200).unwrap_err(), Refusal::Saturated);
@@ -339,7 +352,7 @@ mod tests {
 
     #[test]
     fn a_timeout_while_the_shard_answers_others_does_not_count() {
-        let b = Breaker::new(config(2, 4));
+        let b = Breaker::new("test", config(2, 4));
         let slow1 = b.enter(0).unwrap();
         let slow2 = b.enter(1).unwrap();
         b.enter(5).unwrap().succeeded(10);
@@ -355,7 +368,7 @@ mod tests {
 
     #[test]
     fn bounds_in_flight_calls() {
-        let b = Breaker::new(config(3, 2));
+        let b = Breaker::new("test", config(3, 2));
         let p1 = b.enter(0).unwrap();
         let _p2 = b.enter(0).unwrap();
         assert_eq!(b.enter(0).unwrap_err(), Refusal::Saturated);

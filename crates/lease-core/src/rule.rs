@@ -116,10 +116,12 @@ pub enum RuleError {
         field: &'static str,
     },
     /// The refill rate could not be used.
-    #[error("rule {rule}: rate: {source}")]
+    #[error("rule {rule}: {field}: {source}")]
     Rate {
         /// The rule.
         rule: String,
+        /// The field: `rate`, or `emergency_rate`.
+        field: &'static str,
         /// What is wrong with it.
         source: RateError,
     },
@@ -512,6 +514,7 @@ impl Rule {
             field: "capacity",
         })?;
         let rate: Rate = spec.rate.parse().map_err(|source| RuleError::Rate {
+            field: "rate",
             rule: rule(),
             source,
         })?;
@@ -636,6 +639,7 @@ impl Rule {
                     .transpose()
                     .map_err(|source| RuleError::Rate {
                         rule: rule(),
+                        field: "emergency_rate",
                         source,
                     })?,
             },
@@ -882,6 +886,7 @@ impl Rule {
                     .transpose()
                     .map_err(|source| RuleError::Rate {
                         rule: label.to_owned(),
+                        field: "partition_floor",
                         source,
                     })?;
                 if let Some(f) = floor
@@ -1100,6 +1105,11 @@ mod tests {
             e,
             "rule a: emergency_rate = \"5/s\": applies only with on_failure = \"local_emergency\""
         );
+        let mut s = spec(10, "1/s");
+        s.on_failure = Some("local_emergency".into());
+        s.emergency_rate = Some("fast".into());
+        let e = Rule::from_spec("a", &s).unwrap_err().to_string();
+        assert!(e.starts_with("rule a: emergency_rate: "), "{e}");
         let e = Rule::from_spec("a", &spec(0, "1/s"))
             .unwrap_err()
             .to_string();

@@ -1857,7 +1857,28 @@ impl Limiter {
                         ErrorKind::Protocol => drop(permit),
                         _ => permit.failed(self.now_ns()),
                     }
-                    if e.kind() == ErrorKind::NotReplicated {
+                    if let StoreError::NotReplicated {
+                        acked: 0, wanted, ..
+                    } = &e
+                    {
+                        // No replica acknowledged at all: likely none is attached, and
+                        // every grant of the rule is refused. Said once a minute.
+                        static SAID: AtomicU64 = AtomicU64::new(0);
+                        let now = self.now_ns().max(1);
+                        let last = SAID.load(Ordering::Relaxed);
+                        if (last == 0 || now.saturating_sub(last) > 60_000_000_000)
+                            && SAID
+                                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                                .is_ok()
+                        {
+                            tracing::warn!(
+                                rule = %entry.name,
+                                replicas = wanted,
+                                "no replica acknowledged a grant: is one attached to the primary? \
+                                 Until one is, the rule's failure policy decides"
+                            );
+                        }
+                    } else if e.kind() == ErrorKind::NotReplicated {
                         tracing::debug!(error = %e, key = %to.key.for_logs(), "grant not replicated in time");
                     } else if !e.is_retryable() {
                         tracing::error!(error = %e, key = %to.key.for_logs(), "store refused a request");

@@ -120,7 +120,7 @@ fn the_embedded_store_sweeps_buckets_redis_would_have_expired() {
     let rule = RuleName::new("flood").expect("name");
     let flood = 200_000u64;
     for i in 0..flood {
-        let key = BucketKey::new(&rule, &format!("value-{i}")).expect("key");
+        let key = BucketKey::new(&rule, format!("value-{i}")).expect("key");
         let req = Request {
             agent: AgentId(1),
             seq: i + 1,

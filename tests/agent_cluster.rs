@@ -147,3 +147,86 @@ fn seats_are_claimed_on_whichever_shard_holds_their_rule() {
         }
     });
 }
+
+/// A planned Redis Cluster failover (`CLUSTER FAILOVER` on the replica of the key's
+/// primary) under load mints nothing: the primary pauses its clients until the replica
+/// has every write, then the replica takes over and the client follows `MOVED`. The whole
+/// run admits at most B + r·T, and the limiter decides on the new primary afterwards.
+#[test]
+fn a_planned_cluster_failover_under_load_admits_at_most_the_bound() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let c = Cluster::start().unwrap_or_else(|e| panic!("{e}"));
+    c.wait_replicas_synced(Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (capacity, rate) = (100u64, 10u64);
+    let rule = RuleName::new("hot").unwrap();
+    let slot = BucketKey::new(&rule, "tenant").unwrap().slot();
+    let primary = c.owner(slot).unwrap();
+    let replicas: Vec<String> = c
+        .node(primary.port)
+        .unwrap()
+        .cmd(&["CLUSTER", "REPLICAS", &primary.id])
+        .unwrap();
+    let replica_port: u16 = replicas
+        .first()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|a| a.split(['@', ':']).nth(1))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no replica in {replicas:?}"));
+    support::runtime().block_on(async {
+        let limiter = Limiter::builder()
+            .cluster(c.urls())
+            .rules(support::rules(&format!(
+                "[rules.hot]\ncapacity = {capacity}\nrate = \"{rate}/s\"\non_failure = \"fail_closed\"\n"
+            )))
+            .config({
+                let mut c = LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let admitted = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                let (l, stop, admitted) = (limiter.clone(), stop.clone(), admitted.clone());
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        match l.check("tenant", "hot", 1).await.expect("valid check") {
+                            Decision::Allowed { .. } => {
+                                admitted.fetch_add(1, Ordering::Relaxed);
+                            }
+                            _ => tokio::time::sleep(Duration::from_millis(2)).await,
+                        }
+                    }
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let replica = c.node(replica_port).unwrap();
+        let ok: String = replica.cmd(&["CLUSTER", "FAILOVER"]).unwrap();
+        assert_eq!(ok, "OK");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.owner(slot).map(|o| o.port).ok() != Some(replica_port) {
+            assert!(Instant::now() < deadline, "the replica never took over");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let before = admitted.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let bound = capacity + (rate as f64 * elapsed).ceil() as u64;
+        let got = admitted.load(Ordering::Relaxed);
+        eprintln!("cluster failover: {got} admitted in {elapsed:.1} s (bound {bound})");
+        assert!(got <= bound, "{got} admitted against a bound of {bound}");
+        assert!(got > before, "nothing admitted after the failover");
+        limiter.shutdown().await;
+    });
+}

@@ -87,6 +87,23 @@ impl Drop for Proc {
     }
 }
 
+/// The `leasehold` binary and the example gateway (cargo test builds the examples beside
+/// the binaries).
+fn binaries() -> (PathBuf, PathBuf) {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
+    let gateway = exe
+        .parent()
+        .expect("target")
+        .join("examples")
+        .join("gateway");
+    assert!(
+        gateway.is_file(),
+        "{} missing: cargo test builds the examples",
+        gateway.display()
+    );
+    (exe, gateway)
+}
+
 /// One HTTP/1.1 request: the status and the body.
 fn http(addr: SocketAddr, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -150,13 +167,7 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     )
     .expect("rules");
     let rules = rules.to_str().expect("utf-8");
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
-    let gateway_exe = exe
-        .parent()
-        .expect("target")
-        .join("examples")
-        .join("gateway");
-    assert!(gateway_exe.is_file(), "cargo test builds the examples");
+    let (exe, gateway_exe) = binaries();
 
     let mut serve = Proc::start(
         &exe,
@@ -279,12 +290,7 @@ fn no_binary_prints_the_password_of_a_malformed_address() {
     let rules = dir.path().join("rules.toml");
     std::fs::write(&rules, "[rules.a]\ncapacity = 5\nrate = \"1/s\"\n").expect("rules");
     let rules = rules.to_str().expect("utf-8");
-    let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
-    let gateway_exe = exe
-        .parent()
-        .expect("target")
-        .join("examples")
-        .join("gateway");
+    let (exe, gateway_exe) = binaries();
     let pw = "Pw7Zq9leak";
     for address in [
         format!("redis//:{pw}@127.0.0.1:1"),

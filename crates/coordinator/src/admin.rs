@@ -94,14 +94,18 @@ pub async fn serve(
     leasehold_net::serve("admin", listener, admin.router(), limits, shutdown).await
 }
 
-/// 200 `ready` once the store answers, else 503 `degraded: REASON` (a readiness probe).
+/// 200 `ready` while the store answers a `PING`, else 503 `degraded: REASON` (a
+/// readiness probe).
 async fn ready(State(admin): State<Admin>) -> Response {
     let why = if !admin.store.is_connected() {
-        "store not reached yet; connecting"
+        "store not reached yet; connecting".to_owned()
     } else if admin.store.failing_over() {
-        "store failover under way"
+        "store failover under way".to_owned()
     } else {
-        return "ready\n".into_response();
+        match admin.store.query::<String>(&redis::cmd("PING")).await {
+            Ok(_) => return "ready\n".into_response(),
+            Err(e) => format!("store unreachable: {e}"),
+        }
     };
     (
         StatusCode::SERVICE_UNAVAILABLE,

@@ -422,7 +422,7 @@ impl Coordinator {
         let mut snap = self.snapshot.write();
         if snap.leader != leader {
             if leader {
-                tracing::warn!(
+                tracing::info!(
                     "this coordinator holds the leader lock now: it splits and merges keys"
                 );
             } else {

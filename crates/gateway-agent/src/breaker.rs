@@ -280,6 +280,18 @@ impl Breakers {
             .collect()
     }
 
+    /// The shards whose breaker is not closed: open, or half-open waiting for a probe to
+    /// succeed (what readiness reports: between probes an open breaker looks closed).
+    pub(crate) fn tripped(&self) -> Vec<String> {
+        self.topology
+            .load()
+            .shards
+            .iter()
+            .filter(|(_, b)| b.open_until_ns.load(Ordering::Acquire) != 0)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
     /// The shards known, by name.
     pub(crate) fn shard_names(&self) -> Vec<String> {
         self.topology

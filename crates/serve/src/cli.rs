@@ -54,11 +54,16 @@ pub struct Args {
 impl Args {
     /// The listeners' limits these flags give.
     fn limits(&self) -> Result<leasehold_net::Limits, String> {
-        if !(1..=3600).contains(&self.header_timeout) || !(1..=86_400).contains(&self.idle_timeout)
-        {
+        if !(1..=3600).contains(&self.header_timeout) {
             return Err(format!(
-                "--header-timeout {} / --idle-timeout {}: between 1 and 3600 / 86400 seconds",
-                self.header_timeout, self.idle_timeout
+                "--header-timeout {}: between 1 and 3600 seconds",
+                self.header_timeout
+            ));
+        }
+        if !(1..=86_400).contains(&self.idle_timeout) {
+            return Err(format!(
+                "--idle-timeout {}: between 1 and 86400 seconds",
+                self.idle_timeout
             ));
         }
         let mut limits = leasehold_net::Limits::default().timeouts(

@@ -456,7 +456,12 @@ impl Dialer {
     }
 
     fn sentinel(tls: bool, rest: &str, config: &StoreConfig) -> Result<Self, StoreError> {
-        let shown = redact(&format!("redis+sentinel://{rest}"));
+        let scheme = if tls {
+            "rediss+sentinel"
+        } else {
+            "redis+sentinel"
+        };
+        let shown = redact(&format!("{scheme}://{rest}"));
         let bad = |why: &str| {
             StoreError::Misconfigured(format!(
                 "sentinel address {shown}: {why}; expected \
@@ -714,11 +719,15 @@ impl RedisStore {
                     Err(e) => Err(e),
                 };
                 match tried {
+                    Ok(()) if failures == 0 => {
+                        tracing::info!(store = %store.link.shown, "store connected");
+                        return;
+                    }
                     Ok(()) => {
                         tracing::warn!(
                             store = %store.link.shown,
                             after_failures = failures,
-                            "store connected; deciding with it from now on"
+                            "store connected; using it from now on"
                         );
                         return;
                     }

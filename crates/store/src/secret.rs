@@ -51,26 +51,43 @@ pub fn redact_in(text: &str, address: &str) -> String {
     let mut secrets: Vec<String> = Vec::new();
     match Parts::of(address) {
         Some(p) => {
+            // The userinfo whole, and each side of its colon long enough to be a
+            // password (a typo can put one on either side; a one-letter user is no
+            // secret, and replacing it would garble the text).
             if let Some(u) = p.userinfo {
                 secrets.push(u.to_owned());
-                secrets.extend(u.split(':').map(str::to_owned));
+                secrets.extend(
+                    u.split(':')
+                        .filter(|w| w.len() >= MIN_GUESS)
+                        .map(str::to_owned),
+                );
             }
+            // Hidden parts that might hold a password typed in the wrong place; pieces
+            // shorter than a password would garble the text and are left.
+            let mut maybe: Vec<&str> = Vec::new();
             if !p.hosts_ok {
-                secrets.push(p.hosts.to_owned());
+                maybe.push(p.hosts);
             }
             if !p.path_ok {
-                secrets.push(p.path.trim_start_matches('/').to_owned());
+                maybe.push(p.path.trim_start_matches('/'));
             }
             if let Some(q) = p.query {
-                secrets.push(q.to_owned());
-                secrets.extend(q.split(['&', '=']).map(str::to_owned));
+                maybe.push(q);
+                maybe.extend(q.split(['&', '=']));
             }
+            secrets.extend(
+                maybe
+                    .into_iter()
+                    .filter(|w| w.len() >= MIN_GUESS)
+                    .map(str::to_owned),
+            );
         }
         None => {
             secrets.push(address.to_owned());
             secrets.extend(
                 address
                     .split([':', '/', '@', ',', '?', '#', ' '])
+                    .filter(|w| w.len() >= MIN_GUESS)
                     .filter(|w| !SCHEMES.contains(w) && !w.chars().all(|c| c.is_ascii_digit()))
                     .filter(|w| w.parse::<std::net::IpAddr>().is_err())
                     .map(str::to_owned),
@@ -88,6 +105,10 @@ pub fn redact_in(text: &str, address: &str) -> String {
     }
     out
 }
+
+/// Pieces of a malformed address shorter than this are not taken for secrets (replacing
+/// every `h` of a message hides nothing and garbles it).
+const MIN_GUESS: usize = 4;
 
 /// An address taken apart: `scheme://[userinfo@]hosts[path][?query]`.
 struct Parts<'a> {
@@ -216,6 +237,10 @@ mod tests {
             redact_in("failed: s3cret rejected", "redis://:s3cret@h"),
             "failed: *** rejected"
         );
+        // A short user or host is no secret: the message stays readable.
+        let text = "store unavailable: Connection refused (os error 111)";
+        assert_eq!(redact_in(text, "redis://u:Secret123@h:1"), text);
+        assert_eq!(redact_in(text, "redis:/:Secret123@h:1"), text);
     }
 
     /// The shapes an operator gets wrong, each of which once printed its password.

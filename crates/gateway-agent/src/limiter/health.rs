@@ -44,13 +44,7 @@ impl Limiter {
         if r.failing_over() {
             return Health::Degraded("store failover under way".into());
         }
-        let open: Vec<String> = self
-            .inner
-            .breakers
-            .states(self.now_ns())
-            .into_iter()
-            .filter_map(|(shard, open)| open.then_some(shard))
-            .collect();
+        let open = self.inner.breakers.tripped();
         if !open.is_empty() {
             return Health::Degraded(format!(
                 "store unreachable (breaker open: {})",

@@ -2,6 +2,8 @@
 //! cache, promotion and demotion, multi-rule refunds, waiting, errors and reloads.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
+mod support;
+
 use std::time::Duration;
 
 use leasehold_agent::{Admission, CheckError, Decision, Limiter, LimiterConfig, Rules};
@@ -475,4 +477,34 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
             "once-{i} again: {d:?}"
         );
     }
+}
+
+/// The in-process store (what `leasehold serve` uses without `--redis`) drops the buckets
+/// Redis would have expired, whatever the traffic: a flood of distinct keys that are full
+/// again within milliseconds leaves about a sweep's worth of them, not the whole flood.
+/// (Not in agent_memory.rs, whose test measures this process's RSS.)
+#[test]
+fn the_embedded_store_sweeps_buckets_redis_would_have_expired() {
+    use leasehold_core::key::BucketKey;
+    use leasehold_core::model::{AgentId, Op, Request};
+    use leasehold_core::rule::RuleName;
+    let store = leasehold_agent::EmbeddedStore::new();
+    // A token a millisecond: each key is full again 1 ms after its one debit, and
+    // expires a grace (10 ms) later.
+    let p = support::params(1, "1000/s", "100ms", "10ms", None);
+    let rule = RuleName::new("flood").expect("name");
+    let flood = 200_000u64;
+    for i in 0..flood {
+        let key = BucketKey::new(&rule, format!("value-{i}")).expect("key");
+        let req = Request {
+            agent: AgentId(1),
+            seq: i + 1,
+            op: Op::Exact { cost: 1 },
+        };
+        let reply = store.call(&key, &p, &req).expect("call");
+        assert_eq!(reply.granted, 1, "each new key's one token");
+    }
+    let held = store.buckets() as u64;
+    println!("{flood} distinct keys: {held} buckets held");
+    assert!(held < flood / 4, "{held} of {flood} buckets still held");
 }

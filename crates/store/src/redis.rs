@@ -437,7 +437,8 @@ enum Dialer {
 pub(crate) type Certs = redis::TlsCertificates;
 /// The TLS files of a connection (none without the `tls` feature).
 #[cfg(not(feature = "tls"))]
-pub(crate) type Certs = std::convert::Infallible;
+#[derive(Clone)]
+pub(crate) enum Certs {}
 
 impl Dialer {
     /// Takes `address` apart (see [`RedisStore::open`]); errors name what is wrong.
@@ -502,6 +503,7 @@ impl Dialer {
         if sentinels.is_empty() {
             return Err(bad("no Sentinel given"));
         }
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
         let mut certs: Option<Certs> = None;
         let mut builder = redis::sentinel::SentinelClientBuilder::new(
             sentinels.clone(),

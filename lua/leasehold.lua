@@ -331,6 +331,18 @@ local function bad_bucket(key)
   fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a hash of other fields')
 end
 
+-- The furthest a bucket's clock (ts) may be ahead of the server's. A failover to a node
+-- whose clock is behind explains seconds; a value a day ahead was not written by this
+-- library (read as a bucket, it would never refill).
+local MAX_AHEAD = 86400000000
+
+local function check_clock(key, ts, server_now)
+  if ts > server_now + MAX_AHEAD then
+    fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a clock ' ..
+      fmt(divmod(ts - server_now, 1000000)) .. " s ahead of the server's")
+  end
+end
+
 local function state_of(key, v)
   if #v ~= STATE_LEN then bad_bucket(key) end
   local tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
@@ -424,13 +436,18 @@ local function begin(key, p, norecord)
     f = {}
   else
     if not f[1] then
-      -- No state: a new key, or a hash in the layout before.
+      -- No state: a new key, or a hash in the layout before; any other hash is not ours.
       local exists = redis.call('EXISTS', key)
-      if exists == 1 then f = legacy(key, p.id) end
+      if exists == 1 then
+        f = legacy(key, p.id)
+        if not f[1] then bad_bucket(key) end
+      end
     end
     if f[1] then s = state_of(key, f[1]) end
   end
-  if not s then
+  if s then
+    check_clock(key, s.ts, server_now)
+  else
     s = fresh(p, server_now)
     s.created = true
   end
@@ -1099,14 +1116,22 @@ local function exact_batch(keys, id, args)
     local key = keys[k]
     local v = redis.pcall('GET', key)
     if type(v) == 'string' then
-      compact_of(key, v)
+      local _, _, ts = compact_of(key, v)
+      check_clock(key, ts, server_now)
       found[k] = v
     elseif type(v) == 'table' then
       local ty = redis.call('TYPE', key)
       ty = ty['ok']
       if ty ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty) end
       local st = redis.call('HGET', key, STATE)
-      found[k], states[k] = true, st and state_of(key, st)
+      if st then
+        states[k] = state_of(key, st)
+        check_clock(key, states[k].ts, server_now)
+      elseif redis.call('HEXISTS', key, 'tok') == 0 then
+        -- Neither a bucket nor one in the layout before (legacy): not ours.
+        bad_bucket(key)
+      end
+      found[k] = true
     else
       found[k] = false
     end

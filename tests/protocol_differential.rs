@@ -962,6 +962,24 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     let _: i64 = server
         .cmd(&["HSET", "lh:{t|h}", leasehold_store::wire::STATE, "hello"])
         .expect("HSET");
+    // An application's hash, and a compact bucket's shape with a clock ten years ahead
+    // (read as a bucket, it would never refill).
+    let _: i64 = server
+        .cmd(&["HSET", "lh:{t|app}", "name", "ada", "plan", "pro"])
+        .expect("HSET");
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_micros() as u64;
+    let mut planted = b"L1".to_vec();
+    for n in [5u64, 0, now_us + 10 * 365 * 86_400_000_000, 1_000_000] {
+        planted.extend_from_slice(&n.to_le_bytes());
+    }
+    let _: () = redis::cmd("SET")
+        .arg("lh:{t|f}")
+        .arg(&planted)
+        .query(&mut conn)
+        .expect("SET");
     for (foreign, want) in [
         (
             "lh:{t|s}",
@@ -972,6 +990,11 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
             "lh:{t|h}",
             "LH_ARG not a bucket: lh:{t|h} holds a hash of other fields",
         ),
+        (
+            "lh:{t|app}",
+            "LH_ARG not a bucket: lh:{t|app} holds a hash of other fields",
+        ),
+        ("lh:{t|f}", "LH_ARG not a bucket: lh:{t|f} holds a clock"),
     ] {
         // The foreign key second: the first key must not be written either.
         let err = redis::cmd("FCALL")
@@ -1020,6 +1043,18 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
         .cmd(&["HGET", "lh:{t|h}", leasehold_store::wire::STATE])
         .expect("HGET");
     assert_eq!(h, "hello");
+    let app: std::collections::BTreeMap<String, String> =
+        server.cmd(&["HGETALL", "lh:{t|app}"]).expect("HGETALL");
+    assert_eq!(format!("{app:?}"), r#"{"name": "ada", "plan": "pro"}"#);
+    let kept: Vec<u8> = redis::cmd("GET")
+        .arg("lh:{t|f}")
+        .query(&mut conn)
+        .expect("GET");
+    assert_eq!(kept, planted);
+    for k in ["lh:{t|app}", "lh:{t|f}"] {
+        let ttl: i64 = server.cmd(&["PTTL", k]).expect("PTTL");
+        assert_eq!(ttl, -1, "{k} was given an expiry");
+    }
 }
 
 /// A new key decided in a batch is stored compact; a lease on it turns it into the hash,

@@ -356,3 +356,59 @@ fn no_binary_prints_the_password_of_a_malformed_address() {
         }
     }
 }
+
+/// A reload of the rules file that drops the rule the gateway checks is refused as the
+/// same file is at start: one ERROR line, the rules in force kept, every request answered
+/// as before (no 500s); a later good file is taken.
+#[test]
+fn the_gateway_refuses_a_reload_that_drops_its_rule_and_keeps_answering() {
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[rules.api]\ncapacity = 3\nrate = \"1/h\"\n[rules.other]\ncapacity = 9\nrate = \"1/s\"\n",
+    )
+    .expect("rules");
+    let (_, gateway_exe) = binaries();
+    let gateway = Proc::start(
+        &gateway_exe,
+        &[
+            "--config",
+            rules.to_str().expect("utf-8"),
+            "--redis",
+            &redis.url(),
+            "--listen",
+            "127.0.0.1:0",
+            "--rule",
+            "api",
+        ],
+    );
+    let mut gateway = gateway;
+    let at = gateway.address("listening on ");
+    let get = |key: &str| http(at, "GET", "/", &[&format!("x-api-key: {key}")], "").0;
+    assert_eq!(get("a"), 200);
+
+    // The same file without `api`: refused, once.
+    std::thread::sleep(Duration::from_millis(1100)); // a new modification time
+    std::fs::write(&rules, "[rules.other]\ncapacity = 9\nrate = \"1/s\"\n").expect("rules");
+    gateway.wait_log("rules file refused");
+    let statuses: Vec<u16> = (0..5).map(|_| get("a")).collect();
+    assert_eq!(statuses, [200, 200, 429, 429, 429], "the rule in force decides");
+    std::thread::sleep(Duration::from_millis(2500)); // a few watch ticks
+    assert_eq!(get("b"), 200);
+    let log = gateway.stderr();
+    let errors = log.lines().filter(|l| l.contains("ERROR")).count();
+    assert_eq!(errors, 1, "{log}");
+    assert!(log.contains("api"), "the refusal names the rule: {log}");
+
+    // A good file is taken: `api` with a larger capacity.
+    std::fs::write(
+        &rules,
+        "[rules.api]\ncapacity = 20\nrate = \"1/h\"\n[rules.other]\ncapacity = 9\nrate = \"1/s\"\n",
+    )
+    .expect("rules");
+    gateway.wait_log("rules reloaded");
+    assert_eq!(get("c"), 200);
+    assert!(gateway.running(), "{}", gateway.stderr());
+}

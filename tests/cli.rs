@@ -144,3 +144,53 @@ fn the_readme_describes_every_hash_field() {
         assert!(readme.contains(&cell), "README lacks {cell}");
     }
 }
+
+/// serve's listener flags out of range are refused at start, naming the flag.
+#[test]
+fn serve_names_a_listener_flag_out_of_range() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    for (flag, value, says) in [
+        ("--max-connections", "0", "--max-connections 0: at least 1"),
+        (
+            "--max-connections",
+            "100000000",
+            "--max-connections 100000000: this process may open only",
+        ),
+        ("--header-timeout", "0", "--header-timeout 0"),
+        ("--idle-timeout", "0", "--idle-timeout 0"),
+    ] {
+        let (ok, _, stderr) = leasehold(&[
+            "serve",
+            "--config",
+            example,
+            "--http",
+            "127.0.0.1:0",
+            flag,
+            value,
+        ]);
+        assert!(!ok && stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+}
+
+/// A malformed address is explained in words (not redis-rs's "InvalidClientConfig").
+#[test]
+fn a_malformed_address_is_explained() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    for (address, says) in [
+        ("redis://:Zq9secret@127.0.0.1:notaport", "is not HOST:PORT"),
+        ("redis://127.0.0.1:6379/x", "not /DB, a database number"),
+    ] {
+        let (ok, _, stderr) = leasehold(&[
+            "serve",
+            "--config",
+            example,
+            "--http",
+            "127.0.0.1:0",
+            "--redis",
+            address,
+        ]);
+        assert!(!ok && stderr.contains(says), "{address}: {stderr}");
+        assert!(!stderr.contains("InvalidClientConfig"), "{stderr}");
+        assert!(!stderr.contains("Zq9secret"), "{stderr}");
+    }
+}

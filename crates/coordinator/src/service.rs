@@ -166,9 +166,8 @@ impl Coordinator {
     /// reports, until `shutdown` completes; then gives up the lock.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         // One tick at once (the lock, a broker's keys), then on the half second.
-        if let Err(e) = self.tick().await {
-            tracing::warn!(error = %e, "coordinator tick failed");
-        }
+        let mut failing = Failing::default();
+        failing.note(self.tick().await);
         let first =
             tokio::time::Instant::now() + Duration::from_millis((1500 - wall_ms() % 1000) % 1000);
         let mut ticks = tokio::time::interval_at(first, self.config.tick);
@@ -177,10 +176,11 @@ impl Coordinator {
         loop {
             tokio::select! {
                 _ = ticks.tick() => {
-                    if let Err(e) = self.tick().await {
+                    let result = self.tick().await;
+                    if result.is_err() {
                         metrics::counter!("leasehold_coordinator_errors_total").increment(1);
-                        tracing::warn!(error = %e, "coordinator tick failed");
                     }
+                    failing.note(result);
                 }
                 () = &mut shutdown => break,
             }
@@ -485,5 +485,47 @@ fn publish(leader: bool, agents: usize, keys: &BTreeMap<String, KeyStatus>, spli
             .absolute(admitted);
         metrics::gauge!("leasehold_key_calls_per_second_max", "rule" => rule.clone()).set(calls);
         metrics::gauge!("leasehold_split_keys", "rule" => rule).set(split as f64);
+    }
+}
+
+/// Failed ticks, said without flooding the log: the first failure, then one line every
+/// 30 s while they go on (with how many), and one when a tick succeeds again.
+#[derive(Default)]
+struct Failing {
+    since: Option<std::time::Instant>,
+    said: Option<std::time::Instant>,
+    failed: u64,
+}
+
+impl Failing {
+    const EVERY: Duration = Duration::from_secs(30);
+
+    fn note(&mut self, result: Result<(), StoreError>) {
+        let now = std::time::Instant::now();
+        match result {
+            Ok(()) => {
+                if let Some(since) = self.since.take() {
+                    tracing::info!(
+                        failed = self.failed,
+                        after_secs = since.elapsed().as_secs(),
+                        "coordinator ticks succeed again"
+                    );
+                }
+                self.failed = 0;
+                self.said = None;
+            }
+            Err(e) => {
+                self.failed += 1;
+                self.since.get_or_insert(now);
+                if self.said.is_none_or(|t| now.duration_since(t) >= Self::EVERY) {
+                    self.said = Some(now);
+                    tracing::warn!(
+                        error = %e,
+                        failed = self.failed,
+                        "coordinator tick failed (said again every 30 s while ticks fail)"
+                    );
+                }
+            }
+        }
     }
 }

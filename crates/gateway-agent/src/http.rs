@@ -552,8 +552,12 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
     let mut buf = [0u8; 512];
     let len = buf.len();
     let mut w = &mut buf[..];
-    for (i, (d, e)) in limits.iter().enumerate() {
+    let mut items = 0;
+    for (d, e) in limits {
         let (remaining, t) = match *d {
+            // Admitted without the store's count (fail open, the emergency limit, shadow):
+            // nothing honest to say of what is left.
+            Decision::Allowed { via, .. } if !via.is_metered() => continue,
             Decision::Allowed { remaining, .. } => {
                 let p = &e.params;
                 let missing = p.capacity.saturating_sub(remaining);
@@ -563,13 +567,16 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
                 (0, retry_secs(retry_after))
             }
         };
-        let sep = if i > 0 { ", " } else { "" };
+        let sep = if items > 0 { ", " } else { "" };
         if write!(w, "{sep}\"{}\";r={remaining};t={t}", e.name).is_err() {
             break;
         }
+        items += 1;
     }
     let used = len - w.len();
-    if let Ok(v) = HeaderValue::from_bytes(&buf[..used]) {
+    if items > 0
+        && let Ok(v) = HeaderValue::from_bytes(&buf[..used])
+    {
         headers.insert("ratelimit", v);
     }
 }

@@ -74,6 +74,18 @@ impl Args {
             if n == 0 {
                 return Err("--max-connections 0: at least 1".into());
             }
+            // Past the open-file limit, accept fails with EMFILE before the cap is met,
+            // and the store's connections and the files have nothing left.
+            if let Some(fds) = leasehold_net::open_files_limit()
+                && n > fds.saturating_sub(32)
+            {
+                return Err(format!(
+                    "--max-connections {n}: this process may open only {fds} files \
+                     (`ulimit -n`), of which the store and files need some; at most {} \
+                     here, or raise the limit",
+                    fds.saturating_sub(32).max(1)
+                ));
+            }
             limits = limits.max_connections(n);
         }
         Ok(limits)

@@ -108,6 +108,8 @@ fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str
         format!("\"{rule}\";q={};w={w}", p.capacity),
     );
     let (r, t) = match d {
+        // Admitted without the store's count: nothing honest to say of what is left.
+        Decision::Allowed { via, .. } if !via.is_metered() => return,
         Decision::Allowed { remaining, .. } => {
             let missing = p.capacity.saturating_sub(remaining);
             (remaining, leasehold_core::refill_secs(missing, p.rate))
@@ -169,9 +171,12 @@ async fn check(
                 .iter()
                 .zip(&each)
                 .map(|(c, d)| {
+                    // null: admitted without the store's count (fail open, the
+                    // emergency limit, shadow).
                     let remaining = match d {
-                        Decision::Allowed { remaining, .. } => *remaining,
-                        _ => 0,
+                        Decision::Allowed { via, .. } if !via.is_metered() => None,
+                        Decision::Allowed { remaining, .. } => Some(*remaining),
+                        _ => Some(0),
                     };
                     serde_json::json!({ "rule": c.rule, "remaining": remaining })
                 })

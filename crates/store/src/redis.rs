@@ -310,11 +310,18 @@ fn no_tls(address: &str) -> StoreError {
 /// A client for one node, with the TLS files when the URL asks for TLS.
 fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
     let bad = |e: RedisError| {
-        StoreError::Misconfigured(format!(
-            "redis url {}: {}",
-            redact(url),
+        // redis-rs says only "did not parse - InvalidClientConfig": say what is wrong.
+        let shown = redact(url);
+        if shown.starts_with('<') {
+            // Not SCHEME://… at all: the description says so.
+            return StoreError::Misconfigured(format!("redis url {shown}"));
+        }
+        let why = if e.kind() == redis::ErrorKind::InvalidClientConfig {
+            crate::secret::what_is_wrong(url)
+        } else {
             redact_in(&e.to_string(), url)
-        ))
+        };
+        StoreError::Misconfigured(format!("redis url {shown}: {why}"))
     };
     if url.starts_with("rediss://") {
         #[cfg(not(feature = "tls"))]

@@ -44,6 +44,38 @@ pub fn redact(address: &str) -> String {
     out
 }
 
+/// What is wrong with an address that does not parse, in words that show none of it.
+pub fn what_is_wrong(address: &str) -> String {
+    let Some(p) = Parts::of(address) else {
+        return format!(
+            "not of the form SCHEME://…; SCHEME is one of {}",
+            SCHEMES.join(", ")
+        );
+    };
+    let single = matches!(p.scheme, "redis" | "rediss");
+    if !p.hosts_ok {
+        return if single {
+            "the part after `@` (or after `://`) is not HOST:PORT (PORT 1 to 65535, \
+             [ADDRESS]:PORT for IPv6)"
+                .into()
+        } else {
+            "the part after `@` (or after `://`) is not HOST:PORT[,HOST:PORT...] (PORT 1 to \
+             65535, [ADDRESS]:PORT for IPv6)"
+                .into()
+        };
+    }
+    if !p.path.is_empty() && !p.path_ok {
+        return if single {
+            "what follows HOST:PORT is not /DB, a database number".into()
+        } else {
+            "what follows the hosts is not /SERVICE (letters, digits, `-`, `_`, `.`)".into()
+        };
+    }
+    "it does not parse as a URL: a password with `@ : / ? # %` in it must be \
+     percent-encoded (`@` is %40)"
+        .into()
+}
+
 /// `text` with everything [`redact`] hides of `address` replaced by `***`: the password
 /// (also percent-decoded), hidden userinfo, hosts, path or query, and for an address that
 /// does not parse, every word of it that could be a secret.
@@ -171,7 +203,7 @@ fn host(h: &str, port_optional: bool) -> bool {
         _ => (h, None),
     };
     let port_ok = match port {
-        Some(p) => !p.is_empty() && p.len() <= 5 && p.chars().all(|c| c.is_ascii_digit()),
+        Some(p) => p.parse::<u16>().is_ok_and(|p| p > 0) && p.chars().all(|c| c.is_ascii_digit()),
         // A bare word could be a password typed where the host goes.
         None => port_optional && (name == "localhost" || name.parse::<std::net::IpAddr>().is_ok()),
     };
@@ -269,6 +301,24 @@ mod tests {
             let text = format!("error parsing {a}: {pw} in {a:?}");
             let hidden = redact_in(&text, a);
             assert!(!hidden.contains("Pw7"), "{a:?}: {hidden:?}");
+            let why = what_is_wrong(a);
+            assert!(!why.contains("Pw7"), "{a:?}: {why:?}");
+        }
+    }
+
+    /// A refused address is explained in words, not redis-rs's "InvalidClientConfig".
+    #[test]
+    fn what_is_wrong_names_the_part() {
+        for (address, says) in [
+            ("redis://:pw@127.0.0.1:notaport", "is not HOST:PORT"),
+            ("redis://127.0.0.1:99999", "PORT 1 to 65535"),
+            ("redis://h:1/abc", "not /DB, a database number"),
+            ("redis+sentinel://h:1/a b", "not /SERVICE"),
+            ("cluster://a:1,b:x", "HOST:PORT[,HOST:PORT...]"),
+            ("redis:/x", "not of the form SCHEME://"),
+        ] {
+            let why = what_is_wrong(address);
+            assert!(why.contains(says), "{address}: {why}");
         }
     }
 

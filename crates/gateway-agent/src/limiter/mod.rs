@@ -117,6 +117,14 @@ pub enum Admission {
     Shadow,
 }
 
+impl Admission {
+    /// Whether the store's count decided it (a lease, a seat, an exact call), so the
+    /// tokens left are known; not for fail open, the emergency limit or shadow.
+    pub fn is_metered(self) -> bool {
+        matches!(self, Self::Lease | Self::Local | Self::Exact)
+    }
+}
+
 /// A check that can never succeed as asked. Being rate limited is not one of these.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

@@ -95,10 +95,7 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let limiter = builder
         .build()
         .await
-        .map_err(|e| match args.store.address() {
-            Ok(Some(a)) => leasehold::store::redis::redact_in(&e.to_string(), &a),
-            _ => e.to_string(),
-        })?;
+        .map_err(|e| args.store.redact(&e.to_string()))?;
     // Every rule the gateway will check must exist now, not answer 500 at each request,
     // and a reload of the rules file that drops one is refused.
     let used: Vec<&String> = std::iter::once(&args.rule)
@@ -144,12 +141,8 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .route(
             "/ready",
             get(move || async move {
-                let h = ready.health();
-                let status = match h {
-                    leasehold::agent::Health::Ready => StatusCode::OK,
-                    _ => StatusCode::SERVICE_UNAVAILABLE,
-                };
-                (status, h.line() + "\n")
+                let (status, body) = ready.health().probe();
+                (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body)
             }),
         )
         .layer(axum::middleware::from_fn(one_identity));

@@ -141,10 +141,7 @@ pub async fn run(
     let limiter = builder
         .build()
         .await
-        .map_err(|e| match args.store.address() {
-            Ok(Some(a)) => leasehold_store::redis::redact_in(&e.to_string(), &a),
-            _ => e.to_string(),
-        })?;
+        .map_err(|e| args.store.redact(&e.to_string()))?;
     let domains = Arc::new(ArcSwap::from_pointee(domains));
     let grpc = match args.grpc {
         Some(addr) => Some(

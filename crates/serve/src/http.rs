@@ -46,12 +46,8 @@ pub fn router(limiter: Limiter, metrics: Option<PrometheusHandle>) -> Router {
 
 /// 200 `ready`, or 503 `degraded: REASON`: for an orchestrator's readiness probe.
 async fn ready(State(api): State<Api>) -> Response {
-    let health = api.limiter.health();
-    let status = match health {
-        leasehold_agent::Health::Ready => StatusCode::OK,
-        _ => StatusCode::SERVICE_UNAVAILABLE,
-    };
-    (status, health.line() + "\n").into_response()
+    let (status, body) = api.limiter.health().probe();
+    (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
 }
 
 /// The most checks one `POST /v1/check` may carry (each may be a store call).

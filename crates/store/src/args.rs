@@ -51,6 +51,17 @@ impl StoreArgs {
         Ok(self.redis.as_ref().map(|s| s.trim().to_owned()))
     }
 
+    /// `text` (an error) with the address's password and whatever else [`redact`]
+    /// hides replaced by `***`.
+    ///
+    /// [`redact`]: crate::redis::redact
+    pub fn redact(&self, text: &str) -> String {
+        match self.address() {
+            Ok(Some(a)) => crate::redis::redact_in(text, &a),
+            _ => text.to_owned(),
+        }
+    }
+
     /// The connection settings with these TLS files.
     pub fn config(&self) -> StoreConfig {
         StoreConfig {

@@ -24,6 +24,16 @@ impl Health {
             Self::Degraded(why) => format!("degraded: {why}"),
         }
     }
+
+    /// A readiness probe's answer: 200 and `ready`, or 503 and `degraded: REASON` (one
+    /// line each), so an orchestrator sends traffic elsewhere while the store is out.
+    pub fn probe(&self) -> (u16, String) {
+        let status = match self {
+            Self::Ready => 200,
+            Self::Degraded(_) => 503,
+        };
+        (status, self.line() + "\n")
+    }
 }
 
 impl Limiter {

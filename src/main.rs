@@ -117,9 +117,15 @@ enum Command {
             env = "LEASEHOLD_GATEWAY"
         )]
         gateway: PathBuf,
-        /// Distinct API keys in the flood.
+        /// Distinct API keys in the gateway's flood.
         #[arg(long, default_value_t = 1_000_000, env = "LEASEHOLD_FLOOD_KEYS")]
         flood_keys: u64,
+        /// Distinct descriptor values in serve's flood.
+        #[arg(long, default_value_t = 300_000, env = "LEASEHOLD_SERVE_VALUES")]
+        serve_values: u64,
+        /// Seconds serve is watched after its flood (its memory must not grow).
+        #[arg(long, default_value_t = 60.0, env = "LEASEHOLD_IDLE")]
+        idle: f64,
         /// Seconds each fault holds before it is cleared.
         #[arg(long, default_value_t = 3.0, env = "LEASEHOLD_HOLD")]
         hold: f64,
@@ -147,15 +153,22 @@ fn main() -> ExitCode {
         Command::Chaos {
             gateway,
             flood_keys,
+            serve_values,
+            idle,
             hold,
             watch,
         } => {
             if !(hold.is_finite() && watch.is_finite() && hold >= 0.0 && watch >= 1.0) {
                 return usage("--hold must be >= 0 and --watch >= 1 (seconds)");
             }
+            if !(idle.is_finite() && (1.0..=3600.0).contains(&idle)) {
+                return usage("--idle must be between 1 and 3600 (seconds)");
+            }
             match chaos::run(chaos::Options {
                 gateway,
                 flood_keys,
+                serve_values,
+                idle: Duration::from_secs_f64(idle),
                 hold: Duration::from_secs_f64(hold),
                 watch: Duration::from_secs_f64(watch),
             }) {

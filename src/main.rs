@@ -123,6 +123,10 @@ enum Command {
         /// Distinct descriptor values in serve's flood.
         #[arg(long, default_value_t = 300_000, env = "LEASEHOLD_SERVE_VALUES")]
         serve_values: u64,
+        /// Run only these topologies (comma-separated: gateway, sentinel, cluster,
+        /// serve); all by default.
+        #[arg(long, value_delimiter = ',', default_value = "gateway,sentinel,cluster,serve")]
+        only: Vec<chaos::Topology>,
         /// Seconds serve is watched after its flood (its memory must not grow).
         #[arg(long, default_value_t = 60.0, env = "LEASEHOLD_IDLE")]
         idle: f64,
@@ -154,6 +158,7 @@ fn main() -> ExitCode {
             gateway,
             flood_keys,
             serve_values,
+            only,
             idle,
             hold,
             watch,
@@ -168,6 +173,7 @@ fn main() -> ExitCode {
                 gateway,
                 flood_keys,
                 serve_values,
+                only,
                 idle: Duration::from_secs_f64(idle),
                 hold: Duration::from_secs_f64(hold),
                 watch: Duration::from_secs_f64(watch),

@@ -21,28 +21,61 @@ use crate::wire::ExactItem;
 
 const SHARDS: usize = 64;
 
-/// One shard's buckets, and the calls it served since it was last swept.
-#[derive(Debug, Default)]
-struct Buckets {
-    map: HashMap<BucketKey, GlobalBucket>,
-    since_sweep: u64,
+/// One shard's entries (buckets, or exact batches' dedup logs), dropped once Redis would
+/// have expired them, as Redis expiry keeps memory to the live keys whatever the
+/// traffic's shape: the shard is swept once it has served as many calls as it kept
+/// entries at its last sweep (at least [`Expiring::SWEEP_AT_LEAST`]), so sweeping costs
+/// O(1) a call and the shard holds at most about twice what is live.
+#[derive(Debug)]
+struct Expiring<K, V> {
+    map: HashMap<K, V>,
+    since_sweep: usize,
+    /// Calls until the next sweep: what the last one kept.
+    sweep_at: usize,
 }
 
-impl Buckets {
-    /// Every this many calls to a shard, its buckets Redis would have expired go.
-    const SWEEP_EVERY: u64 = 1024;
-
-    /// The bucket at `key`, after dropping what Redis would have expired (full,
-    /// leaseless buckets, safe to forget: I6) when the shard is due, as Redis expiry
-    /// keeps memory to the live keys whatever the traffic's shape.
-    fn bucket(&mut self, key: &BucketKey, now_us: u64) -> &mut GlobalBucket {
-        self.since_sweep += 1;
-        if self.since_sweep >= Self::SWEEP_EVERY {
-            self.since_sweep = 0;
-            self.map
-                .retain(|_, b| b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms));
+impl<K, V> Default for Expiring<K, V> {
+    fn default() -> Self {
+        Self {
+            map: HashMap::new(),
+            since_sweep: 0,
+            sweep_at: Self::SWEEP_AT_LEAST,
         }
-        self.map.entry(key.clone()).or_default()
+    }
+}
+
+impl<K, V> Expiring<K, V> {
+    const SWEEP_AT_LEAST: usize = 64;
+}
+
+impl<K: std::hash::Hash + Eq, V: Default> Expiring<K, V> {
+    /// The entry at `key` (made if missing), after a sweep of what `live` says has
+    /// expired when the shard is due.
+    fn entry(&mut self, key: K, live: impl Fn(&V) -> bool) -> &mut V {
+        self.since_sweep += 1;
+        if self.since_sweep >= self.sweep_at {
+            self.since_sweep = 0;
+            self.map.retain(|_, v| live(v));
+            self.sweep_at = self.map.len().max(Self::SWEEP_AT_LEAST);
+            // A flood's peak is not kept: the table shrinks with what it holds.
+            if self.map.capacity() > 4 * self.map.len().max(Self::SWEEP_AT_LEAST) {
+                self.map.shrink_to(2 * self.map.len());
+            }
+        }
+        self.map.entry(key).or_default()
+    }
+}
+
+/// One shard's buckets.
+type Buckets = Expiring<BucketKey, GlobalBucket>;
+
+impl Buckets {
+    /// The bucket at `key`, after dropping, when the shard is due, what Redis would have
+    /// expired (full, leaseless buckets, safe to forget: I6).
+    fn bucket(&mut self, key: &BucketKey, now_us: u64) -> &mut GlobalBucket {
+        self.entry(key.clone(), |b: &GlobalBucket| {
+            b.state().is_some_and(|s| now_us / 1000 <= s.expire_at_ms)
+        })
     }
 }
 
@@ -57,7 +90,7 @@ pub struct EmbeddedStore {
     calls: Arc<AtomicU64>,
     offline: Arc<std::sync::atomic::AtomicBool>,
     /// Exact batches' dedup keys, sharded as the buckets are.
-    batches: Arc<[Mutex<HashMap<String, BatchLog>>]>,
+    batches: Arc<[Mutex<Expiring<String, BatchLog>>]>,
     /// The seats of rules' local shares, by rule.
     seats: Arc<Mutex<HashMap<String, Seats>>>,
 }
@@ -76,7 +109,7 @@ impl EmbeddedStore {
             hasher: foldhash::fast::RandomState::default(),
             calls: Arc::new(AtomicU64::new(0)),
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            batches: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            batches: (0..SHARDS).map(|_| Mutex::default()).collect(),
             seats: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -124,12 +157,10 @@ impl EmbeddedStore {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let dedup = crate::wire::batch_key(items[0].key, agent, seq);
         let mut logs = self.batches[(self.hasher.hash_one(&dedup) as usize) % SHARDS].lock();
-        // Dedup keys past their grace go, a shard at a time: whenever a shard holds a
-        // power of two of them from 1024 on (sweeps get rarer as it grows).
-        if logs.len() >= 1024 && logs.len().is_power_of_two() {
-            logs.retain(|_, l| l.record().is_some_and(|r| now_us / 1000 < r.expire_at_ms));
-        }
-        let log = logs.entry(dedup).or_default();
+        // Dedup keys past their grace go as the shard is swept.
+        let log = logs.entry(dedup, |l: &BatchLog| {
+            l.record().is_some_and(|r| now_us / 1000 < r.expire_at_ms)
+        });
         if let Some(answer) = log.open(now_us, seq) {
             return Ok(answer);
         }
@@ -178,5 +209,10 @@ impl EmbeddedStore {
     /// Buckets held (including expired ones not yet swept).
     pub fn buckets(&self) -> usize {
         self.shards.iter().map(|s| s.lock().map.len()).sum()
+    }
+
+    /// Exact batches' dedup logs held (including expired ones not yet swept).
+    pub fn batch_logs(&self) -> usize {
+        self.batches.iter().map(|s| s.lock().map.len()).sum()
     }
 }

@@ -1,6 +1,7 @@
-//! `leasehold chaos` end to end, small: every fault of the matrix against the example
-//! gateway, a short flood. Tokens are never minted and no foreign key is written; the
-//! full run (`scripts/chaos`) is what the README's table comes from.
+//! `leasehold chaos` end to end, small: every fault of the matrix (the example gateway on
+//! a primary and replica, through a Sentinel, on a Redis Cluster; `leasehold serve` over
+//! gRPC), short floods. Tokens are never minted and no foreign key is written; the full
+//! run (`scripts/chaos`) is what the README's table comes from.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
 use std::path::PathBuf;
@@ -25,6 +26,10 @@ fn the_fault_matrix_runs_mints_nothing_and_touches_no_foreign_key() {
             "chaos",
             "--flood-keys",
             "3000",
+            "--serve-values",
+            "3000",
+            "--idle",
+            "1.5",
             "--hold",
             "0.5",
             "--watch",
@@ -45,7 +50,8 @@ fn the_fault_matrix_runs_mints_nothing_and_touches_no_foreign_key() {
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| fault"))
         .collect();
-    assert_eq!(rows.len(), 10, "one row per fault: {stdout}");
+    assert_eq!(rows.len(), 15, "one row per fault: {stdout}");
+    assert!(stdout.contains("serve's RSS: "), "{stdout}");
     for r in rows {
         let cells: Vec<&str> = r.split('|').map(str::trim).collect();
         assert_eq!(cells[6], "0", "tokens minted: {r}");

@@ -729,7 +729,7 @@ fn gateway_matrix(
     let prober = {
         let (rec, probing) = (stage.rec.clone(), probing.clone());
         tokio::spawn(async move {
-            let mut n = 0u64;
+            let (mut n, mut failed) = (0u64, 0u64);
             while probing.load(Ordering::Relaxed) {
                 n += 1;
                 let at = rec.now_us();
@@ -737,9 +737,11 @@ fn gateway_matrix(
                 let status = get(&mut conn, addr, &format!("tenant-{}", n % 200))
                     .await
                     .unwrap_or(0);
+                failed += u64::from(status == 0);
                 rec.push(at, status, false);
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            (n, failed)
         })
     };
     stage.phase(
@@ -761,7 +763,9 @@ fn gateway_matrix(
         hold,
     )?;
     probing.store(false, Ordering::Relaxed);
-    let _ = rt.block_on(prober);
+    if let Ok((n, failed)) = rt.block_on(prober) {
+        eprintln!("chaos:   {failed} of {n} new connections refused (the gateway at its cap)");
+    }
     // Distinct API keys as fast as four connections send them, beside the load.
     let total = opts.flood_keys;
     let flood = || {

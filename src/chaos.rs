@@ -501,13 +501,18 @@ fn gateway(
         }
         None => Command::new(exe),
     };
-    cmd.args(["--listen", "127.0.0.1:0", "--redis", redis, "--rule", "chaos"])
-        .arg("--config")
-        .arg(rules);
+    cmd.args([
+        "--listen",
+        "127.0.0.1:0",
+        "--redis",
+        redis,
+        "--rule",
+        "chaos",
+    ])
+    .arg("--config")
+    .arg(rules);
     let (proc, addr) = spawn_until(cmd, "listening on ", "the gateway")?;
-    let addr = addr
-        .parse()
-        .map_err(|e| format!("gateway address: {e}"))?;
+    let addr = addr.parse().map_err(|e| format!("gateway address: {e}"))?;
     Ok((proc, addr))
 }
 

@@ -125,7 +125,11 @@ enum Command {
         serve_values: u64,
         /// Run only these topologies (comma-separated: gateway, sentinel, cluster,
         /// serve); all by default.
-        #[arg(long, value_delimiter = ',', default_value = "gateway,sentinel,cluster,serve")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "gateway,sentinel,cluster,serve"
+        )]
         only: Vec<chaos::Topology>,
         /// Seconds serve is watched after its flood (its memory must not grow).
         #[arg(long, default_value_t = 60.0, env = "LEASEHOLD_IDLE")]

@@ -519,9 +519,7 @@ fn the_embedded_store_sweeps_buckets_redis_would_have_expired() {
             params: &p,
             costs: &[1],
         };
-        store
-            .exact_many(AgentId(2), i + 1, &[item])
-            .expect("batch");
+        store.exact_many(AgentId(2), i + 1, &[item]).expect("batch");
     }
     let logs = store.batch_logs() as u64;
     println!("{} batches: {logs} dedup logs held", flood / 4);

@@ -403,7 +403,11 @@ fn the_gateway_refuses_a_reload_that_drops_its_rule_and_keeps_answering() {
     std::fs::write(&rules, "[rules.other]\ncapacity = 9\nrate = \"1/s\"\n").expect("rules");
     gateway.wait_log("rules file refused");
     let statuses: Vec<u16> = (0..5).map(|_| get("a")).collect();
-    assert_eq!(statuses, [200, 200, 429, 429, 429], "the rule in force decides");
+    assert_eq!(
+        statuses,
+        [200, 200, 429, 429, 429],
+        "the rule in force decides"
+    );
     std::thread::sleep(Duration::from_millis(2500)); // a few watch ticks
     assert_eq!(get("b"), 200);
     let log = gateway.stderr();

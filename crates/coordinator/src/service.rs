@@ -517,7 +517,10 @@ impl Failing {
             Err(e) => {
                 self.failed += 1;
                 self.since.get_or_insert(now);
-                if self.said.is_none_or(|t| now.duration_since(t) >= Self::EVERY) {
+                if self
+                    .said
+                    .is_none_or(|t| now.duration_since(t) >= Self::EVERY)
+                {
                     self.said = Some(now);
                     tracing::warn!(
                         error = %e,

@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use leasehold_core::model::{ExactOutcome, MAX_BATCH_COSTS};
 use leasehold_store::ExactItem;
@@ -289,7 +289,15 @@ impl Limiter {
                     if e.is_retryable() {
                         tracing::debug!(error = %e, keys = items.len(), "exact batch failed; the failure policy decides");
                     } else {
-                        tracing::error!(error = %e, keys = items.len(), "store refused an exact batch");
+                        // Each batch would say it again: once every 10 s.
+                        static SAID: AtomicU64 = AtomicU64::new(0);
+                        if super::once_per(&SAID, self.now_ns(), 10_000_000_000) {
+                            tracing::error!(
+                                error = %e,
+                                keys = items.len(),
+                                "store refused an exact batch (said at most every 10 s)"
+                            );
+                        }
                     }
                     return None;
                 }

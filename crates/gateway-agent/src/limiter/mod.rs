@@ -59,6 +59,17 @@ use route::{Dest, ROUTE_REFRESH_US, Route, dest, term_ending};
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
+/// Whether a line that every request could repeat is due: true at most once per
+/// `every_ns` for `slot` (the agent's clock, ns).
+fn once_per(slot: &AtomicU64, now_ns: u64, every_ns: u64) -> bool {
+    let now = now_ns.max(1);
+    let last = slot.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= every_ns)
+        && slot
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
 /// How often the shard map behind the breakers is read again.
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
 
@@ -1872,13 +1883,7 @@ impl Limiter {
                         // No replica acknowledged at all: likely none is attached, and
                         // every grant of the rule is refused. Said once a minute.
                         static SAID: AtomicU64 = AtomicU64::new(0);
-                        let now = self.now_ns().max(1);
-                        let last = SAID.load(Ordering::Relaxed);
-                        if (last == 0 || now.saturating_sub(last) > 60_000_000_000)
-                            && SAID
-                                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                                .is_ok()
-                        {
+                        if once_per(&SAID, self.now_ns(), 60_000_000_000) {
                             tracing::warn!(
                                 rule = %entry.name,
                                 replicas = wanted,
@@ -1889,7 +1894,16 @@ impl Limiter {
                     } else if e.kind() == ErrorKind::NotReplicated {
                         tracing::debug!(error = %e, key = %to.key.for_logs(), "grant not replicated in time");
                     } else if !e.is_retryable() {
-                        tracing::error!(error = %e, key = %to.key.for_logs(), "store refused a request");
+                        // Every request on the key would say it again (a key holding
+                        // foreign data, Redis out of memory): once every 10 s.
+                        static SAID: AtomicU64 = AtomicU64::new(0);
+                        if once_per(&SAID, self.now_ns(), 10_000_000_000) {
+                            tracing::error!(
+                                error = %e,
+                                key = %to.key.for_logs(),
+                                "store refused a request (said at most every 10 s)"
+                            );
+                        }
                     }
                     return Err(CallError::Store(e));
                 }
@@ -2165,7 +2179,19 @@ impl Drop for CallTimer {
 
 #[cfg(test)]
 mod tests {
-    use super::bytes_eq;
+    use super::{bytes_eq, once_per};
+    use std::sync::atomic::AtomicU64;
+
+    /// A line every request could repeat is said once, then again only a period later.
+    #[test]
+    fn once_per_says_a_repeated_line_once_a_period() {
+        let slot = AtomicU64::new(0);
+        assert!(once_per(&slot, 0, 10), "the first time");
+        assert!(!once_per(&slot, 6, 10));
+        assert!(!once_per(&slot, 10, 10));
+        assert!(once_per(&slot, 11, 10));
+        assert!(!once_per(&slot, 20, 10));
+    }
 
     #[test]
     fn bytes_eq_agrees_with_slice_equality_at_every_length_and_position() {

@@ -425,3 +425,57 @@ fn the_gateway_refuses_a_reload_that_drops_its_rule_and_keeps_answering() {
     assert_eq!(get("c"), 200);
     assert!(gateway.running(), "{}", gateway.stderr());
 }
+
+/// serve's two listeners share the process's connection budget (three quarters of its
+/// open-file limit): idle sockets on both never run it out of descriptors, the ones past
+/// the budget are closed at once, and it answers again once they go.
+#[test]
+fn serve_listeners_share_one_connection_budget() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("rls.yaml");
+    std::fs::write(
+        &config,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 10}\n",
+    )
+    .expect("config");
+    let (exe, _) = binaries();
+    let script = format!(
+        "ulimit -n 128 && exec \"$0\" serve --config {} --http 127.0.0.1:0 --grpc 127.0.0.1:0",
+        config.display()
+    );
+    let mut serve = Proc::start(
+        Path::new("sh"),
+        &["-c", &script, exe.to_str().expect("utf-8")],
+    );
+    let http_at = serve.address("http check API on ");
+    let grpc_at = serve.address("envoy rate limit service (gRPC) on ");
+    assert_eq!(http(http_at, "GET", "/health", &[], "").0, 200);
+    // 70 idle sockets on each listener: 140 against a budget of 96 (and 128 files).
+    let mut idle = Vec::new();
+    for addr in [http_at, grpc_at] {
+        for _ in 0..70 {
+            idle.push(TcpStream::connect(addr).expect("connect"));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let held = idle
+        .iter_mut()
+        .filter(|s| {
+            let s: &TcpStream = s;
+            let mut s = s;
+            s.set_nonblocking(true).expect("nonblocking");
+            let mut b = [0u8; 1];
+            // Closed by the server: read returns 0 (or a reset); held: would block.
+            matches!(s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        })
+        .count();
+    assert!(held <= 96, "{held} connections held, budget 96");
+    assert!(held >= 90, "only {held} held: the budget is 96");
+    serve.wait_log("connection limit reached");
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(http(http_at, "GET", "/health", &[], "").0, 200);
+    let log = serve.stderr();
+    assert!(!log.contains("Too many open files"), "{log}");
+    assert!(serve.running(), "{log}");
+}

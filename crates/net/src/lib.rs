@@ -9,10 +9,12 @@
 //!   keep-alive connection is closed after it (slowloris, forgotten sockets).
 //! - **Idle timeout** (both): a connection from which nothing was read for this long is
 //!   shut down gracefully (HTTP/2: `GOAWAY`, so a proxy's pool reconnects cleanly).
-//! - **A bound on open connections**, below the process's file descriptor limit: past it a
-//!   new connection is closed at once, counted in
-//!   `leasehold_connections_rejected_total{listener}` and logged (at most every 10 s),
-//!   so the connections already open keep being answered.
+//! - **A bound on open connections**, below the process's file descriptor limit: each
+//!   listener's own (`Limits::max_connections`), and every listener of the process
+//!   together at most three quarters of that limit (a process with a gRPC and an HTTP
+//!   listener must not spend its descriptors twice). Past either, a new connection is
+//!   closed at once, counted in `leasehold_connections_rejected_total{listener}` and
+//!   logged (at most every 10 s), so the connections already open keep being answered.
 //!   `leasehold_connections_open{listener}` is the gauge of open ones.
 //! - Accept errors (`EMFILE`, ...) are logged and retried after a pause, never spun on.
 #![forbid(unsafe_code)]
@@ -21,7 +23,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -70,6 +72,38 @@ impl Limits {
         self.header_read_timeout = header_read;
         self.idle_timeout = idle;
         self
+    }
+}
+
+/// Connections open in this process, across every listener.
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+
+/// The most connections every listener of the process may hold together: three quarters
+/// of the open-files limit (the default of one listener's).
+fn process_budget() -> usize {
+    static BUDGET: std::sync::LazyLock<usize> =
+        std::sync::LazyLock::new(|| Limits::default().max_connections);
+    *BUDGET
+}
+
+/// One connection counted in [`OPEN`], until dropped.
+struct Counted;
+
+impl Counted {
+    /// A place for one more connection, if the process has one.
+    fn take() -> Option<Self> {
+        let budget = process_budget();
+        OPEN.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < budget).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Self)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -123,13 +157,19 @@ pub async fn serve(
                 continue;
             }
         };
-        let Ok(permit) = Arc::clone(&open).try_acquire_owned() else {
+        // This listener's place, then the process's (none taken unless both are free).
+        let places = Arc::clone(&open)
+            .try_acquire_owned()
+            .ok()
+            .and_then(|permit| Some((permit, Counted::take()?)));
+        let Some((permit, counted)) = places else {
             metrics::counter!("leasehold_connections_rejected_total", "listener" => name)
                 .increment(1);
             if last_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
                 tracing::warn!(
                     listener = name,
                     max_connections = limits.max_connections,
+                    process_max_connections = process_budget(),
                     "connection limit reached: new connections are closed until some end"
                 );
                 last_warning = Some(Instant::now());
@@ -182,7 +222,7 @@ pub async fn serve(
                 }
             }
             metrics::gauge!("leasehold_connections_open", "listener" => name).decrement(1.0);
-            drop(permit);
+            drop((permit, counted));
         });
     }
     drop(listener);

@@ -219,7 +219,11 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
         assert_eq!(status, 503, "{what}: {body}");
         assert!(body.starts_with("degraded: "), "{what}: {body}");
     }
-    assert_eq!(check(serve_at, "closed"), 503);
+    // Enough failed calls to open the breaker of the one shard known before the store's
+    // topology is.
+    for n in 0..5 {
+        assert_eq!(check_as(serve_at, "closed", &format!("early-{n}")), 503);
+    }
     // Admitted without the store's count: no figure for what is left.
     let (status, body) = http(
         serve_at,
@@ -243,6 +247,19 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
         // The log names the store (without its password).
         p.wait_log(&format!("redis://***@127.0.0.1:{}", redis.port()));
     }
+    // The breaker of the shard known before the topology is reported open (checks keep
+    // it from cooling down to half-open between the metric's updates).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    while !http(serve_at, "GET", "/metrics", &[], "")
+        .1
+        .contains("leasehold_breaker_open{shard=\"all\"} 1")
+    {
+        assert!(Instant::now() < deadline, "the breaker never reported open");
+        n += 1;
+        check_as(serve_at, "closed", &format!("early-{n}"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
     redis.restart().unwrap_or_else(|e| panic!("{e}"));
     for (what, addr) in [
         ("serve", serve_at),
@@ -256,10 +273,15 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
 
     // Lost and found again: each change of state is a log line.
+    let count = |p: &Proc, line: &str| p.stderr().matches(line).count();
+    let (opened, closed) = (
+        count(&serve, "breaker open"),
+        count(&serve, "breaker closed"),
+    );
     redis.kill();
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut n = 0;
-    while !serve.stderr().contains("breaker open") {
+    while count(&serve, "breaker open") == opened {
         assert!(Instant::now() < deadline, "{}", serve.stderr());
         n += 1;
         check_as(serve_at, "closed", &format!("tenant-{n}"));
@@ -274,13 +296,31 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     }
     redis.restart().unwrap_or_else(|e| panic!("{e}"));
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !serve.stderr().contains("breaker closed") {
+    while count(&serve, "breaker closed") == closed {
         assert!(Instant::now() < deadline, "{}", serve.stderr());
         n += 1;
         check_as(serve_at, "closed", &format!("tenant-{n}"));
         std::thread::sleep(Duration::from_millis(50));
     }
     wait_ready(serve_at, "serve");
+    // No breaker reported open once the store answers (the one of the shard named before
+    // the store's topology was known included).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, metrics) = http(serve_at, "GET", "/metrics", &[], "");
+        let open: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.starts_with("leasehold_breaker_open{") && !l.ends_with(" 0"))
+            .collect();
+        if open.is_empty() && metrics.contains("leasehold_breaker_open{") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "breakers reported open: {open:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     for (what, p) in [
         ("serve", &mut serve),
         ("coordinator", &mut coordinator),

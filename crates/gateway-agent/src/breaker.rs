@@ -241,6 +241,17 @@ impl Breakers {
                 by_slot[usize::from(slot)] = i;
             }
         }
+        // Shards gone from the map (`all` before the store's topology was known) stop
+        // being reported: their gauge would stay at its last value for ever.
+        for (name, b) in old.shards.iter() {
+            if shards.iter().any(|(n, _)| n == name) {
+                continue;
+            }
+            if b.open_until_ns.load(Ordering::Acquire) != 0 {
+                tracing::info!(shard = %name, "breaker closed: the shard is replaced by the store's topology");
+            }
+            metrics::gauge!("leasehold_breaker_open", "shard" => name.clone()).set(0.0);
+        }
         self.topology.store(Arc::new(Topology { by_slot, shards }));
     }
 

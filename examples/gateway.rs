@@ -30,8 +30,14 @@ use clap::Parser;
 use leasehold::agent::Limiter;
 use leasehold::agent::http::{Check, Checks, RateLimitLayer};
 
+/// An HTTP gateway limited by Leasehold: every request is checked against `--rule` for
+/// its `x-api-key`, answered 429 with Retry-After when limited, 503 when the store is out
+/// and the rule fails closed.
 #[derive(Parser)]
 struct Args {
+    /// Log lines as text or JSON (to stderr; RUST_LOG filters; default info).
+    #[arg(long, value_enum, default_value = "text", env = "LEASEHOLD_LOG_FORMAT")]
+    log_format: leasehold::coordinator::cli::LogFormat,
     /// Address to serve on.
     #[arg(long, default_value = "127.0.0.1:8080", env = "LEASEHOLD_LISTEN")]
     listen: SocketAddr,
@@ -58,13 +64,9 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    // Text to stderr; LEASEHOLD_LOG_FORMAT=json for JSON lines, RUST_LOG to filter.
-    let format = match std::env::var("LEASEHOLD_LOG_FORMAT").as_deref() {
-        Ok("json") => leasehold::coordinator::cli::LogFormat::Json,
-        _ => leasehold::coordinator::cli::LogFormat::Text,
-    };
-    leasehold::coordinator::cli::init_logging(format, "info");
-    match run(Args::parse()).await {
+    let args = Args::parse();
+    leasehold::coordinator::cli::init_logging(args.log_format, "info");
+    match run(args).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

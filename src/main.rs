@@ -21,7 +21,7 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
     /// Log lines as text or JSON (to stderr; RUST_LOG filters; default info for the
-    /// coordinator, warn otherwise).
+    /// coordinator and serve, warn otherwise).
     #[arg(
         long,
         global = true,

@@ -60,4 +60,12 @@ async fn prometheus_exporter_serves_decision_counters_on_loopback() {
         body.contains("leasehold_store_calls_total{rule=\"api\"}"),
         "{body}"
     );
+    // Only /metrics: a probe pointed here by mistake fails.
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    assert!(body.starts_with("HTTP/1.1 404"), "{body}");
 }

@@ -55,7 +55,7 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
                 let _ = stopped.await;
             },
         ));
-        assert_eq!(get(addr, "/health").await, (200, "ok\n".to_owned()));
+        assert_eq!(get(addr, "/health").await, (200, "ready\n".to_owned()));
         let (status, body) = get(addr, "/keys/api/tenant-7").await;
         assert_eq!(status, 200, "{body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -218,6 +218,10 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
         let (status, body) = http(addr, "GET", "/ready", &[], "");
         assert_eq!(status, 503, "{what}: {body}");
         assert!(body.starts_with("degraded: "), "{what}: {body}");
+        // Alive, and saying why it is not ready.
+        let (status, body) = http(addr, "GET", "/health", &[], "");
+        assert_eq!(status, 200, "{what}: {body}");
+        assert!(body.starts_with("degraded: "), "{what}: {body}");
     }
     // Enough failed calls to open the breaker of the one shard known before the store's
     // topology is.

@@ -74,7 +74,7 @@ impl Admin {
     /// The routes.
     pub fn router(self) -> Router {
         Router::new()
-            .route("/health", get(|| async { "ok\n" }))
+            .route("/health", get(health))
             .route("/ready", get(ready))
             .route("/metrics", get(metrics_text))
             .route("/keys", get(keys))
@@ -94,24 +94,39 @@ pub async fn serve(
     leasehold_net::serve("admin", listener, admin.router(), limits, shutdown).await
 }
 
-/// 200 `ready` while the store answers a `PING`, else 503 `degraded: REASON` (a
-/// readiness probe).
+/// `ready` while the store answers a `PING`, else `degraded: REASON`, as serve's and the
+/// gateway's probes say it.
+async fn readiness(admin: &Admin) -> Result<(), String> {
+    if !admin.store.is_connected() {
+        return Err("store not reached yet; connecting".to_owned());
+    }
+    if admin.store.failing_over() {
+        return Err("store failover under way".to_owned());
+    }
+    match admin.store.query::<String>(&redis::cmd("PING")).await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("store unreachable: {e}")),
+    }
+}
+
+/// 200 and the readiness line, whatever it says (a liveness probe: the process answers).
+async fn health(State(admin): State<Admin>) -> Response {
+    match readiness(&admin).await {
+        Ok(()) => "ready\n".into_response(),
+        Err(why) => format!("degraded: {why}\n").into_response(),
+    }
+}
+
+/// 200 `ready`, else 503 `degraded: REASON` (a readiness probe).
 async fn ready(State(admin): State<Admin>) -> Response {
-    let why = if !admin.store.is_connected() {
-        "store not reached yet; connecting".to_owned()
-    } else if admin.store.failing_over() {
-        "store failover under way".to_owned()
-    } else {
-        match admin.store.query::<String>(&redis::cmd("PING")).await {
-            Ok(_) => return "ready\n".into_response(),
-            Err(e) => format!("store unreachable: {e}"),
-        }
-    };
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("degraded: {why}\n"),
-    )
-        .into_response()
+    match readiness(&admin).await {
+        Ok(()) => "ready\n".into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("degraded: {why}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics_text(State(admin): State<Admin>) -> Response {

@@ -87,7 +87,13 @@ pub fn init_logging(format: LogFormat, default: &str) {
 pub fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String> {
     RedisStore::open_in_background(address, config).map_err(|e| {
         let text = leasehold_store::redis::redact_in(&e.to_string(), address);
-        format!("{}: {text}", leasehold_store::redis::redact(address))
+        let shown = leasehold_store::redis::redact(address);
+        // Most errors name the address already.
+        if text.contains(&shown) {
+            text
+        } else {
+            format!("{shown}: {text}")
+        }
     })
 }
 

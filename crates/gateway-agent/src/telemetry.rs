@@ -164,7 +164,8 @@ pub fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHan
         .clone()
 }
 
-/// [`install_prometheus`], and serves the text on `listener` (any path). For
+/// [`install_prometheus`], and serves the text on `listener` at `/metrics` (any other
+/// path is 404, so a health probe pointed here by mistake fails rather than passes). For
 /// applications that have no recorder of their own; call it once, before building
 /// limiters.
 #[cfg(feature = "prometheus")]
@@ -200,7 +201,7 @@ pub fn serve_prometheus(
                 continue;
             };
             let _ = socket.set_nodelay(true);
-            let body = served.render();
+            let served = served.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 // Read the request head (bounded in size and time), answer, close.
@@ -216,8 +217,17 @@ pub fn serve_prometheus(
                         break;
                     }
                 }
+                let path = std::str::from_utf8(&buf[..seen])
+                    .ok()
+                    .and_then(|h| h.split_whitespace().nth(1))
+                    .map(|p| p.split('?').next().unwrap_or(p));
+                let (status, body) = if path == Some("/metrics") {
+                    ("200 OK", served.render())
+                } else {
+                    ("404 Not Found", "the metrics are at /metrics\n".to_owned())
+                };
                 let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain; version=0.0.4\r\n\
+                    "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\n\
                      content-length: {}\r\nconnection: close\r\n\r\n",
                     body.len()
                 );

@@ -585,11 +585,24 @@ impl Dialer {
             ));
         }
         let client = builder.build().map_err(|e| {
+            let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+            // redis-rs says only "did not parse - InvalidClientConfig": name the node.
+            if e.kind() == redis::ErrorKind::InvalidClientConfig
+                && let Some((i, n)) = nodes.iter().enumerate().find(|(_, n)| {
+                    redis::parse_redis_url(n).is_none() || redis::Client::open(n.as_str()).is_err()
+                })
+            {
+                return StoreError::Misconfigured(format!(
+                    "cluster node {} ({}): {}",
+                    i + 1,
+                    shown[i],
+                    crate::secret::what_is_wrong(n)
+                ));
+            }
             let mut text = e.to_string();
             for n in nodes {
                 text = redact_in(&text, n);
             }
-            let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
             StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
         })?;
         Ok(Self::Cluster(Box::new(client)))

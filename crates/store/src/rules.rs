@@ -116,10 +116,7 @@ impl Overrides {
 pub enum RulesError {
     /// A reloaded file lacks a rule the process checks (a gateway's configured rule):
     /// taking it would make every request of that rule fail.
-    #[error(
-        "rules file {path}: rule {rule:?} is missing, and requests are checked against it; \
-         the rules in force stay"
-    )]
+    #[error("rules file {path}: rule {rule:?} is missing, and requests are checked against it")]
     Required {
         /// The file.
         path: String,

@@ -17,7 +17,7 @@ pub enum BuildError {
     #[error(transparent)]
     Rules(#[from] RulesError),
     /// The store could not be reached or set up.
-    #[error("store: {0}")]
+    #[error(transparent)]
     Store(#[from] StoreError),
     /// The Prometheus exporter could not start.
     #[error("prometheus exporter: {0}")]

@@ -217,9 +217,31 @@ fn envoy_rls_and_http_check_on_redis() {
             .await
             .unwrap()
             .into_inner();
+        // As ratelimit: no limit, nothing left to report (0, not u32::MAX).
         assert_eq!(
             (r.overall_code, r.statuses[0].limit_remaining),
-            (Code::Ok as i32, u32::MAX)
+            (Code::Ok as i32, 0)
+        );
+        // A descriptor with no entries matches nothing: OK for it, as in ratelimit
+        // (the request is not refused).
+        let r = c
+            .should_rate_limit(request(
+                vec![
+                    descriptor(&[], None),
+                    descriptor(&[("tenant", "t10")], None),
+                ],
+                0,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(
+            r.statuses
+                .iter()
+                .map(|s| (s.code, s.current_limit.is_some(), s.limit_remaining))
+                .collect::<Vec<_>>(),
+            [(Code::Ok as i32, false, 0), (Code::Ok as i32, true, 1)]
         );
         assert!(
             over(
@@ -298,7 +320,16 @@ fn envoy_rls_and_http_check_on_redis() {
         assert!(over(&mut c, vec![descriptor(&[("to_number", "n-huge")], huge)]).await);
         assert!(!over(&mut c, vec![descriptor(&[("to_number", "n-huge")], None)]).await);
         let shadowed = descriptor(&[("service", "s"), ("user", "user-a")], huge);
-        assert!(!over(&mut c, vec![shadowed]).await);
+        let r = c
+            .should_rate_limit(request(vec![shadowed], 0))
+            .await
+            .unwrap()
+            .into_inner();
+        // OK, with nothing left (ratelimit's 0, not u32::MAX).
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (Code::Ok as i32, 0)
+        );
 
         // The HTTP check API: rules by the names the YAML limits got.
         let rule = leasehold_serve::config::rule_name("messaging.tenant");

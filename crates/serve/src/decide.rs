@@ -14,7 +14,9 @@ pub struct Status {
     pub over_limit: bool,
     /// The limit applied, if any: requests per unit, unit, name.
     pub limit: Option<(u32, Unit, Option<String>)>,
-    /// What is left (`u32::MAX` when unlimited or no limit).
+    /// What is left: 0 where no limit applies (none matched, unlimited, replaced), where
+    /// a shadow limit is over, and for limits not checked because another refused the
+    /// request, as envoyproxy/ratelimit reports them.
     pub remaining: u32,
     /// When the tokens asked for exist again (over the limit), or when the bucket is
     /// full again (OK).
@@ -104,7 +106,7 @@ pub async fn decide(
                         m.limit.name.clone(),
                     ))
                 }),
-            remaining: u32::MAX,
+            remaining: 0,
             reset: None,
         })
         .collect();

@@ -67,9 +67,6 @@ impl RateLimitService for Rls {
                     .map_or(default_hits, |h| h.value.max(1)),
             })
             .collect();
-        if descriptors.iter().any(|d| d.entries.is_empty()) {
-            return Err(Status::invalid_argument("a descriptor has no entries"));
-        }
         let domains = self.domains.load();
         let verdict = match decide(&self.limiter, &domains, &req.domain, &descriptors).await {
             Ok(v) => v,

@@ -8,7 +8,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use leasehold::agent::Rules;
 use leasehold::core::rule::{FailurePolicy, Mode};
 
 #[derive(Parser)]
@@ -141,9 +140,11 @@ enum Command {
         #[arg(long, default_value_t = 4.0, env = "LEASEHOLD_WATCH")]
         watch: f64,
     },
-    /// Reads a rules file, validates every rule and prints what each one means.
+    /// Reads a rules file, or envoyproxy/ratelimit's YAML as `serve` reads it, validates
+    /// every rule and prints what each one means.
     CheckConfig {
-        /// The TOML rules file (`[rules.NAME]` tables).
+        /// The TOML rules file (`[rules.NAME]` tables), or a `.yaml`/`.yml` file (or a
+        /// directory of them) in envoyproxy/ratelimit's format.
         #[arg(env = "LEASEHOLD_CONFIG")]
         file: PathBuf,
     },
@@ -357,13 +358,22 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
 }
 
 fn check_config(file: &PathBuf) -> ExitCode {
-    let rules = match Rules::from_file(file) {
-        Ok(rules) => rules,
+    // A rules file, or envoyproxy/ratelimit's YAML as serve reads it.
+    let (domains, rules) = match leasehold_serve::cli::load(file) {
+        Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let names = domains.domain_names();
+    if !names.is_empty() {
+        println!(
+            "envoyproxy/ratelimit configuration: domain(s) {}; each limit is a rule named \
+             DOMAIN.KEY[_VALUE].KEY[_VALUE]...",
+            names.join(", ")
+        );
+    }
     println!(
         "{:<36} {:>10} {:>14} {:>9} {:>9} {:>10} {:>6}  on failure",
         "rule / override", "capacity", "rate (tok/s)", "lease max", "lease ttl", "mode", "shadow"

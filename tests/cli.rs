@@ -194,3 +194,34 @@ fn a_malformed_address_is_explained() {
         assert!(!stderr.contains("Zq9secret"), "{stderr}");
     }
 }
+
+/// check-config reads envoyproxy/ratelimit's YAML as serve does (a migrating user can
+/// check a file without starting serve), and names what is wrong in a bad one.
+#[test]
+fn check_config_reads_ratelimit_yaml() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = dir.path().join("rls.yaml");
+    std::fs::write(
+        &good,
+        "domain: messaging\ndescriptors:\n  - key: message_type\n    value: marketing\n    \
+         descriptors:\n      - key: to_number\n        rate_limit: {unit: day, requests_per_unit: 5}\n  \
+         - key: to_number\n    rate_limit: {unit: day, requests_per_unit: 100}\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = leasehold(&["check-config", good.to_str().expect("utf-8")]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("domain(s) messaging")
+            && stdout.contains("messaging.message_type_marketing.to_number")
+            && stdout.contains("2 rule(s)"),
+        "{stdout}"
+    );
+    let bad = dir.path().join("bad.yml");
+    std::fs::write(
+        &bad,
+        "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n",
+    )
+    .expect("write");
+    let (ok, _, stderr) = leasehold(&["check-config", bad.to_str().expect("utf-8")]);
+    assert!(!ok && stderr.contains("\"fortnight\""), "{stderr}");
+}

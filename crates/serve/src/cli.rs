@@ -92,8 +92,9 @@ impl Args {
     }
 }
 
-/// The limits a config file gives: the domains (YAML) and the rules.
-fn load(path: &Path) -> Result<(Domains, Rules), String> {
+/// The limits a config file gives: the domains and the rules of envoyproxy/ratelimit's
+/// YAML (a `.yaml`/`.yml` file, or a directory of them), else a Leasehold TOML rules file.
+pub fn load(path: &Path) -> Result<(Domains, Rules), String> {
     let yaml = path.is_dir()
         || matches!(
             path.extension().and_then(|x| x.to_str()),

@@ -357,7 +357,7 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
     }
 }
 
-fn check_config(file: &PathBuf) -> ExitCode {
+fn check_config(file: &std::path::Path) -> ExitCode {
     // A rules file, or envoyproxy/ratelimit's YAML as serve reads it.
     let (domains, rules) = match leasehold_serve::cli::load(file) {
         Ok(loaded) => loaded,

@@ -523,3 +523,33 @@ fn serve_listeners_share_one_connection_budget() {
     assert!(!log.contains("Too many open files"), "{log}");
     assert!(serve.running(), "{log}");
 }
+
+/// A wrong password is not an outage: serve stays up, degraded, and says the store
+/// refused the credentials (not that it is unreachable), without printing either password.
+#[test]
+fn a_wrong_password_is_named_as_such() {
+    let redis =
+        RedisServer::start_with(&["--requirepass", "right-Zq9"]).unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("redis://:wrong-Zq9@127.0.0.1:{}", redis.port());
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (exe, _) = binaries();
+    let mut serve = Proc::start(
+        &exe,
+        &[
+            "serve",
+            "--config",
+            example,
+            "--redis",
+            &url,
+            "--http",
+            "127.0.0.1:0",
+        ],
+    );
+    let at = serve.address("http check API on ");
+    serve.wait_log("store refused the credentials: check the user and password");
+    let (status, body) = http(at, "GET", "/ready", &[], "");
+    assert_eq!(status, 503, "{body}");
+    let log = serve.stderr();
+    assert!(!log.contains("Zq9"), "a password printed: {log}");
+    assert!(serve.running(), "{log}");
+}

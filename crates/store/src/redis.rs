@@ -755,15 +755,30 @@ impl RedisStore {
                     }
                     Err(e) => {
                         failures += 1;
-                        // The first failure, then one line every ~30 s.
+                        // The first failure, then one line every 15 attempts (20-30 s).
                         if failures == 1 || failures.is_multiple_of(15) {
                             let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
-                            tracing::error!(
-                                store = %store.link.shown,
-                                error = %text,
-                                failures,
-                                "store unreachable; each rule's failure policy decides meanwhile; retrying"
-                            );
+                            let refused = matches!(&e, StoreError::Unavailable(r)
+                                if r.kind() == redis::ErrorKind::AuthenticationFailed);
+                            if refused {
+                                // Reachable, but not with these credentials: a retry helps
+                                // only once the server's or the address's password changes.
+                                tracing::error!(
+                                    store = %store.link.shown,
+                                    error = %text,
+                                    failures,
+                                    "store refused the credentials: check the user and password \
+                                     of the address; each rule's failure policy decides meanwhile; \
+                                     retrying"
+                                );
+                            } else {
+                                tracing::error!(
+                                    store = %store.link.shown,
+                                    error = %text,
+                                    failures,
+                                    "store unreachable; each rule's failure policy decides meanwhile; retrying"
+                                );
+                            }
                         }
                     }
                 }

@@ -150,7 +150,7 @@ impl SentinelConn {
                 }
                 Ok(_) => {}
                 Err(e) if tries == 20 => {
-                    tracing::warn!(service = %self.service, error = %e, "no Sentinel named a primary");
+                    tracing::warn!(service = %self.service, error = %e, "no primary reachable through the Sentinels: none named one, or the one named does not answer");
                     return;
                 }
                 Err(_) => {}

@@ -147,6 +147,9 @@ enum Command {
         /// directory of them) in envoyproxy/ratelimit's format.
         #[arg(env = "LEASEHOLD_CONFIG")]
         file: PathBuf,
+        /// YAML files naming the same domain add their descriptors to it (as serve's).
+        #[arg(long, env = "MERGE_DOMAIN_CONFIG")]
+        merge_domain_config: bool,
     },
 }
 
@@ -158,7 +161,10 @@ fn main() -> ExitCode {
     };
     leasehold::coordinator::cli::init_logging(cli.log_format, level);
     match cli.command {
-        Command::CheckConfig { file } => check_config(&file),
+        Command::CheckConfig {
+            file,
+            merge_domain_config,
+        } => check_config(&file, merge_domain_config),
         Command::Chaos {
             gateway,
             flood_keys,
@@ -357,9 +363,9 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
     }
 }
 
-fn check_config(file: &std::path::Path) -> ExitCode {
+fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
     // A rules file, or envoyproxy/ratelimit's YAML as serve reads it.
-    let (domains, rules) = match leasehold_serve::cli::load(file) {
+    let (domains, rules) = match leasehold_serve::cli::load(file, merge) {
         Ok(loaded) => loaded,
         Err(e) => {
             eprintln!("error: {e}");

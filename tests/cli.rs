@@ -225,3 +225,48 @@ fn check_config_reads_ratelimit_yaml() {
     let (ok, _, stderr) = leasehold(&["check-config", bad.to_str().expect("utf-8")]);
     assert!(!ok && stderr.contains("\"fortnight\""), "{stderr}");
 }
+
+/// Two files for one domain: refused, unless merged (`--merge-domain-config` or
+/// ratelimit's `MERGE_DOMAIN_CONFIG=true`); a descriptor defined twice is refused even then.
+#[test]
+fn files_of_one_domain_merge_only_when_asked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, key: &str| {
+        std::fs::write(
+            dir.path().join(name),
+            format!(
+                "domain: d\ndescriptors:\n  - key: {key}\n    rate_limit: {{unit: second, requests_per_unit: 5}}\n"
+            ),
+        )
+        .expect("write");
+    };
+    write("1.yaml", "a");
+    write("2.yaml", "b");
+    let path = dir.path().to_str().expect("utf-8");
+    let (ok, _, stderr) = leasehold(&["check-config", path]);
+    assert!(
+        !ok && stderr.contains("domain \"d\" is already defined"),
+        "{stderr}"
+    );
+    let (ok, stdout, stderr) = leasehold(&["check-config", "--merge-domain-config", path]);
+    assert!(
+        ok && stdout.contains("d.a") && stdout.contains("d.b"),
+        "{stdout}{stderr}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["check-config", path])
+        .env("MERGE_DOMAIN_CONFIG", "true")
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    write("3.yaml", "a");
+    let (ok, _, stderr) = leasehold(&["check-config", "--merge-domain-config", path]);
+    assert!(
+        !ok && stderr.contains("d.a: duplicate descriptor"),
+        "{stderr}"
+    );
+}

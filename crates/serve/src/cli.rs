@@ -18,6 +18,11 @@ pub struct Args {
     /// Reloaded when it changes and on SIGHUP.
     #[arg(long, env = "LEASEHOLD_CONFIG")]
     pub config: PathBuf,
+    /// YAML files naming the same domain add their descriptors to it (a descriptor
+    /// defined twice is still refused), as envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG;
+    /// without it a second file for a domain is refused.
+    #[arg(long, env = "MERGE_DOMAIN_CONFIG")]
+    pub merge_domain_config: bool,
     /// The store (default: embedded, in this process).
     #[command(flatten)]
     pub store: StoreArgs,
@@ -93,15 +98,16 @@ impl Args {
 }
 
 /// The limits a config file gives: the domains and the rules of envoyproxy/ratelimit's
-/// YAML (a `.yaml`/`.yml` file, or a directory of them), else a Leasehold TOML rules file.
-pub fn load(path: &Path) -> Result<(Domains, Rules), String> {
+/// YAML (a `.yaml`/`.yml` file, or a directory of them; `merge`: files naming one domain
+/// add to it), else a Leasehold TOML rules file.
+pub fn load(path: &Path, merge: bool) -> Result<(Domains, Rules), String> {
     let yaml = path.is_dir()
         || matches!(
             path.extension().and_then(|x| x.to_str()),
             Some("yaml" | "yml")
         );
     if yaml {
-        let domains = Domains::from_path(path).map_err(|e| e.to_string())?;
+        let domains = Domains::from_path_merging(path, merge).map_err(|e| e.to_string())?;
         let rules = domains.rules();
         Ok((domains, rules))
     } else {
@@ -119,7 +125,8 @@ pub async fn run(
         return Err("nothing to serve: give --grpc ADDR, --http ADDR or both".into());
     }
     let limits = args.limits()?;
-    let (domains, rules) = load(&args.config).map_err(|e| format!("--config {e}"))?;
+    let merge = args.merge_domain_config;
+    let (domains, rules) = load(&args.config, merge).map_err(|e| format!("--config {e}"))?;
     if args.grpc.is_some() && domains.domain_names().is_empty() {
         return Err(format!(
             "--grpc needs envoyproxy/ratelimit YAML (a .yaml file or a directory of them); {} is a Leasehold rules file",
@@ -173,6 +180,7 @@ pub async fn run(
         limiter.clone(),
         domains.clone(),
         args.config.clone(),
+        merge,
     ));
     let served = crate::serve(
         limiter.clone(),
@@ -191,10 +199,10 @@ pub async fn run(
 
 /// Reads the config again when it changes (checked every second) or on SIGHUP; a
 /// config that fails validation is refused, logged, and the limits in force stay.
-async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf) {
+async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf, merge: bool) {
     leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("limits_reload", why).entered();
-        match load(&path) {
+        match load(&path, merge) {
             Ok((d, rules)) => {
                 limiter.set_rules(&rules);
                 domains.store(Arc::new(d));

@@ -157,7 +157,10 @@ pub enum ConfigError {
         source: Box<RuleError>,
     },
     /// Two files for one domain.
-    #[error("{path}: domain {domain:?} is already defined")]
+    #[error(
+        "{path}: domain {domain:?} is already defined (--merge-domain-config, or \
+         MERGE_DOMAIN_CONFIG=true, adds its descriptors to it)"
+    )]
     DuplicateDomain {
         /// The file.
         path: String,
@@ -294,6 +297,13 @@ impl Domains {
     /// Reads one YAML file, or every `*.yaml` / `*.yml` file of a directory (as
     /// ratelimit's runtime directory), one domain per file.
     pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
+        Self::from_path_merging(path, false)
+    }
+
+    /// [`Domains::from_path`]; with `merge`, files naming the same domain add their
+    /// descriptors to it (ratelimit's `MERGE_DOMAIN_CONFIG`; a descriptor defined twice is
+    /// still refused), in file name order.
+    pub fn from_path_merging(path: &Path, merge: bool) -> Result<Self, ConfigError> {
         let mut files = Vec::new();
         if path.is_dir() {
             let read = std::fs::read_dir(path).map_err(|source| ConfigError::Read {
@@ -317,7 +327,7 @@ impl Domains {
                 path: shown.clone(),
                 source,
             })?;
-            out.add_yaml(&text, &shown)?;
+            out.add_yaml(&text, &shown, merge)?;
         }
         Ok(out)
     }
@@ -325,11 +335,11 @@ impl Domains {
     /// Parses one domain's YAML text (`shown` names it in errors).
     pub fn from_yaml(text: &str, shown: &str) -> Result<Self, ConfigError> {
         let mut out = Self::default();
-        out.add_yaml(text, shown)?;
+        out.add_yaml(text, shown, false)?;
         Ok(out)
     }
 
-    fn add_yaml(&mut self, text: &str, shown: &str) -> Result<(), ConfigError> {
+    fn add_yaml(&mut self, text: &str, shown: &str, merge: bool) -> Result<(), ConfigError> {
         let root: YamlRoot = serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
             path: shown.to_owned(),
             message: e.to_string(),
@@ -340,13 +350,16 @@ impl Domains {
                 message: "domain must not be empty".into(),
             });
         }
-        if self.domains.contains_key(&root.domain) {
-            return Err(ConfigError::DuplicateDomain {
-                path: shown.to_owned(),
-                domain: root.domain,
-            });
-        }
-        let mut node = Node::default();
+        let mut node = match self.domains.remove(&root.domain) {
+            Some(known) if merge => known,
+            Some(_) => {
+                return Err(ConfigError::DuplicateDomain {
+                    path: shown.to_owned(),
+                    domain: root.domain,
+                });
+            }
+            None => Node::default(),
+        };
         self.load(&mut node, shown, &root.domain, &root.descriptors)?;
         self.domains.insert(root.domain, node);
         Ok(())

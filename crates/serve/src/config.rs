@@ -54,6 +54,9 @@ struct YamlRoot {
 #[serde(deny_unknown_fields)]
 struct YamlDescriptor {
     key: String,
+    /// Misplaced (ratelimit ignores it here): refused with where it goes.
+    #[serde(default)]
+    unit: Option<serde_norway::Value>,
     #[serde(default)]
     value: Option<String>,
     rate_limit: Option<YamlRateLimit>,
@@ -89,6 +92,9 @@ struct YamlRateLimit {
     name: Option<String>,
     #[serde(default)]
     replaces: Vec<YamlReplaces>,
+    /// Misplaced (ratelimit ignores it here): refused with where it goes.
+    #[serde(default)]
+    shadow_mode: Option<serde_norway::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -169,6 +175,9 @@ pub enum ConfigError {
     },
 }
 
+/// The most tokens a second a limit may give (Leasehold's bound on rates).
+const MAX_PER_SECOND: u64 = leasehold_core::rate::MAX_TOKENS_PER_SEC;
+
 /// The time unit of a limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unit {
@@ -212,6 +221,19 @@ impl Unit {
             Self::Week => 7 * 86_400,
             Self::Month => 30 * 86_400,
             Self::Year => 365 * 86_400,
+        }
+    }
+
+    /// Its name in the YAML.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Second => "second",
+            Self::Minute => "minute",
+            Self::Hour => "hour",
+            Self::Day => "day",
+            Self::Week => "week",
+            Self::Month => "month",
+            Self::Year => "year",
         }
     }
 
@@ -389,6 +411,24 @@ impl Domains {
             if into.children.contains_key(&final_key) {
                 return Err(bad(&full, "duplicate descriptor".into()));
             }
+            // Fields ratelimit accepts where they mean nothing: refused, with where they go.
+            if d.unit.is_some() {
+                return Err(bad(
+                    &full,
+                    "unit belongs inside rate_limit (ratelimit ignores it beside it)".into(),
+                ));
+            }
+            if d.rate_limit
+                .as_ref()
+                .is_some_and(|r| r.shadow_mode.is_some())
+            {
+                return Err(bad(
+                    &full,
+                    "shadow_mode belongs beside rate_limit, not inside it (ratelimit ignores \
+                     it there, so the limit would be enforced)"
+                        .into(),
+                ));
+            }
             if d.quota_mode {
                 return Err(bad(
                     &full,
@@ -461,6 +501,15 @@ impl Domains {
             }
         }
         let rpu = rl.requests_per_unit.unwrap_or(0);
+        if let Some(u) = unit
+            && u64::from(rpu) > MAX_PER_SECOND * u.seconds()
+        {
+            return Err(bad(format!(
+                "requests_per_unit {rpu} per {} is more than Leasehold's {MAX_PER_SECOND} a \
+                 second: for no limit write `unlimited: true`",
+                u.name()
+            )));
+        }
         let extras = d.leasehold.as_ref();
         let action = match unit {
             None => Action::Unlimited,
@@ -897,6 +946,14 @@ descriptors:
         assert!(e.contains("empty key"), "{e}");
         let e = load("domain: ''\n").unwrap_err();
         assert!(e.contains("domain"), "{e}");
+        // What ratelimit accepts and ignores, or takes beyond Leasehold's bounds: refused,
+        // saying how to write it.
+        let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 4294967295}\n").unwrap_err();
+        assert!(e.contains("for no limit write `unlimited: true`"), "{e}");
+        let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 5, shadow_mode: true}\n").unwrap_err();
+        assert!(e.contains("shadow_mode belongs beside rate_limit"), "{e}");
+        let e = load("domain: d\ndescriptors:\n  - key: a\n    unit: second\n    rate_limit: {unit: second, requests_per_unit: 5}\n").unwrap_err();
+        assert!(e.contains("unit belongs inside rate_limit"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    leasehold: {capacty: 3}\n").unwrap_err();
         assert!(e.contains("capacty"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    leasehold: {on_failure: maybe}\n").unwrap_err();

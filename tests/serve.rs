@@ -217,7 +217,16 @@ fn envoy_rls_and_http_check_on_redis() {
             .await
             .unwrap()
             .into_inner();
-        // As ratelimit: no limit, nothing left to report (0, not u32::MAX).
+        // As ratelimit: unlimited reports u32::MAX left, a descriptor no limit matches 0.
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (Code::Ok as i32, u32::MAX)
+        );
+        let r = c
+            .should_rate_limit(request(vec![descriptor(&[("nothing", "x")], None)], 0))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(
             (r.overall_code, r.statuses[0].limit_remaining),
             (Code::Ok as i32, 0)

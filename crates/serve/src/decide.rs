@@ -14,9 +14,9 @@ pub struct Status {
     pub over_limit: bool,
     /// The limit applied, if any: requests per unit, unit, name.
     pub limit: Option<(u32, Unit, Option<String>)>,
-    /// What is left: 0 where no limit applies (none matched, unlimited, replaced), where
-    /// a shadow limit is over, and for limits not checked because another refused the
-    /// request, as envoyproxy/ratelimit reports them.
+    /// What is left: `u32::MAX` for an unlimited descriptor; 0 where no limit applies
+    /// (none matched, replaced), where a shadow limit is over, and for limits not checked
+    /// because another refused the request, as envoyproxy/ratelimit reports them.
     pub remaining: u32,
     /// When the tokens asked for exist again (over the limit), or when the bucket is
     /// full again (OK).
@@ -106,7 +106,11 @@ pub async fn decide(
                         m.limit.name.clone(),
                     ))
                 }),
-            remaining: 0,
+            // As ratelimit: u32::MAX for an unlimited descriptor, else 0 until checked.
+            remaining: match m {
+                Some(m) if applies(m.limit) && m.limit.action == Action::Unlimited => u32::MAX,
+                _ => 0,
+            },
             reset: None,
         })
         .collect();

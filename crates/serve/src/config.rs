@@ -198,17 +198,21 @@ pub enum Unit {
 }
 
 impl Unit {
+    const ALL: [Self; 7] = [
+        Self::Second,
+        Self::Minute,
+        Self::Hour,
+        Self::Day,
+        Self::Week,
+        Self::Month,
+        Self::Year,
+    ];
+
+    /// The unit its YAML name (in any case) names.
     fn parse(text: &str) -> Option<Self> {
-        Some(match text.to_ascii_lowercase().as_str() {
-            "second" => Self::Second,
-            "minute" => Self::Minute,
-            "hour" => Self::Hour,
-            "day" => Self::Day,
-            "week" => Self::Week,
-            "month" => Self::Month,
-            "year" => Self::Year,
-            _ => return None,
-        })
+        Self::ALL
+            .into_iter()
+            .find(|u| u.name().eq_ignore_ascii_case(text))
     }
 
     /// Seconds in one unit.

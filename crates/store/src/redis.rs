@@ -588,9 +588,10 @@ impl Dialer {
             let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
             // redis-rs says only "did not parse - InvalidClientConfig": name the node.
             if e.kind() == redis::ErrorKind::InvalidClientConfig
-                && let Some((i, n)) = nodes.iter().enumerate().find(|(_, n)| {
-                    redis::parse_redis_url(n).is_none() || redis::Client::open(n.as_str()).is_err()
-                })
+                && let Some((i, n)) = nodes
+                    .iter()
+                    .enumerate()
+                    .find(|(_, n)| redis::Client::open(n.as_str()).is_err())
             {
                 return StoreError::Misconfigured(format!(
                     "cluster node {} ({}): {}",
@@ -758,27 +759,23 @@ impl RedisStore {
                         // The first failure, then one line every 15 attempts (20-30 s).
                         if failures == 1 || failures.is_multiple_of(15) {
                             let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
-                            let refused = matches!(&e, StoreError::Unavailable(r)
-                                if r.kind() == redis::ErrorKind::AuthenticationFailed);
-                            if refused {
-                                // Reachable, but not with these credentials: a retry helps
-                                // only once the server's or the address's password changes.
-                                tracing::error!(
-                                    store = %store.link.shown,
-                                    error = %text,
-                                    failures,
-                                    "store refused the credentials: check the user and password \
-                                     of the address; each rule's failure policy decides meanwhile; \
-                                     retrying"
-                                );
-                            } else {
-                                tracing::error!(
-                                    store = %store.link.shown,
-                                    error = %text,
-                                    failures,
-                                    "store unreachable; each rule's failure policy decides meanwhile; retrying"
-                                );
-                            }
+                            // Reachable, but not with these credentials: a retry helps
+                            // only once the server's or the address's password changes.
+                            let what = match &e {
+                                StoreError::Unavailable(r)
+                                    if r.kind() == redis::ErrorKind::AuthenticationFailed =>
+                                {
+                                    "store refused the credentials: check the user and \
+                                     password of the address"
+                                }
+                                _ => "store unreachable",
+                            };
+                            tracing::error!(
+                                store = %store.link.shown,
+                                error = %text,
+                                failures,
+                                "{what}; each rule's failure policy decides meanwhile; retrying"
+                            );
                         }
                     }
                 }

@@ -769,8 +769,8 @@ local function kept(rec, p, now)
   return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit}
 end
 
+-- cost 0 is a read: the level (remaining) and nothing taken, as a check-only request asks.
 local function exact(keys, p, cost)
-  if cost == 0 then fail('LH_ARG invalid argument cost = 0') end
   if cost > p.cap then
     fail('LH_CAPACITY ' .. fmt(cost) .. ' tokens requested, but the bucket holds at most ' .. fmt(p.cap))
   end

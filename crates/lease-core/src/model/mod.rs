@@ -89,7 +89,9 @@ pub enum Op {
         /// Tokens returned.
         returned: u64,
     },
-    /// Take `cost` tokens for one decision (the per-request path for cold keys).
+    /// Take `cost` tokens for one decision (the per-request path for cold keys). Cost 0
+    /// is a read: the reply's `remaining` is the level, nothing is taken (a check-only
+    /// request, or the look before taking several buckets all or nothing).
     Exact {
         /// Tokens the decision costs.
         cost: u64,

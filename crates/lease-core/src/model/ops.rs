@@ -70,6 +70,8 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             }
         }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
+        // Cost 0 is a read: the level, nothing taken.
+        Op::Exact { cost: 0 } => {}
         Op::Exact { cost } => check_amount("cost", cost, p.capacity)?,
         Op::Deposit {
             tokens,

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -143,8 +142,7 @@ fn main() {
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let serving = tokio::spawn(leasehold_serve::serve(
-            limiter.clone(),
-            Arc::new(ArcSwap::from_pointee(domains)),
+            leasehold_serve::Decider::new(limiter.clone(), domains, Default::default()),
             Some(listener),
             None,
             None,

@@ -4,9 +4,6 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -141,8 +138,7 @@ fn envoy_rls_and_http_check_on_redis() {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = leasehold_agent::telemetry::install_prometheus().unwrap();
         let serving = tokio::spawn(leasehold_serve::serve(
-            limiter.clone(),
-            Arc::new(ArcSwap::from_pointee(domains)),
+            leasehold_serve::Decider::new(limiter.clone(), domains, Default::default()),
             Some(grpc),
             Some(http),
             Some(metrics),
@@ -384,7 +380,7 @@ fn envoy_rls_and_http_check_on_redis() {
         assert!(json.contains("at most 256 checks"), "{json}");
         let (status, _, json) = post(http_addr, "/v1/check", "checks=1").await;
         assert_eq!(status, 400);
-        assert!(json.contains("not a check request"), "{json}");
+        assert!(json.contains("neither a rate limit request"), "{json}");
         // The nginx auth_request form: 204 or 403.
         let path = format!("/v1/auth?rule={rule}&subject=nginx-1");
         assert_eq!(support::http_get(http_addr, &path).await.0, 204);
@@ -397,6 +393,291 @@ fn envoy_rls_and_http_check_on_redis() {
         let (status, body) = support::http_get(http_addr, "/metrics").await;
         assert_eq!(status, 200);
         assert!(body.contains("leasehold_serve_requests_total"), "{body}");
+
+        stop.send(()).unwrap();
+        serving.await.unwrap().unwrap();
+    });
+}
+
+/// ratelimit's example config with what a migrating user relies on: quota mode, metadata,
+/// limits named by the request. `leasing: exact`: every figure is the store's count.
+const DROP_IN: &str = r#"
+domain: messaging
+descriptors:
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit: {unit: day, requests_per_unit: 5}
+        leasehold: {leasing: exact}
+  - key: to_number
+    rate_limit: {unit: day, requests_per_unit: 100}
+    leasehold: {leasing: exact}
+  - key: api_key
+    rate_limit: {unit: day, requests_per_unit: 3}
+    leasehold: {leasing: exact}
+  - key: user
+    rate_limit: {unit: day, requests_per_unit: 1000}
+    leasehold: {leasing: exact}
+  - key: quota_a
+    quota_mode: true
+    rate_limit: {unit: day, requests_per_unit: 1}
+    metadata: {backend: cheap}
+  - key: quota_b
+    quota_mode: true
+    rate_limit: {unit: day, requests_per_unit: 1}
+  - key: plan
+    rate_limit: {unit: day, requests_per_unit: 100}
+    metadata: {backend: premium, team: {name: gold}}
+"#;
+
+/// A descriptor with its own limit (RateLimitOverride).
+fn with_limit(entries: &[(&str, &str)], rpu: u32, unit: i32) -> RateLimitDescriptor {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    RateLimitDescriptor {
+        limit: Some(RateLimitOverride {
+            requests_per_unit: rpu,
+            unit,
+        }),
+        ..descriptor(entries, None)
+    }
+}
+
+/// What is left of `entries`' bucket, by a check that takes nothing (hits_addend 0).
+async fn left(c: &mut Client, entries: &[(&str, &str)]) -> u32 {
+    let r = c
+        .should_rate_limit(request(vec![descriptor(entries, Some(0))], 0))
+        .await
+        .unwrap()
+        .into_inner();
+    r.statuses[0].limit_remaining
+}
+
+async fn call(
+    c: &mut Client,
+    descriptors: Vec<RateLimitDescriptor>,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse {
+    c.should_rate_limit(request(descriptors, 0))
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// What envoyproxy/ratelimit does that a migrating user relies on, through the gRPC API
+/// and the HTTP one, on a real Redis: a refused request takes nothing in any order (the
+/// same bucket twice included), hits_addend 0 takes nothing, a descriptor's own limit
+/// applies (and survives a reload), quota mode, dynamic metadata, ratelimit's header names,
+/// and HTTP deciding the same buckets as gRPC.
+#[test]
+fn ratelimit_drop_in_semantics() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let domains = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
+        let limiter = leasehold_agent::Limiter::builder()
+            .redis(server.url())
+            .rules(domains.rules())
+            .config({
+                let mut c = leasehold_agent::LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        let options = leasehold_serve::Options {
+            dynamic_metadata: true,
+            limit_headers: Some([
+                "ratelimit-limit".into(),
+                "ratelimit-remaining".into(),
+                "ratelimit-reset".into(),
+            ]),
+            ..Default::default()
+        };
+        let decider = leasehold_serve::Decider::new(limiter.clone(), domains, options);
+        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(leasehold_serve::serve(
+            decider.clone(),
+            Some(grpc),
+            Some(http),
+            None,
+            leasehold_net::Limits::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let mut c = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
+            .await
+            .unwrap();
+
+        // 1. All or nothing in either order: 8 calls, 5 admitted, and the plain to_number
+        // bucket charged for those 5 only.
+        let plain = [("to_number", "206")];
+        let marketing = [("message_type", "marketing"), ("to_number", "206")];
+        let mut admitted = 0;
+        for _ in 0..8 {
+            let r = call(&mut c, vec![descriptor(&plain, None), descriptor(&marketing, None)]).await;
+            admitted += u32::from(r.overall_code == Code::Ok as i32);
+        }
+        assert_eq!(admitted, 5);
+        assert_eq!(left(&mut c, &plain).await, 95, "refused calls took nothing");
+        for _ in 0..3 {
+            let r = call(&mut c, vec![descriptor(&marketing, None), descriptor(&plain, None)]).await;
+            assert_eq!(r.overall_code, Code::OverLimit as i32);
+            // The refusing descriptor says so; the other was not charged (0, as ratelimit
+            // reports a limit not checked).
+            assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+            assert_eq!(r.statuses[1].code, Code::Ok as i32);
+        }
+        assert_eq!(left(&mut c, &plain).await, 95, "the other order neither");
+
+        // The same bucket twice: the hits add up (2 + 2 > 3 refused, taking nothing).
+        let key = [("api_key", "k1")];
+        let r = call(&mut c, vec![descriptor(&key, Some(2)), descriptor(&key, Some(2))]).await;
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        assert_eq!(left(&mut c, &key).await, 3);
+        let r = call(&mut c, vec![descriptor(&key, Some(1)), descriptor(&key, Some(1))]).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(left(&mut c, &key).await, 1);
+
+        // 2. hits_addend 0 on a descriptor takes nothing; on an empty bucket it is over.
+        for _ in 0..5 {
+            assert_eq!(left(&mut c, &key).await, 1);
+        }
+        assert_eq!(call(&mut c, vec![descriptor(&key, None)]).await.overall_code, Code::Ok as i32);
+        let r = c
+            .should_rate_limit(request(vec![descriptor(&key, Some(0))], 0))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            (r.overall_code, r.statuses[0].limit_remaining),
+            (Code::OverLimit as i32, 0)
+        );
+
+        // 3. A descriptor's own limit replaces the YAML's (1000 a day): 2 a second.
+        let carol = [("user", "carol")];
+        let mut codes = Vec::new();
+        for _ in 0..3 {
+            let r = call(&mut c, vec![with_limit(&carol, 2, 1)]).await;
+            codes.push(r.overall_code == Code::Ok as i32);
+            let l = r.statuses[0].current_limit.as_ref().unwrap();
+            assert_eq!((l.requests_per_unit, l.unit), (2, 1), "SECOND");
+        }
+        assert_eq!(codes, [true, true, false]);
+        // Without it, the YAML's limit.
+        for _ in 0..3 {
+            assert_eq!(call(&mut c, vec![descriptor(&carol, None)]).await.overall_code, Code::Ok as i32);
+        }
+        // 10 a day on a descriptor the YAML does not know.
+        let unknown = [("key1", "value1"), ("subkey1", "something")];
+        let mut ok = 0;
+        for _ in 0..12 {
+            ok += u32::from(call(&mut c, vec![with_limit(&unknown, 10, 4)]).await.overall_code == Code::Ok as i32);
+        }
+        assert_eq!(ok, 10);
+        // A reload keeps the limits requests named, and their buckets.
+        let reloaded = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
+        let rules = reloaded.rules();
+        decider.reload(reloaded, &rules);
+        assert_eq!(call(&mut c, vec![with_limit(&unknown, 10, 4)]).await.overall_code, Code::OverLimit as i32);
+        // A unit Envoy does not define is refused, naming it.
+        let e = c
+            .should_rate_limit(request(vec![with_limit(&carol, 2, 99)], 0))
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("limit unit 99"), "{e}");
+
+        // 6. Quota mode: a quota descriptor over its limit leaves the request OK unless
+        // every quota descriptor is over.
+        let (qa, qb) = ([("quota_a", "z")], [("quota_b", "z")]);
+        assert_eq!(call(&mut c, vec![descriptor(&qa, None)]).await.overall_code, Code::Ok as i32);
+        let r = call(&mut c, vec![descriptor(&qa, None), descriptor(&qb, None)]).await;
+        assert_eq!(r.overall_code, Code::Ok as i32, "quota_b passes");
+        assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+        assert_eq!(r.statuses[1].code, Code::Ok as i32);
+        let r = call(&mut c, vec![descriptor(&qa, None), descriptor(&qb, None)]).await;
+        assert_eq!(r.overall_code, Code::OverLimit as i32, "every quota descriptor over");
+        // A normal descriptor beside a quota one over: refused (every quota one is over),
+        // and the normal one not charged.
+        let plan = [("plan", "p")];
+        let r = call(&mut c, vec![descriptor(&plan, None), descriptor(&qa, None)]).await;
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        assert_eq!(left(&mut c, &plan).await, 100);
+
+        // Dynamic metadata: the descriptors that passed, merged (the first value wins).
+        let r = call(&mut c, vec![descriptor(&plan, None), descriptor(&[("quota_a", "fresh")], None)]).await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        let m = r.dynamic_metadata.expect("dynamic metadata");
+        let field = |s: &envoy_types::pb::google::protobuf::Struct, k: &str| {
+            use envoy_types::pb::google::protobuf::value::Kind;
+            match s.fields.get(k).and_then(|v| v.kind.clone()) {
+                Some(Kind::StringValue(s)) => s,
+                Some(Kind::StructValue(s)) => format!("{:?}", s.fields.keys().collect::<Vec<_>>()),
+                other => format!("{other:?}"),
+            }
+        };
+        assert_eq!(field(&m, "domain"), "messaging");
+        let Some(envoy_types::pb::google::protobuf::value::Kind::StructValue(meta)) =
+            m.fields.get("metadata").and_then(|v| v.kind.clone())
+        else {
+            panic!("no merged metadata: {m:?}");
+        };
+        assert_eq!(field(&meta, "backend"), "premium");
+        assert_eq!(field(&meta, "team"), "[\"name\"]");
+        assert!(m.fields.contains_key("descriptors"));
+
+        // ratelimit's header names, for the tightest limit.
+        let r = call(&mut c, vec![descriptor(&[("api_key", "k2")], None), descriptor(&plan, None)]).await;
+        let header = |k: &str| {
+            r.response_headers_to_add
+                .iter()
+                .find(|h| h.key == k)
+                .map(|h| h.value.clone())
+        };
+        assert_eq!(header("ratelimit-limit").as_deref(), Some("3"));
+        assert_eq!(header("ratelimit-remaining").as_deref(), Some("2"));
+        assert!(header("ratelimit-reset").is_some());
+        assert!(header("ratelimit").is_none(), "one header form at a time");
+
+        // 8. HTTP speaks descriptors and decides the same buckets.
+        let body = r#"{"domain":"messaging","descriptors":[{"entries":[{"key":"api_key","value":"k2"}]}]}"#;
+        let (status, head, json) = post(http_addr, "/v1/check", body).await;
+        assert_eq!(status, 200, "{json}");
+        assert!(json.contains(r#""limit_remaining":1"#), "{json}");
+        assert!(head.contains("ratelimit-remaining: 1"), "{head}");
+        assert_eq!(left(&mut c, &[("api_key", "k2")]).await, 1, "gRPC sees HTTP's take");
+        // More hits than the limit holds: 429, and no Retry-After (no wait helps).
+        let body = r#"{"domain":"messaging","descriptors":[{"entries":[{"key":"api_key","value":"k3"}],"hits_addend":4}]}"#;
+        let (status, head, json) = post(http_addr, "/v1/check", body).await;
+        assert_eq!(status, 429, "{json}");
+        assert!(!head.contains("retry-after"), "{head}");
+        assert!(json.contains("OVER_LIMIT"), "{json}");
+        // nginx auth_request: the value comes from a header, as the client sent it.
+        let auth = |value: Option<&'static str>| async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(http_addr).await.unwrap();
+            let h = value.map_or(String::new(), |v| format!("X-Leasehold-Value-api_key: {v}\r\n"));
+            let req = format!(
+                "GET /v1/auth?domain=messaging&descriptor=api_key HTTP/1.1\r\nHost: x\r\n{h}Connection: close\r\n\r\n"
+            );
+            s.write_all(req.as_bytes()).await.unwrap();
+            let mut resp = String::new();
+            s.read_to_string(&mut resp).await.unwrap();
+            resp
+        };
+        for _ in 0..3 {
+            assert!(auth(Some("odd key &cost=0")).await.starts_with("HTTP/1.1 204"));
+        }
+        let refused = auth(Some("odd key &cost=0")).await.to_ascii_lowercase();
+        assert!(refused.starts_with("http/1.1 403"), "{refused}");
+        assert!(refused.contains("retry-after:"), "{refused}");
+        assert!(refused.contains("x-leasehold-outcome: limited"), "{refused}");
+        let missing = auth(None).await.to_ascii_lowercase();
+        assert!(missing.starts_with("http/1.1 401"), "{missing}");
+        assert!(missing.contains("x-leasehold-value-api_key"), "{missing}");
 
         stop.send(()).unwrap();
         serving.await.unwrap().unwrap();

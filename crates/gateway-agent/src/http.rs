@@ -494,7 +494,7 @@ where
             let limits: Limits = checks
                 .iter()
                 .zip(each)
-                .filter_map(|(c, d)| Some((d, limiter.entry_for(c.rule(), c.subject())?)))
+                .filter_map(|(c, d)| Some((d?, limiter.entry_for(c.rule(), c.subject())?)))
                 .collect();
             let mut resp = inner.call(req).await?;
             add_limit_headers(resp.headers_mut(), &limits);

@@ -4,11 +4,11 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use leasehold_agent::{Limiter, LimiterConfig};
 use leasehold_store::{Rules, StoreArgs};
 
 use crate::config::Domains;
+use crate::decide::{Decider, Options};
 
 /// Serves the Envoy rate limit service (gRPC) and the HTTP check API from one limiter.
 #[derive(Clone, Debug, clap::Args)]
@@ -23,6 +23,34 @@ pub struct Args {
     /// without it a second file for a domain is refused.
     #[arg(long, env = "MERGE_DOMAIN_CONFIG")]
     pub merge_domain_config: bool,
+    /// Every descriptor in quota mode: over its limit it is reported OVER_LIMIT, and the
+    /// request is refused only when every descriptor is (envoyproxy/ratelimit's
+    /// QUOTA_MODE).
+    #[arg(long, env = "QUOTA_MODE")]
+    pub quota_mode: bool,
+    /// Answers carry dynamic metadata: the domain, the descriptors, the hits and the
+    /// merged `metadata` of the descriptors that passed (envoyproxy/ratelimit's
+    /// RESPONSE_DYNAMIC_METADATA).
+    #[arg(long, env = "RESPONSE_DYNAMIC_METADATA")]
+    pub response_dynamic_metadata: bool,
+    /// The tightest limit in envoyproxy/ratelimit's three headers (RateLimit-Limit,
+    /// RateLimit-Remaining, RateLimit-Reset; LIMIT_RESPONSE_HEADERS_ENABLED) instead of
+    /// the IETF draft's RateLimit-Policy and RateLimit.
+    #[arg(long, env = "LIMIT_RESPONSE_HEADERS_ENABLED")]
+    pub limit_response_headers: bool,
+    /// The name of the limit header, with --limit-response-headers.
+    #[arg(long, env = "LIMIT_LIMIT_HEADER", default_value = "RateLimit-Limit")]
+    pub limit_limit_header: String,
+    /// The name of the remaining header, with --limit-response-headers.
+    #[arg(
+        long,
+        env = "LIMIT_REMAINING_HEADER",
+        default_value = "RateLimit-Remaining"
+    )]
+    pub limit_remaining_header: String,
+    /// The name of the reset header (seconds), with --limit-response-headers.
+    #[arg(long, env = "LIMIT_RESET_HEADER", default_value = "RateLimit-Reset")]
+    pub limit_reset_header: String,
     /// The store (default: embedded, in this process).
     #[command(flatten)]
     pub store: StoreArgs,
@@ -57,6 +85,27 @@ pub struct Args {
 }
 
 impl Args {
+    /// How answers are shaped.
+    fn options(&self) -> Result<Options, String> {
+        let names = [
+            ("--limit-limit-header", &self.limit_limit_header),
+            ("--limit-remaining-header", &self.limit_remaining_header),
+            ("--limit-reset-header", &self.limit_reset_header),
+        ];
+        for (flag, name) in names {
+            if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(format!("{flag} {name:?}: not a header name"));
+            }
+        }
+        Ok(Options {
+            quota_mode: self.quota_mode,
+            dynamic_metadata: self.response_dynamic_metadata,
+            limit_headers: self
+                .limit_response_headers
+                .then(|| names.map(|(_, n)| n.to_ascii_lowercase())),
+        })
+    }
+
     /// The listeners' limits these flags give.
     fn limits(&self) -> Result<leasehold_net::Limits, String> {
         if !(1..=3600).contains(&self.header_timeout) {
@@ -125,6 +174,7 @@ pub async fn run(
         return Err("nothing to serve: give --grpc ADDR, --http ADDR or both".into());
     }
     let limits = args.limits()?;
+    let options = args.options()?;
     let merge = args.merge_domain_config;
     let (domains, rules) = load(&args.config, merge).map_err(|e| format!("--config {e}"))?;
     if args.grpc.is_some() && domains.domain_names().is_empty() {
@@ -150,7 +200,7 @@ pub async fn run(
         .build()
         .await
         .map_err(|e| args.store.redact(&e.to_string()))?;
-    let domains = Arc::new(ArcSwap::from_pointee(domains));
+    let decider = Decider::new(limiter.clone(), domains, options);
     let grpc = match args.grpc {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -176,22 +226,8 @@ pub async fn run(
             println!("{what} on {addr}");
         }
     }
-    let reloading = tokio::spawn(reload(
-        limiter.clone(),
-        domains.clone(),
-        args.config.clone(),
-        merge,
-    ));
-    let served = crate::serve(
-        limiter.clone(),
-        domains,
-        grpc,
-        http,
-        Some(metrics),
-        limits,
-        shutdown,
-    )
-    .await;
+    let reloading = tokio::spawn(reload(decider.clone(), args.config.clone(), merge));
+    let served = crate::serve(decider, grpc, http, Some(metrics), limits, shutdown).await;
     reloading.abort();
     limiter.shutdown().await;
     served
@@ -199,13 +235,12 @@ pub async fn run(
 
 /// Reads the config again when it changes (checked every second) or on SIGHUP; a
 /// config that fails validation is refused, logged, and the limits in force stay.
-async fn reload(limiter: Limiter, domains: Arc<ArcSwap<Domains>>, path: PathBuf, merge: bool) {
+async fn reload(decider: Arc<Decider>, path: PathBuf, merge: bool) {
     leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("limits_reload", why).entered();
         match load(&path, merge) {
             Ok((d, rules)) => {
-                limiter.set_rules(&rules);
-                domains.store(Arc::new(d));
+                decider.reload(d, &rules);
                 tracing::info!(rules = rules.len(), path = %path.display(), "limits reloaded");
             }
             Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),

@@ -23,8 +23,9 @@
 //! `name` and `replaces` (a matched limit named in another matched limit's `replaces` is
 //! not applied); `shadow_mode`; `detailed_metric`, `value_to_metric` (how the metric key
 //! is built); `share_threshold` (every value matching a wildcard shares one limit);
-//! `metadata` (accepted, not returned). `quota_mode` is refused: Leasehold has no quota
-//! mode. Any other field is refused, naming it.
+//! `quota_mode` (over the limit, the request is still OK unless every quota descriptor is
+//! over); `metadata` (a map, returned in dynamic metadata when the descriptor passes). Any
+//! other field is refused, naming it.
 //!
 //! Each `rate_limit` becomes a token bucket with r = requests_per_unit per unit and
 //! B = requests_per_unit, unless the descriptor's `leasehold` block says otherwise
@@ -72,9 +73,9 @@ struct YamlDescriptor {
     value_to_metric: bool,
     #[serde(default)]
     share_threshold: bool,
-    /// Accepted for compatibility; Leasehold returns no dynamic metadata.
-    #[serde(default, rename = "metadata")]
-    _metadata: Option<serde::de::IgnoredAny>,
+    /// Returned in dynamic metadata when the descriptor passes.
+    #[serde(default)]
+    metadata: Option<serde_json::Value>,
     #[serde(default)]
     leasehold: Option<Extras>,
 }
@@ -176,10 +177,10 @@ pub enum ConfigError {
 }
 
 /// The most tokens a second a limit may give (Leasehold's bound on rates).
-const MAX_PER_SECOND: u64 = leasehold_core::rate::MAX_TOKENS_PER_SEC;
+pub const MAX_PER_SECOND: u64 = leasehold_core::rate::MAX_TOKENS_PER_SEC;
 
 /// The time unit of a limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Unit {
     /// 1 s.
     Second,
@@ -209,7 +210,7 @@ impl Unit {
     ];
 
     /// The unit its YAML name (in any case) names.
-    fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         Self::ALL
             .into_iter()
             .find(|u| u.name().eq_ignore_ascii_case(text))
@@ -229,7 +230,7 @@ impl Unit {
     }
 
     /// Its name in the YAML.
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Self::Second => "second",
             Self::Minute => "minute",
@@ -239,6 +240,11 @@ impl Unit {
             Self::Month => "month",
             Self::Year => "year",
         }
+    }
+
+    /// The unit numbered `n` in the Envoy API (a descriptor's `limit`), if any.
+    pub fn from_envoy(n: i32) -> Option<Self> {
+        Self::ALL.into_iter().find(|u| u.envoy() == n)
     }
 
     /// The unit in the Envoy API's numbering.
@@ -282,6 +288,11 @@ pub struct Limit {
     pub replaces: Vec<String>,
     /// `shadow_mode`.
     pub shadow: bool,
+    /// `quota_mode`: over this limit, the request is still OK unless every quota
+    /// descriptor of it is over.
+    pub quota_mode: bool,
+    /// `metadata`: returned in dynamic metadata when the descriptor passes.
+    pub metadata: Option<serde_json::Value>,
     /// `detailed_metric`.
     pub detailed_metric: bool,
     /// The descriptor's full key, `domain.key_value.key`.
@@ -433,10 +444,10 @@ impl Domains {
                         .into(),
                 ));
             }
-            if d.quota_mode {
+            if d.metadata.as_ref().is_some_and(|m| !m.is_object()) {
                 return Err(bad(
                     &full,
-                    "quota_mode is not supported by Leasehold".into(),
+                    "metadata must be a map (of keys to values)".into(),
                 ));
             }
             if d.share_threshold && !final_key.contains('*') {
@@ -554,6 +565,8 @@ impl Domains {
             name: rl.name.clone().filter(|n| !n.is_empty()),
             replaces: rl.replaces.iter().map(|r| r.name.clone()).collect(),
             shadow: d.shadow_mode,
+            quota_mode: d.quota_mode,
+            metadata: d.metadata.clone(),
             detailed_metric: d.detailed_metric,
             full_key: full.to_owned(),
             subject_keys: extras.and_then(|x| x.subject.clone()),
@@ -936,8 +949,8 @@ descriptors:
         assert!(e.contains("needs a unit"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: second}\n").unwrap_err();
         assert!(e.contains("unlimited"), "{e}");
-        let e = load("domain: d\ndescriptors:\n  - key: a\n    quota_mode: true\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap_err();
-        assert!(e.contains("quota_mode"), "{e}");
+        let e = load("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap_err();
+        assert!(e.contains("metadata must be a map"), "{e}");
         let e =
             load("domain: d\ndescriptors:\n  - key: a\n    value: b\n    share_threshold: true\n")
                 .unwrap_err();

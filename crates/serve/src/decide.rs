@@ -1,16 +1,41 @@
-//! One `ShouldRateLimit` call, independent of gRPC: match every descriptor to its limit,
-//! drop replaced limits, and check the rest together, all or nothing.
+//! One rate limit request, independent of gRPC and HTTP: match every descriptor to its
+//! limit, drop replaced limits, and decide the rest together, all or nothing.
+//!
+//! As envoyproxy/ratelimit: a descriptor's `limit` (RateLimitOverride) takes the place of
+//! whatever the YAML says for it; `hits_addend: 0` on a descriptor is a check that takes
+//! nothing; a descriptor in quota mode over its limit is reported `OVER_LIMIT` while the
+//! request stays OK, unless every quota descriptor is over. Unlike ratelimit, a refused
+//! request takes nothing from any bucket (see `Limiter::check_all_each`).
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use leasehold_agent::{CheckError, Decision, Limiter};
+use leasehold_core::rule::{Rule, RuleSpec};
+use leasehold_store::Rules;
 
-use crate::config::{Action, Domains, Limit, Unit};
+use crate::config::{Action, Domains, Limit, MAX_PER_SECOND, Unit};
+
+/// How answers are shaped, as envoyproxy/ratelimit's settings of the same names.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Every descriptor is in quota mode (`QUOTA_MODE`).
+    pub quota_mode: bool,
+    /// Answers carry dynamic metadata (`RESPONSE_DYNAMIC_METADATA`).
+    pub dynamic_metadata: bool,
+    /// Header names for the tightest limit: `None` for the IETF draft's `RateLimit-Policy`
+    /// and `RateLimit`; else ratelimit's three (`LIMIT_RESPONSE_HEADERS_ENABLED`, with
+    /// `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
+    pub limit_headers: Option<[String; 3]>,
+}
 
 /// The answer for one descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
-    /// Over the limit (not in shadow mode).
+    /// Over the limit (not in shadow mode). In quota mode the request may still be OK.
     pub over_limit: bool,
     /// The limit applied, if any: requests per unit, unit, name.
     pub limit: Option<(u32, Unit, Option<String>)>,
@@ -18,24 +43,30 @@ pub struct Status {
     /// (none matched, replaced), where a shadow limit is over, and for limits not checked
     /// because another refused the request, as envoyproxy/ratelimit reports them.
     pub remaining: u32,
-    /// When the tokens asked for exist again (over the limit), or when the bucket is
-    /// full again (OK).
+    /// When the tokens asked for exist again (over the limit; `None` when they never
+    /// will: more hits than the bucket holds), or when the bucket is full again (OK).
     pub reset: Option<Duration>,
 }
 
 /// The answer for a request.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Verdict {
-    /// Some descriptor is over its limit.
+    /// The request is refused: a descriptor not in quota mode is over its limit, or every
+    /// quota descriptor is.
     pub over_limit: bool,
     /// Some descriptor could not be decided: the store is unreachable and its rule
     /// fails closed (it counts as over the limit).
     pub unavailable: bool,
     /// Per descriptor, in the request's order.
     pub statuses: Vec<Status>,
-    /// Headers for Envoy to add to the response: `retry-after` when over the limit,
-    /// `ratelimit-policy` and `ratelimit` for the tightest limit.
-    pub headers: Vec<(&'static str, String)>,
+    /// Headers for the client: `retry-after` when over the limit (unless no wait would
+    /// do), and the tightest limit's (see [`Options::limit_headers`]).
+    pub headers: Vec<(String, String)>,
+    /// With [`Options::dynamic_metadata`]: the domain, the descriptors (entries as
+    /// `key=value`, their `limit` and `hitsAddend`), the request's `hitsAddend`, and the
+    /// `metadata` of the descriptors that passed, merged (the first value of a key wins;
+    /// objects merge).
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// Why a request could not be decided.
@@ -45,171 +76,507 @@ pub enum DecideError {
     /// No such domain in the configuration.
     #[error("unknown domain {0:?}")]
     UnknownDomain(String),
-    /// The request has no descriptor, or an empty one.
+    /// The request has no domain or no descriptor.
     #[error("{0}")]
     Invalid(String),
-    /// The limiter refused a check (a cost above a capacity, say).
+    /// The limiter refused a check.
     #[error(transparent)]
     Check(#[from] CheckError),
 }
 
-/// One descriptor of a request: its entries and what it costs.
+/// One descriptor of a request.
 #[derive(Clone, Debug)]
 pub struct Descriptor<'a> {
     /// `(key, value)` entries, in order.
     pub entries: Vec<(&'a str, &'a str)>,
-    /// Tokens (the descriptor's `hits_addend`, else the request's, else 1).
+    /// Tokens (the descriptor's `hits_addend`, else the request's, else 1); 0: a check
+    /// that takes nothing.
     pub hits: u64,
+    /// The request's own limit for it (RateLimitOverride): requests per unit and unit.
+    pub limit: Option<(u32, Unit)>,
 }
 
-/// Decides a request of `domain` with `descriptors`.
-pub async fn decide(
-    limiter: &Limiter,
-    domains: &Domains,
-    domain: &str,
-    descriptors: &[Descriptor<'_>],
-) -> Result<Verdict, DecideError> {
-    if domain.is_empty() {
-        return Err(DecideError::Invalid("domain must not be empty".into()));
-    }
-    if descriptors.is_empty() {
-        return Err(DecideError::Invalid(
-            "descriptor list must not be empty".into(),
-        ));
-    }
-    if !domains.has_domain(domain) {
-        return Err(DecideError::UnknownDomain(
-            domain.chars().take(80).collect(),
-        ));
-    }
-    let matched: Vec<_> = descriptors
-        .iter()
-        .map(|d| domains.find(domain, &d.entries))
-        .collect();
-    let replaced: Vec<&str> = matched
-        .iter()
-        .flatten()
-        .flat_map(|m| m.limit.replaces.iter().map(String::as_str))
-        .collect();
-    let applies = |l: &Limit| l.name.as_deref().is_none_or(|n| !replaced.contains(&n));
-    let mut statuses: Vec<Status> = matched
-        .iter()
-        .map(|m| Status {
-            over_limit: false,
-            limit: m
-                .as_ref()
-                .filter(|m| applies(m.limit) && m.limit.action != Action::Unlimited)
-                .and_then(|m| {
-                    Some((
-                        m.limit.requests_per_unit,
-                        m.limit.unit?,
-                        m.limit.name.clone(),
-                    ))
-                }),
-            // As ratelimit: u32::MAX for an unlimited descriptor, else 0 until checked.
-            remaining: match m {
-                Some(m) if applies(m.limit) && m.limit.action == Action::Unlimited => u32::MAX,
-                _ => 0,
-            },
-            reset: None,
+/// Distinct limits requests may name in descriptors' `limit`: each is a Leasehold rule.
+pub const MAX_OVERRIDE_LIMITS: usize = 1024;
+
+/// What every request is decided with: the limiter, the limits in force (swapped on
+/// reload) and the rules made for limits requests named.
+#[derive(Debug)]
+pub struct Decider {
+    limiter: Limiter,
+    domains: ArcSwap<Domains>,
+    /// Rules for descriptors' own limits, by (requests per unit, unit).
+    overrides: Mutex<BTreeMap<(u32, Unit), Rule>>,
+    options: Options,
+}
+
+impl Decider {
+    /// Decides with `limiter` under `domains` (whose rules the limiter holds).
+    pub fn new(limiter: Limiter, domains: Domains, options: Options) -> Arc<Self> {
+        Arc::new(Self {
+            limiter,
+            domains: ArcSwap::from_pointee(domains),
+            overrides: Mutex::default(),
+            options,
         })
-        .collect();
-    // The descriptors to check in the store, with their index.
-    let mut checks: Vec<(usize, &str, &[u8], u64)> = Vec::new();
-    for (i, m) in matched.iter().enumerate() {
-        let Some(m) = m else { continue };
-        if !applies(m.limit) {
-            continue;
+    }
+
+    /// The limiter.
+    pub fn limiter(&self) -> &Limiter {
+        &self.limiter
+    }
+
+    /// The limits in force.
+    pub fn domains(&self) -> Arc<Domains> {
+        self.domains.load_full()
+    }
+
+    /// The answers' options.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// Puts `domains` and `rules` (a reloaded file's) in force; limits requests named
+    /// stay.
+    pub fn reload(&self, domains: Domains, rules: &Rules) {
+        let overrides = self
+            .overrides
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.limiter
+            .set_rules(&with_overrides(rules, overrides.values()));
+        self.domains.store(Arc::new(domains));
+    }
+
+    /// The rule of a descriptor's own limit, made (and given to the limiter) the first
+    /// time it is named; `None` past [`MAX_OVERRIDE_LIMITS`].
+    fn override_rule(&self, rpu: u32, unit: Unit) -> Option<String> {
+        let name = format!("_limit.{rpu}-per-{}", unit.name());
+        let mut overrides = self
+            .overrides
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if overrides.contains_key(&(rpu, unit)) {
+            return Some(name);
         }
-        metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => metric_key(domain, &m.metric_key))
-            .increment(1);
-        // Over the limit without asking the store (with the reset to report, if any).
-        let refused = match &m.limit.action {
-            Action::Unlimited => None,
-            Action::DenyAll => Some(None),
-            Action::Rule(rule) => {
-                let hits = descriptors[i].hits;
-                match limiter.bucket_params_for(rule, m.subject.as_bytes()) {
+        if overrides.len() >= MAX_OVERRIDE_LIMITS {
+            return None;
+        }
+        let spec = RuleSpec::new(u64::from(rpu), format!("{rpu}/{}s", unit.seconds()));
+        let rule = Rule::from_spec(&name, &spec).ok()?;
+        overrides.insert((rpu, unit), rule);
+        let domains = self.domains.load();
+        self.limiter
+            .set_rules(&with_overrides(&domains.rules(), overrides.values()));
+        Some(name)
+    }
+
+    /// Decides a request of `domain` with `descriptors`.
+    pub async fn decide(
+        &self,
+        domain: &str,
+        descriptors: &[Descriptor<'_>],
+        request_hits: u32,
+    ) -> Result<Verdict, DecideError> {
+        if domain.is_empty() {
+            return Err(DecideError::Invalid("domain must not be empty".into()));
+        }
+        if descriptors.is_empty() {
+            return Err(DecideError::Invalid(
+                "descriptor list must not be empty".into(),
+            ));
+        }
+        let domains = self.domains.load();
+        if !domains.has_domain(domain) {
+            return Err(DecideError::UnknownDomain(
+                domain.chars().take(80).collect(),
+            ));
+        }
+        let limiter = &self.limiter;
+        let matched: Vec<Option<Found<'_>>> = descriptors
+            .iter()
+            .map(|d| self.find(&domains, domain, d))
+            .collect();
+        let replaced: Vec<&str> = matched
+            .iter()
+            .flatten()
+            .flat_map(|m| m.limit.replaces.iter().map(String::as_str))
+            .collect();
+        let applies = |l: &Limit| l.name.as_deref().is_none_or(|n| !replaced.contains(&n));
+        let mut statuses: Vec<Status> = matched
+            .iter()
+            .map(|m| Status {
+                over_limit: false,
+                limit: m
+                    .as_ref()
+                    .filter(|m| applies(&m.limit) && m.limit.action != Action::Unlimited)
+                    .and_then(|m| {
+                        Some((
+                            m.limit.requests_per_unit,
+                            m.limit.unit?,
+                            m.limit.name.clone(),
+                        ))
+                    }),
+                // As ratelimit: u32::MAX for an unlimited descriptor, else 0 until checked.
+                remaining: match m {
+                    Some(m) if applies(&m.limit) && m.limit.action == Action::Unlimited => u32::MAX,
+                    _ => 0,
+                },
+                reset: None,
+            })
+            .collect();
+        let quota = |i: usize| {
+            self.options.quota_mode || matched[i].as_ref().is_some_and(|m| m.limit.quota_mode)
+        };
+        let counted = |i: usize| {
+            matched[i]
+                .as_ref()
+                .is_some_and(|m| applies(&m.limit) && m.limit.action != Action::Unlimited)
+        };
+        // The descriptors to take from the store: (index, rule, subject, hits).
+        let mut takes: Vec<(usize, &str, &[u8], u64)> = Vec::new();
+        let mut unavailable = false;
+        for (i, m) in matched.iter().enumerate() {
+            let Some(m) = m else { continue };
+            if !applies(&m.limit) {
+                continue;
+            }
+            metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => metric_key(domain, &m.metric_key))
+                .increment(1);
+            let hits = descriptors[i].hits;
+            // Over the limit without taking (with the reset to report).
+            let over: Option<Option<Duration>> = match &m.limit.action {
+                Action::Unlimited => None,
+                Action::DenyAll => Some(None),
+                Action::Rule(rule) => match limiter.bucket_params_for(rule, m.subject.as_bytes()) {
                     // More hits than the bucket can ever hold: over the limit, as in
                     // ratelimit (an error would let Envoy, failing open by default, pass
-                    // the request). Retry-After: a whole refill, the longest any wait is.
-                    Ok(p) if hits > p.capacity => Some(Some(refill_time(p.capacity, p.rate))),
+                    // the request), with no time that would help.
+                    Ok(p) if hits > p.capacity => Some(None),
+                    Ok(p) if hits == 0 => {
+                        // A check that takes nothing: is there a token now?
+                        let d = limiter.peek(m.subject.as_bytes(), rule, 1).await?;
+                        let s = &mut statuses[i];
+                        match d {
+                            Decision::Allowed { remaining, .. } => {
+                                s.remaining = clip(remaining);
+                                s.reset =
+                                    Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
+                                None
+                            }
+                            Decision::Denied { retry_after } => Some(Some(retry_after)),
+                            Decision::Unavailable { retry_after } => {
+                                unavailable = true;
+                                Some(Some(retry_after))
+                            }
+                        }
+                    }
                     _ => {
-                        checks.push((i, rule.as_str(), m.subject.as_bytes(), hits));
+                        takes.push((i, rule.as_str(), m.subject.as_bytes(), hits));
                         None
                     }
+                },
+            };
+            if let Some(reset) = over {
+                if m.limit.shadow {
+                    metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
+                        .increment(1);
+                } else {
+                    statuses[i].over_limit = true;
+                    statuses[i].remaining = 0;
+                    statuses[i].reset = reset;
+                }
+            }
+        }
+        // A bucket named by several descriptors takes their hits together: more than it
+        // holds is over the limit for each of them, as one descriptor's would be.
+        let mut k = 0;
+        while k < takes.len() {
+            let (_, rule, subject, _) = takes[k];
+            let same = |t: &(usize, &str, &[u8], u64)| t.1 == rule && t.2 == subject;
+            let sum = takes
+                .iter()
+                .filter(|t| same(t))
+                .fold(0u64, |a, t| a.saturating_add(t.3));
+            let capacity = limiter
+                .bucket_params_for(rule, subject)
+                .map_or(u64::MAX, |p| p.capacity);
+            if sum <= capacity {
+                k += 1;
+                continue;
+            }
+            for t in takes.iter().filter(|t| same(t)) {
+                let s = &mut statuses[t.0];
+                s.over_limit = true;
+                s.remaining = 0;
+                s.reset = None;
+            }
+            takes.retain(|t| !same(t));
+        }
+        // Refused: a descriptor not in quota mode is over, or every quota one is.
+        let refused = |statuses: &[Status]| {
+            let mut quotas = (0..statuses.len()).filter(|&i| counted(i) && quota(i));
+            (0..statuses.len()).any(|i| statuses[i].over_limit && !quota(i))
+                || (quotas.clone().next().is_some() && quotas.all(|i| statuses[i].over_limit))
+        };
+        // All or nothing; a quota descriptor found over is left out and the rest tried
+        // again (the refusal took nothing).
+        while !takes.is_empty() && !refused(&statuses) {
+            let list: Vec<(&[u8], &str, u64)> = takes.iter().map(|t| (t.2, t.1, t.3)).collect();
+            let mut each = Vec::new();
+            let (d, at) = limiter.check_all_each(&list, &mut each).await?;
+            if let Decision::Allowed { .. } = d {
+                for (k, d) in each.iter().enumerate() {
+                    let (i, rule, subject, _) = takes[k];
+                    if let Some(Decision::Allowed { remaining, .. }) = *d {
+                        let s = &mut statuses[i];
+                        s.remaining = clip(remaining);
+                        s.reset = limiter
+                            .bucket_params_for(rule, subject)
+                            .ok()
+                            .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
+                    }
+                }
+                break;
+            }
+            let (i, ..) = takes[at];
+            let s = &mut statuses[i];
+            s.over_limit = true;
+            s.remaining = 0;
+            if let Decision::Denied { retry_after } | Decision::Unavailable { retry_after } = d {
+                s.reset = Some(retry_after);
+            }
+            unavailable |= matches!(d, Decision::Unavailable { .. });
+            if !quota(i) {
+                break;
+            }
+            takes.remove(at);
+        }
+        let over_limit = refused(&statuses);
+        if !over_limit {
+            // Nothing refused the request, so nothing was made unavailable by it.
+            unavailable = false;
+        }
+        let headers = self.headers(domain, &statuses, over_limit, &quota);
+        let metadata = self.options.dynamic_metadata.then(|| {
+            let passed = matched.iter().enumerate().filter_map(|(i, m)| {
+                let m = m.as_ref()?;
+                let unlimited = applies(&m.limit) && m.limit.action == Action::Unlimited;
+                (!statuses[i].over_limit && !unlimited)
+                    .then_some(m.limit.metadata.as_ref())
+                    .flatten()
+            });
+            metadata(domain, descriptors, request_hits, passed)
+        });
+        Ok(Verdict {
+            over_limit,
+            unavailable,
+            statuses,
+            headers,
+            metadata,
+        })
+    }
+
+    /// The limit of one descriptor: its own (`limit`), else the YAML's.
+    fn find<'a>(
+        &self,
+        domains: &'a Domains,
+        domain: &str,
+        d: &Descriptor<'_>,
+    ) -> Option<Found<'a>> {
+        let Some((rpu, unit)) = d.limit else {
+            let m = domains.find(domain, &d.entries)?;
+            return Some(Found {
+                limit: Cow::Borrowed(m.limit),
+                subject: m.subject,
+                metric_key: m.metric_key,
+            });
+        };
+        // As ratelimit: the bucket is the domain and every entry, the metric key too.
+        let mut full_key = String::from(domain);
+        for (k, v) in &d.entries {
+            full_key.push('.');
+            full_key.push_str(k);
+            full_key.push('_');
+            full_key.push_str(v);
+        }
+        let action = if rpu == 0 {
+            Action::DenyAll
+        } else if u64::from(rpu) > MAX_PER_SECOND * unit.seconds() {
+            Action::Unlimited
+        } else {
+            match self.override_rule(rpu, unit) {
+                Some(rule) => Action::Rule(rule),
+                None => {
+                    tracing::warn!(
+                        max = MAX_OVERRIDE_LIMITS,
+                        "descriptor limits: as many distinct limits as kept; this one is \
+                         not applied (the YAML's applies)"
+                    );
+                    let m = domains.find(domain, &d.entries)?;
+                    return Some(Found {
+                        limit: Cow::Borrowed(m.limit),
+                        subject: m.subject,
+                        metric_key: m.metric_key,
+                    });
                 }
             }
         };
-        if let Some(reset) = refused {
-            if m.limit.shadow {
-                metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
-                    .increment(1);
-            } else {
-                statuses[i].over_limit = true;
-                statuses[i].remaining = 0;
-                statuses[i].reset = reset;
+        let mut pairs: Vec<[&str; 2]> = vec![["", domain]];
+        pairs.extend(d.entries.iter().map(|(k, v)| [*k, *v]));
+        Some(Found {
+            limit: Cow::Owned(Limit {
+                action,
+                requests_per_unit: rpu,
+                unit: Some(unit),
+                name: None,
+                replaces: Vec::new(),
+                shadow: false,
+                quota_mode: false,
+                detailed_metric: false,
+                metadata: None,
+                full_key: full_key.clone(),
+                subject_keys: None,
+            }),
+            subject: serde_json::to_string(&pairs).unwrap_or_default(),
+            metric_key: full_key,
+        })
+    }
+
+    /// `retry-after` when refused (unless no wait helps), and the tightest limit: the
+    /// refusing one (not in quota mode), else the one with the least left.
+    fn headers(
+        &self,
+        domain: &str,
+        statuses: &[Status],
+        over_limit: bool,
+        quota: &dyn Fn(usize) -> bool,
+    ) -> Vec<(String, String)> {
+        let mut headers = Vec::new();
+        let tightest = statuses
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.limit.is_some())
+            .min_by_key(|(i, s)| (!s.over_limit || quota(*i), s.remaining))
+            .map(|(_, s)| s);
+        let Some(s) = tightest else {
+            return headers;
+        };
+        let Some((rpu, unit, name)) = &s.limit else {
+            return headers;
+        };
+        let reset = s.reset.map_or(0, secs);
+        match &self.options.limit_headers {
+            Some([limit, remaining, reset_name]) => {
+                headers.push((limit.clone(), rpu.to_string()));
+                headers.push((remaining.clone(), s.remaining.to_string()));
+                headers.push((reset_name.clone(), reset.to_string()));
+            }
+            None => {
+                let label = name.as_deref().unwrap_or(domain);
+                headers.push((
+                    "ratelimit-policy".into(),
+                    format!("\"{label}\";q={rpu};w={}", unit.seconds()),
+                ));
+                headers.push((
+                    "ratelimit".into(),
+                    format!("\"{label}\";r={};t={reset}", s.remaining),
+                ));
             }
         }
-    }
-    let denied_already = statuses.iter().any(|s| s.over_limit);
-    let mut unavailable = false;
-    if !checks.is_empty() && !denied_already {
-        let list: Vec<(&[u8], &str, u64)> = checks.iter().map(|c| (c.2, c.1, c.3)).collect();
-        let mut each = Default::default();
-        limiter.check_all_each(&list, &mut each).await?;
-        for (k, d) in each.iter().enumerate() {
-            let (i, rule, subject, _) = checks[k];
-            let s = &mut statuses[i];
-            match *d {
-                Decision::Allowed { remaining, .. } => {
-                    s.remaining = remaining.min(u64::from(u32::MAX)) as u32;
-                    s.reset = limiter
-                        .bucket_params_for(rule, subject)
-                        .ok()
-                        .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
-                }
-                Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-                    unavailable |= matches!(d, Decision::Unavailable { .. });
-                    s.over_limit = true;
-                    s.remaining = 0;
-                    s.reset = Some(retry_after);
-                }
-            }
+        if over_limit
+            && let Some(wait) = statuses
+                .iter()
+                .filter(|s| s.over_limit)
+                .find_map(|s| s.reset)
+        {
+            headers.push(("retry-after".into(), secs(wait).max(1).to_string()));
         }
+        headers
     }
-    let over_limit = statuses.iter().any(|s| s.over_limit);
-    let mut headers = Vec::new();
-    // The tightest limit: the refused one, else the one with the least left.
-    let tightest = statuses
+}
+
+/// A descriptor's limit: the YAML's, or one the request named.
+struct Found<'a> {
+    limit: Cow<'a, Limit>,
+    subject: String,
+    metric_key: String,
+}
+
+/// `rules` with the rules of descriptors' own limits.
+fn with_overrides<'a>(rules: &Rules, overrides: impl Iterator<Item = &'a Rule>) -> Rules {
+    rules.clone().and(overrides.cloned())
+}
+
+/// As ratelimit's dynamic metadata: domain, descriptors, hitsAddend, and `passed`'s
+/// metadata merged.
+fn metadata<'a>(
+    domain: &str,
+    descriptors: &[Descriptor<'_>],
+    request_hits: u32,
+    passed: impl Iterator<Item = &'a serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::{Map, Value, json};
+    let mut fields = Map::new();
+    fields.insert("domain".into(), json!(domain));
+    let list: Vec<Value> = descriptors
         .iter()
-        .filter(|s| s.limit.is_some())
-        .min_by_key(|s| (!s.over_limit, s.remaining));
-    if let Some(s) = tightest
-        && let Some((rpu, unit, name)) = &s.limit
-    {
-        let label = name.as_deref().unwrap_or(domain);
-        let reset = s.reset.map_or(0, |d| {
-            leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64)
-        });
-        headers.push((
-            "ratelimit-policy",
-            format!("\"{label}\";q={rpu};w={}", unit.seconds()),
-        ));
-        headers.push((
-            "ratelimit",
-            format!("\"{label}\";r={};t={reset}", s.remaining),
-        ));
-        if s.over_limit {
-            headers.push(("retry-after", reset.max(1).to_string()));
+        .map(|d| {
+            let mut f = Map::new();
+            let entries: Vec<String> = d.entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            f.insert("entries".into(), json!(entries));
+            if let Some((rpu, unit)) = d.limit {
+                f.insert(
+                    "limit".into(),
+                    json!(format!(
+                        "requests_per_unit:{rpu} unit:{}",
+                        unit.name().to_ascii_uppercase()
+                    )),
+                );
+            }
+            f.insert("hitsAddend".into(), json!(d.hits));
+            Value::Object(f)
+        })
+        .collect();
+    fields.insert("descriptors".into(), Value::Array(list));
+    if request_hits != 0 {
+        fields.insert("hitsAddend".into(), json!(request_hits));
+    }
+    let mut merged = Map::new();
+    for m in passed {
+        if let Value::Object(src) = m {
+            merge(&mut merged, src);
         }
     }
-    Ok(Verdict {
-        over_limit,
-        unavailable,
-        statuses,
-        headers,
-    })
+    if !merged.is_empty() {
+        fields.insert("metadata".into(), Value::Object(merged));
+    }
+    fields
+}
+
+/// Adds `src`'s keys to `dest`: a key already there keeps its value, objects merge.
+fn merge(
+    dest: &mut serde_json::Map<String, serde_json::Value>,
+    src: &serde_json::Map<String, serde_json::Value>,
+) {
+    for (k, v) in src {
+        match (dest.get_mut(k), v) {
+            (Some(serde_json::Value::Object(d)), serde_json::Value::Object(s)) => merge(d, s),
+            (Some(_), _) => {}
+            (None, v) => {
+                dest.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+fn clip(n: u64) -> u32 {
+    n.min(u64::from(u32::MAX)) as u32
+}
+
+/// Whole seconds, rounded up.
+fn secs(d: Duration) -> u64 {
+    leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64)
 }
 
 /// Distinct `key` labels `leasehold_serve_hits_total` takes; past them, hits count under
@@ -223,11 +590,9 @@ pub const MAX_METRIC_KEYS: usize = 10_000;
 /// seen, else `_overflow` (logged once).
 fn metric_key(domain: &str, key: &str) -> String {
     use std::collections::HashSet;
-    use std::sync::{LazyLock, Mutex};
+    use std::sync::LazyLock;
     static SEEN: LazyLock<Mutex<HashSet<(String, String)>>> = LazyLock::new(Mutex::default);
-    let mut seen = SEEN
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut seen = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
     let pair = (domain.to_owned(), key.to_owned());
     if seen.contains(&pair) {
         return pair.1;
@@ -272,5 +637,17 @@ mod tests {
         assert!(overflowed >= 100, "{overflowed}");
         assert_eq!(metric_key("cap-test", "value-0"), "value-0");
         assert_eq!(metric_key("cap-test", "never-seen"), "_overflow");
+    }
+
+    /// Merged metadata: the first value of a key wins, objects merge.
+    #[test]
+    fn metadata_merges_as_ratelimit() {
+        let a = serde_json::json!({"backend": "a", "team": {"name": "x"}});
+        let b = serde_json::json!({"backend": "b", "team": {"on_call": "y"}, "tier": 2});
+        let m = metadata("d", &[], 0, [&a, &b].into_iter());
+        assert_eq!(
+            serde_json::Value::Object(m["metadata"].as_object().unwrap().clone()),
+            serde_json::json!({"backend": "a", "team": {"name": "x", "on_call": "y"}, "tier": 2})
+        );
     }
 }

@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
@@ -11,24 +10,24 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use leasehold_agent::Limiter;
+use envoy_types::pb::google::protobuf::{
+    Duration as PbDuration, ListValue, Struct, Value, value::Kind,
+};
 use tonic::{Request, Response, Status};
 
-use crate::config::Domains;
-use crate::decide::{DecideError, Descriptor, decide};
+use crate::config::Unit;
+use crate::decide::{DecideError, Decider, Descriptor};
 
 /// The gRPC service.
 #[derive(Clone, Debug)]
 pub struct Rls {
-    limiter: Limiter,
-    domains: Arc<ArcSwap<Domains>>,
+    decider: Arc<Decider>,
 }
 
 impl Rls {
-    /// Decides with `limiter` under the limits of `domains` (swapped on reload).
-    pub fn new(limiter: Limiter, domains: Arc<ArcSwap<Domains>>) -> Self {
-        Self { limiter, domains }
+    /// Decides with `decider`.
+    pub fn new(decider: Arc<Decider>) -> Self {
+        Self { decider }
     }
 
     /// As a tonic service.
@@ -44,6 +43,27 @@ fn duration(d: std::time::Duration) -> PbDuration {
     }
 }
 
+/// JSON as a protobuf `Struct` value.
+fn value(v: &serde_json::Value) -> Value {
+    let kind = match v {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(a) => Kind::ListValue(ListValue {
+            values: a.iter().map(value).collect(),
+        }),
+        serde_json::Value::Object(o) => Kind::StructValue(structure(o)),
+    };
+    Value { kind: Some(kind) }
+}
+
+fn structure(o: &serde_json::Map<String, serde_json::Value>) -> Struct {
+    Struct {
+        fields: o.iter().map(|(k, v)| (k.clone(), value(v))).collect(),
+    }
+}
+
 #[tonic::async_trait]
 impl RateLimitService for Rls {
     async fn should_rate_limit(
@@ -51,24 +71,44 @@ impl RateLimitService for Rls {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let req = request.into_inner();
+        // A request's hits_addend of 0 counts 1; a descriptor's 0 is a check that takes
+        // nothing (Envoy's apply_on_stream_done), as in envoyproxy/ratelimit.
         let default_hits = u64::from(req.hits_addend.max(1));
-        let descriptors: Vec<Descriptor<'_>> = req
-            .descriptors
-            .iter()
-            .map(|d| Descriptor {
+        let mut descriptors = Vec::with_capacity(req.descriptors.len());
+        for (i, d) in req.descriptors.iter().enumerate() {
+            let limit = match &d.limit {
+                None => None,
+                Some(l) => match Unit::from_envoy(l.unit) {
+                    Some(u) => Some((l.requests_per_unit, u)),
+                    None => {
+                        return Err(Status::invalid_argument(format!(
+                            "descriptor {i}: limit unit {} is not one of SECOND, MINUTE, \
+                             HOUR, DAY, WEEK, MONTH, YEAR",
+                            l.unit
+                        )));
+                    }
+                },
+            };
+            descriptors.push(Descriptor {
                 entries: d
                     .entries
                     .iter()
                     .map(|e| (e.key.as_str(), e.value.as_str()))
                     .collect(),
-                hits: d
-                    .hits_addend
-                    .as_ref()
-                    .map_or(default_hits, |h| h.value.max(1)),
-            })
-            .collect();
-        let domains = self.domains.load();
-        let verdict = match decide(&self.limiter, &domains, &req.domain, &descriptors).await {
+                // Negative hits (giving back) are not taken back: nothing is taken.
+                hits: if d.is_negative_hits {
+                    0
+                } else {
+                    d.hits_addend.as_ref().map_or(default_hits, |h| h.value)
+                },
+                limit,
+            });
+        }
+        let verdict = match self
+            .decider
+            .decide(&req.domain, &descriptors, req.hits_addend)
+            .await
+        {
             Ok(v) => v,
             Err(DecideError::UnknownDomain(d)) => {
                 // As ratelimit: no limit configured for the domain, so OK.
@@ -86,7 +126,6 @@ impl RateLimitService for Rls {
                     ..RateLimitResponse::default()
                 }));
             }
-            Err(DecideError::Invalid(why)) => return Err(Status::invalid_argument(why)),
             Err(e) => return Err(Status::invalid_argument(e.to_string())),
         };
         let statuses = verdict
@@ -128,11 +167,12 @@ impl RateLimitService for Rls {
                 .headers
                 .into_iter()
                 .map(|(k, v)| HeaderValue {
-                    key: k.to_owned(),
+                    key: k,
                     value: v,
                     ..HeaderValue::default()
                 })
                 .collect(),
+            dynamic_metadata: verdict.metadata.as_ref().map(structure),
             ..RateLimitResponse::default()
         }))
     }

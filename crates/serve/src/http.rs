@@ -1,61 +1,133 @@
 //! The HTTP check API, `/metrics` and `/health`.
 //!
+//! With envoyproxy/ratelimit YAML, requests name descriptors, as over gRPC, and decide the
+//! same buckets:
+//! - `POST /v1/check` with the rate limit service's request as JSON:
+//!   `{"domain":"gw","descriptors":[{"entries":[{"key":"api_key","value":"k1"}]}]}`
+//!   (per descriptor optional `hits_addend`, 0 for a check that takes nothing, and
+//!   `limit`: `{"requests_per_unit":10,"unit":"second"}`; the request's `hits_addend`).
+//!   200 when OK, 429 when over the limit (with `Retry-After`, unless more hits were asked
+//!   than the limit holds: no wait helps), 503 when the store is unreachable and a limit
+//!   fails closed; the body has `overall_code` and per descriptor `code`,
+//!   `current_limit`, `limit_remaining`, `duration_until_reset_ms`; the headers are the
+//!   gRPC answer's.
+//! - `GET /v1/auth?domain=D&descriptor=K1,K2=V2` for nginx `auth_request` (one
+//!   `descriptor` parameter per descriptor, its keys separated by commas): a key with
+//!   `=VALUE` has that value, a key alone takes its value from the request header
+//!   `X-Leasehold-Value-K` (as the client sent it, any bytes a header may hold; nginx:
+//!   `proxy_set_header X-Leasehold-Value-api_key $http_x_api_key;`). 204 when OK, 403 when
+//!   refused (`Retry-After`, `X-Leasehold-Outcome: limited | unavailable`), 401 when a
+//!   value header is missing or empty (nginx passes 401 on; any other status would be a
+//!   500), 400 for a malformed query.
+//!
+//! With a Leasehold rules file (TOML), requests name rules and subjects:
 //! - `POST /v1/check` with `{"checks":[{"rule":"api.write","subject":"tenant-42","cost":1}]}`
-//!   (cost defaults to 1; at most 256 checks): the checks pass all or nothing. 200
+//!   (cost defaults to 1; at most 256 checks): all or nothing. 200
 //!   `{"allowed":true,...}` with `RateLimit-Policy` and `RateLimit` headers; 429 with
 //!   `Retry-After` when a limit is exhausted; 503 with `Retry-After` when the store is
 //!   unreachable and the rule fails closed; 400 naming what is wrong with the request
 //!   (the body is JSON whatever its `Content-Type`), 413 for a body over 2 MB.
-//! - `GET /v1/auth?rule=R&subject=S[&cost=N]`, for nginx `auth_request`, which only knows
-//!   2xx (allow) and 401/403 (deny): 204 when admitted, 403 when refused (limited or
-//!   unavailable), with `Retry-After` and `X-Leasehold-Outcome: limited|unavailable` for
-//!   nginx to pass on; 400 for a bad request (nginx answers 500 then).
-//! - `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
-//!   store follow the failure policies (liveness: the process answers). `GET /ready`: the
-//!   same line, 503 while degraded (readiness). `GET /metrics`: Prometheus text.
+//! - `GET /v1/auth?rule=R&subject=S[&cost=N]`: 204, or 403 as above.
+//!
+//! And: `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
+//! store follow the failure policies (liveness: the process answers). `GET /ready`: the
+//! same line, 503 while degraded (readiness). `GET /metrics`: Prometheus text.
+
+use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use leasehold_agent::{CheckError, Decision, Limiter};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 
+use crate::config::Unit;
+use crate::decide::{DecideError, Decider, Descriptor, Verdict};
+
 #[derive(Clone, Debug)]
 struct Api {
-    limiter: Limiter,
+    decider: Arc<Decider>,
     metrics: Option<PrometheusHandle>,
 }
 
+impl Api {
+    fn limiter(&self) -> &Limiter {
+        self.decider.limiter()
+    }
+}
+
 /// The router: `/v1/check`, `/v1/auth`, `/health`, `/ready`, `/metrics`.
-pub fn router(limiter: Limiter, metrics: Option<PrometheusHandle>) -> Router {
+pub fn router(decider: Arc<Decider>, metrics: Option<PrometheusHandle>) -> Router {
     Router::new()
         .route("/v1/check", post(check))
         .route("/v1/auth", get(auth))
         .route(
             "/health",
-            get(|State(api): State<Api>| async move { api.limiter.health().line() + "\n" }),
+            get(|State(api): State<Api>| async move { api.limiter().health().line() + "\n" }),
         )
         .route("/ready", get(ready))
         .route("/metrics", get(render))
-        .with_state(Api { limiter, metrics })
+        .with_state(Api { decider, metrics })
 }
 
 /// 200 `ready`, or 503 `degraded: REASON`: for an orchestrator's readiness probe.
 async fn ready(State(api): State<Api>) -> Response {
-    let (status, body) = api.limiter.health().probe();
+    let (status, body) = api.limiter().health().probe();
     (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
 }
 
-/// The most checks one `POST /v1/check` may carry (each may be a store call).
+/// The most checks, or descriptors, one request may carry (each may be a store call).
 const MAX_CHECKS: usize = 256;
+
+/// A `POST /v1/check` body: the rate limit service's request, or rules and subjects.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum CheckBody {
+    Descriptors(RlsBody),
+    Rules(RulesBody),
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct CheckBody {
+struct RlsBody {
+    domain: String,
+    descriptors: Vec<JsonDescriptor>,
+    #[serde(default, alias = "hitsAddend")]
+    hits_addend: u32,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonDescriptor {
+    entries: Vec<JsonEntry>,
+    #[serde(default, alias = "hitsAddend")]
+    hits_addend: Option<u64>,
+    #[serde(default)]
+    limit: Option<JsonLimit>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonEntry {
+    key: String,
+    value: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonLimit {
+    #[serde(alias = "requestsPerUnit")]
+    requests_per_unit: u32,
+    unit: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RulesBody {
     checks: Vec<OneCheck>,
 }
 
@@ -86,9 +158,147 @@ fn secs(d: std::time::Duration) -> u64 {
     leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
 }
 
-fn set(h: &mut HeaderMap, name: &'static str, value: String) {
-    if let Ok(v) = HeaderValue::from_str(&value) {
-        h.insert(name, v);
+fn set(h: &mut HeaderMap, name: &str, value: String) {
+    if let (Ok(n), Ok(v)) = (
+        HeaderName::from_bytes(name.as_bytes()),
+        HeaderValue::from_str(&value),
+    ) {
+        h.insert(n, v);
+    }
+}
+
+fn count(outcome: &'static str) {
+    metrics::counter!("leasehold_serve_requests_total", "api" => "http", "outcome" => outcome)
+        .increment(1);
+}
+
+/// The body is read as JSON whatever its `Content-Type` says: `curl -d` (and many a
+/// gateway plugin) sends JSON labelled as a form.
+async fn check(
+    State(api): State<Api>,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
+    let bytes = match body {
+        Ok(bytes) => bytes,
+        Err(e) => return error(e.status(), e.body_text()),
+    };
+    let body: CheckBody = match serde_json::from_slice(&bytes) {
+        Ok(b) => b,
+        Err(e) => {
+            // Untagged: say what each shape wants.
+            let why = serde_json::from_slice::<RlsBody>(&bytes)
+                .err()
+                .filter(|_| !bytes.windows(8).any(|w| w == b"\"checks\""))
+                .or_else(|| serde_json::from_slice::<RulesBody>(&bytes).err())
+                .map_or(e.to_string(), |e| e.to_string());
+            return bad(format!(
+                "the body is neither a rate limit request ({{\"domain\":..,\"descriptors\":[..]}}) \
+                 nor checks ({{\"checks\":[..]}}): {why}"
+            ));
+        }
+    };
+    match body {
+        CheckBody::Descriptors(b) => check_descriptors(&api, b).await,
+        CheckBody::Rules(b) => check_rules(&api, b).await,
+    }
+}
+
+/// Decides descriptors as the gRPC service does.
+async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
+    if body.descriptors.len() > MAX_CHECKS {
+        return bad(format!(
+            "at most {MAX_CHECKS} descriptors a request (got {})",
+            body.descriptors.len()
+        ));
+    }
+    let default_hits = u64::from(body.hits_addend.max(1));
+    let mut descriptors = Vec::with_capacity(body.descriptors.len());
+    for (i, d) in body.descriptors.iter().enumerate() {
+        let limit = match &d.limit {
+            None => None,
+            Some(l) => match Unit::parse(&l.unit) {
+                Some(u) => Some((l.requests_per_unit, u)),
+                None => {
+                    return bad(format!(
+                        "descriptor {i}: limit unit {:?} is not one of second, minute, hour, \
+                         day, week, month, year",
+                        l.unit
+                    ));
+                }
+            },
+        };
+        descriptors.push(Descriptor {
+            entries: d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect(),
+            hits: d.hits_addend.unwrap_or(default_hits),
+            limit,
+        });
+    }
+    let verdict = match api
+        .decider
+        .decide(&body.domain, &descriptors, body.hits_addend)
+        .await
+    {
+        Ok(v) => v,
+        Err(DecideError::UnknownDomain(_)) => {
+            count("ok");
+            let statuses: Vec<_> = descriptors
+                .iter()
+                .map(|_| serde_json::json!({"code": "OK", "limit_remaining": 0}))
+                .collect();
+            return Json(serde_json::json!({"overall_code": "OK", "statuses": statuses}))
+                .into_response();
+        }
+        Err(e) => return bad(e.to_string()),
+    };
+    let (status, outcome) = verdict_status(&verdict);
+    count(outcome);
+    let mut headers = HeaderMap::new();
+    for (k, v) in &verdict.headers {
+        set(&mut headers, k, v.clone());
+    }
+    let statuses: Vec<serde_json::Value> = verdict
+        .statuses
+        .iter()
+        .map(|s| {
+            let mut o = serde_json::json!({
+                "code": if s.over_limit { "OVER_LIMIT" } else { "OK" },
+                "limit_remaining": s.remaining,
+            });
+            if let Some((rpu, unit, name)) = &s.limit {
+                o["current_limit"] = serde_json::json!({
+                    "name": name.clone().unwrap_or_default(),
+                    "requests_per_unit": rpu,
+                    "unit": unit.name().to_ascii_uppercase(),
+                });
+            }
+            if let Some(r) = s.reset {
+                o["duration_until_reset_ms"] = serde_json::json!(r.as_millis() as u64);
+            }
+            o
+        })
+        .collect();
+    let mut json = serde_json::json!({
+        "overall_code": if verdict.over_limit { "OVER_LIMIT" } else { "OK" },
+        "statuses": statuses,
+    });
+    if let Some(m) = verdict.metadata {
+        json["dynamic_metadata"] = serde_json::Value::Object(m);
+    }
+    (status, headers, Json(json)).into_response()
+}
+
+/// The status of a verdict over HTTP, and its outcome label.
+fn verdict_status(v: &Verdict) -> (StatusCode, &'static str) {
+    if v.unavailable {
+        (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+    } else if v.over_limit {
+        (StatusCode::TOO_MANY_REQUESTS, "over_limit")
+    } else {
+        (StatusCode::OK, "ok")
     }
 }
 
@@ -117,10 +327,10 @@ fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str
     set(h, "ratelimit", format!("\"{rule}\";r={r};t={t}"));
 }
 
-async fn decide(
+async fn decide_rules(
     limiter: &Limiter,
     checks: &[OneCheck],
-) -> Result<(Decision, usize, Vec<Decision>), CheckError> {
+) -> Result<(Decision, usize, Vec<Option<Decision>>), CheckError> {
     let list: Vec<(&[u8], &str, u64)> = checks
         .iter()
         .map(|c| (c.subject.as_bytes(), c.rule.as_str(), c.cost))
@@ -130,19 +340,8 @@ async fn decide(
     Ok((d, at, each))
 }
 
-/// The body is read as JSON whatever its `Content-Type` says: `curl -d` (and many a
-/// gateway plugin) sends JSON labelled as a form.
-async fn check(
-    State(api): State<Api>,
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    let body: CheckBody = match body {
-        Ok(bytes) => match serde_json::from_slice(&bytes) {
-            Ok(b) => b,
-            Err(e) => return bad(format!("the body is not a check request's JSON: {e}")),
-        },
-        Err(e) => return error(e.status(), e.body_text()),
-    };
+/// Decides rules and subjects.
+async fn check_rules(api: &Api, body: RulesBody) -> Response {
     if body.checks.is_empty() {
         return bad("checks must not be empty");
     }
@@ -153,13 +352,13 @@ async fn check(
             body.checks.len()
         ));
     }
-    let (decision, at, each) = match decide(&api.limiter, &body.checks).await {
+    let (decision, at, each) = match decide_rules(api.limiter(), &body.checks).await {
         Ok(x) => x,
         Err(e) => return bad(e.to_string()),
     };
     let c = &body.checks[at];
     let mut headers = HeaderMap::new();
-    limit_headers(&mut headers, &api.limiter, &c.rule, &c.subject, decision);
+    limit_headers(&mut headers, api.limiter(), &c.rule, &c.subject, decision);
     let (status, json) = match decision {
         Decision::Allowed { .. } => {
             let results: Vec<serde_json::Value> = body
@@ -170,8 +369,8 @@ async fn check(
                     // null: admitted without the store's count (fail open, the
                     // emergency limit, shadow).
                     let remaining = match d {
-                        Decision::Allowed { via, .. } if !via.is_metered() => None,
-                        Decision::Allowed { remaining, .. } => Some(*remaining),
+                        Some(Decision::Allowed { via, .. }) if !via.is_metered() => None,
+                        Some(Decision::Allowed { remaining, .. }) => Some(*remaining),
                         _ => Some(0),
                     };
                     serde_json::json!({ "rule": c.rule, "remaining": remaining })
@@ -200,51 +399,74 @@ async fn check(
             )
         }
     };
-    let outcome = match status {
+    count(match status {
         StatusCode::OK => "ok",
         StatusCode::TOO_MANY_REQUESTS => "over_limit",
-        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
-        _ => "error",
-    };
-    metrics::counter!("leasehold_serve_requests_total", "api" => "http", "outcome" => outcome)
-        .increment(1);
+        _ => "unavailable",
+    });
     (status, headers, Json(json)).into_response()
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AuthQuery {
-    rule: String,
-    subject: String,
-    #[serde(default = "one")]
-    cost: u64,
-}
+/// The header a descriptor key's value comes from in `GET /v1/auth`.
+pub const VALUE_HEADER: &str = "x-leasehold-value-";
 
+/// `GET /v1/auth`: descriptors (`domain`, `descriptor`, `hits`) or a rule and subject
+/// (`rule`, `subject`, `cost`).
 async fn auth(
     State(api): State<Api>,
-    q: Result<Query<AuthQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+    q: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
     let Query(q) = match q {
         Ok(q) => q,
         Err(e) => return bad(e.body_text()),
     };
+    let get = |name: &str| q.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+    for (k, _) in &q {
+        if !matches!(
+            k.as_str(),
+            "domain" | "descriptor" | "hits" | "rule" | "subject" | "cost"
+        ) {
+            return bad(format!(
+                "unknown query parameter {:?}: descriptors take domain, descriptor and hits; \
+                 rules take rule, subject and cost",
+                k.chars().take(80).collect::<String>()
+            ));
+        }
+    }
+    let number = |name: &str| -> Result<Option<u64>, String> {
+        get(name)
+            .map(|v| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("{name} {v:?} is not a whole number"))
+            })
+            .transpose()
+    };
+    if let Some(domain) = get("domain") {
+        let hits = match number("hits") {
+            Ok(h) => h.unwrap_or(1),
+            Err(why) => return bad(why),
+        };
+        return auth_descriptors(&api, &headers, domain, &q, hits).await;
+    }
+    let (Some(rule), Some(subject)) = (get("rule"), get("subject")) else {
+        return bad("give domain and descriptor (YAML limits), or rule and subject");
+    };
+    let cost = match number("cost") {
+        Ok(c) => c.unwrap_or(1),
+        Err(why) => return bad(why),
+    };
     let one = [OneCheck {
-        rule: q.rule,
-        subject: q.subject,
-        cost: q.cost,
+        rule: rule.to_owned(),
+        subject: subject.to_owned(),
+        cost,
     }];
-    let (decision, _, _) = match decide(&api.limiter, &one).await {
+    let (decision, _, _) = match decide_rules(api.limiter(), &one).await {
         Ok(x) => x,
         Err(e) => return bad(e.to_string()),
     };
     let mut headers = HeaderMap::new();
-    limit_headers(
-        &mut headers,
-        &api.limiter,
-        &one[0].rule,
-        &one[0].subject,
-        decision,
-    );
+    limit_headers(&mut headers, api.limiter(), rule, subject, decision);
     match decision {
         Decision::Allowed { .. } => (StatusCode::NO_CONTENT, headers).into_response(),
         Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
@@ -258,6 +480,97 @@ async fn auth(
             (StatusCode::FORBIDDEN, headers).into_response()
         }
     }
+}
+
+/// A refusal nginx passes on to its client: 401 with why in `X-Leasehold-Error`.
+fn unauthorized(why: String) -> Response {
+    let mut h = HeaderMap::new();
+    set(&mut h, "x-leasehold-error", why.clone());
+    (
+        StatusCode::UNAUTHORIZED,
+        h,
+        Json(serde_json::json!({ "error": why })),
+    )
+        .into_response()
+}
+
+async fn auth_descriptors(
+    api: &Api,
+    headers: &HeaderMap,
+    domain: &str,
+    q: &[(String, String)],
+    hits: u64,
+) -> Response {
+    let mut descriptors: Vec<Descriptor<'_>> = Vec::new();
+    for (_, spec) in q.iter().filter(|(k, _)| k == "descriptor") {
+        if descriptors.len() == MAX_CHECKS {
+            return bad(format!("at most {MAX_CHECKS} descriptors a request"));
+        }
+        let mut entries = Vec::new();
+        for item in spec.split(',') {
+            let (key, literal) = match item.split_once('=') {
+                Some((k, v)) => (k, Some(v)),
+                None => (item, None),
+            };
+            if key.is_empty() {
+                return bad(format!("descriptor {spec:?} has an empty key"));
+            }
+            let value = match literal {
+                Some(v) => v,
+                None => {
+                    let name = format!("{VALUE_HEADER}{key}");
+                    let Ok(name) = HeaderName::from_bytes(name.as_bytes()) else {
+                        return bad(format!(
+                            "descriptor key {key:?} cannot name a header: write it as \
+                             {key}=VALUE"
+                        ));
+                    };
+                    match headers.get(&name).and_then(|v| v.to_str().ok()) {
+                        Some(v) if !v.is_empty() => v,
+                        _ => {
+                            return unauthorized(format!(
+                                "no value for {key}: header {name} is missing, empty or not \
+                                 text"
+                            ));
+                        }
+                    }
+                }
+            };
+            entries.push((key, value));
+        }
+        descriptors.push(Descriptor {
+            entries,
+            hits,
+            limit: None,
+        });
+    }
+    if descriptors.is_empty() {
+        return bad("give at least one descriptor=KEY[=VALUE][,KEY...]");
+    }
+    let verdict = match api.decider.decide(domain, &descriptors, 0).await {
+        Ok(v) => v,
+        Err(DecideError::UnknownDomain(_)) => {
+            count("ok");
+            return StatusCode::NO_CONTENT.into_response();
+        }
+        Err(e) => return bad(e.to_string()),
+    };
+    let (status, outcome) = verdict_status(&verdict);
+    count(outcome);
+    let mut h = HeaderMap::new();
+    for (k, v) in &verdict.headers {
+        set(&mut h, k, v.clone());
+    }
+    if status == StatusCode::OK {
+        return (StatusCode::NO_CONTENT, h).into_response();
+    }
+    let outcome = if verdict.unavailable {
+        "unavailable"
+    } else {
+        "limited"
+    };
+    set(&mut h, "x-leasehold-outcome", outcome.to_owned());
+    (StatusCode::FORBIDDEN, h).into_response()
 }
 
 async fn render(State(api): State<Api>) -> Response {

@@ -1,6 +1,6 @@
 //! `leasehold serve`: Leasehold for gateways not written in Rust.
 //!
-//! One process holding a [`Limiter`] serves:
+//! One process holding a [`Limiter`] (in a [`Decider`], with the limits in force) serves:
 //! - the Envoy rate limit service v3 over gRPC
 //!   (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`), configured with
 //!   envoyproxy/ratelimit's YAML as it is ([`config`]);
@@ -16,11 +16,11 @@ pub mod grpc;
 pub mod http;
 
 pub use config::{ConfigError, Domains};
+pub use decide::{Decider, Options};
 pub use leasehold_agent::Limiter;
 
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Serves the gRPC rate limit service on `grpc` and the HTTP API on `http` (either may
@@ -28,8 +28,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 /// listeners set `TCP_NODELAY`, time out idle and half-sent connections and bound how
 /// many are open (see [`leasehold_net`]).
 pub async fn serve(
-    limiter: Limiter,
-    domains: Arc<ArcSwap<Domains>>,
+    decider: Arc<Decider>,
     grpc: Option<tokio::net::TcpListener>,
     http: Option<tokio::net::TcpListener>,
     metrics: Option<PrometheusHandle>,
@@ -39,7 +38,7 @@ pub async fn serve(
     let (stop, _) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     if let Some(listener) = grpc {
-        let service = grpc::Rls::new(limiter.clone(), domains).into_server();
+        let service = grpc::Rls::new(decider.clone()).into_server();
         let app = tonic::service::Routes::new(service)
             .prepare()
             .into_axum_router();
@@ -53,7 +52,7 @@ pub async fn serve(
         }));
     }
     if let Some(listener) = http {
-        let app = http::router(limiter, metrics);
+        let app = http::router(decider, metrics);
         let mut rx = stop.subscribe();
         tasks.push(tokio::spawn(async move {
             leasehold_net::serve("http", listener, app, limits, async move {

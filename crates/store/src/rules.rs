@@ -298,6 +298,15 @@ impl Rules {
         }
     }
 
+    /// These rules and `more` (one of the same name replaces it); overrides stay.
+    #[must_use]
+    pub fn and(mut self, more: impl IntoIterator<Item = Rule>) -> Self {
+        for r in more {
+            self.rules.insert(r.name().as_str().to_owned(), r);
+        }
+        self
+    }
+
     /// The rule that applies to `subject` under `name`: its override if it has one,
     /// else the rule.
     pub fn resolve(&self, name: &str, subject: &[u8]) -> Result<&Rule, UnknownRule> {

@@ -44,6 +44,7 @@ use crate::redis_store::{ErrorKind, RedisStore, StoreConfig, StoreError};
 use crate::rules::{Overrides, Rules, RulesError, UnknownRule};
 use crate::store::{EmbeddedStore, Store};
 
+mod all;
 mod background;
 mod batch;
 mod builder;
@@ -840,82 +841,6 @@ impl Limiter {
         };
         self.sample_end(started);
         Ok(d)
-    }
-
-    /// Checks several rules for one request (for example tenant, endpoint and global):
-    /// admitted only if every rule admits. When one denies, the tokens already taken from
-    /// the others are given back to their leases. The first denial or refusal is
-    /// returned; an admission reports the tightest check (least `remaining`, and how
-    /// that one was admitted). A leased admission's `remaining` here is its key's
-    /// [`Limiter::quota_left`], not what the lease alone holds.
-    pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
-        let mut each = Vec::new();
-        Ok(self.check_all_each(checks, &mut each).await?.0)
-    }
-
-    /// [`Limiter::check_all`], also giving the index of the check that decided (the
-    /// refusing one, or the tightest admission) and, in `each`, the decision of every
-    /// check made (up to and including a refusal; the ones before it were given back).
-    pub async fn check_all_each(
-        &self,
-        checks: &[(&[u8], &str, u64)],
-        each: &mut Vec<Decision>,
-    ) -> Result<(Decision, usize), CheckError> {
-        each.clear();
-        // What to give back should a later check refuse: (key, cost, the lease's epoch,
-        // or None for the seat).
-        let mut taken: Vec<(Arc<KeyState>, u64, Option<u64>)> = Vec::with_capacity(checks.len());
-        let mut tightest: Option<(u64, Admission, usize)> = None;
-        for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
-            let before = self.key(rule, subject);
-            let epoch = before.as_ref().map(|ks| ks.hot().lease.epoch());
-            let mut decided = self.check(subject, rule, cost).await;
-            if let Ok(
-                d @ Decision::Allowed {
-                    via: Admission::Lease | Admission::Local,
-                    ..
-                },
-            ) = decided
-                && let Some(ks) = self.key(rule, subject)
-            {
-                decided = Ok(self.with_quota(&ks, d));
-            }
-            if let Ok(d) = decided {
-                each.push(d);
-            }
-            match decided {
-                Ok(Decision::Allowed { remaining, via }) => {
-                    if tightest.is_none_or(|(r, _, _)| remaining < r) {
-                        tightest = Some((remaining, via, i));
-                    }
-                    if via == Admission::Lease
-                        && let (Some(ks), Some(epoch)) = (before, epoch)
-                    {
-                        taken.push((ks, cost, Some(epoch)));
-                    } else if via == Admission::Local
-                        && let Some(ks) = self.key(rule, subject)
-                    {
-                        taken.push((ks, cost, None));
-                    }
-                }
-                other => {
-                    // Tokens spent from local leases go back to them when the store's
-                    // view still covers them, and to the seats they came from. Exact
-                    // and degraded admissions stay spent.
-                    for (ks, cost, epoch) in taken {
-                        let Some(epoch) = epoch else {
-                            Self::refund_seat(&ks, cost);
-                            continue;
-                        };
-                        let _driver = ks.driver.lock().await;
-                        ks.hot().lease.refund(cost, epoch);
-                    }
-                    return other.map(|d| (d, i));
-                }
-            }
-        }
-        let (remaining, via, i) = tightest.unwrap_or((0, Admission::Lease, 0));
-        Ok((Decision::Allowed { remaining, via }, i))
     }
 
     /// Like [`Limiter::check`], but when the bucket is empty waits (FIFO with the other
@@ -1762,7 +1687,8 @@ impl Limiter {
                 // Refused by its part while holding nothing from it: the next attempt
                 // goes to the next part, so parts no agent starts on are drained too.
                 let ending = matches!(op, Op::Acquire { .. }) && reply.ttl_us == 0;
-                let refused = reply.granted == 0 && !ending;
+                let read = matches!(op, Op::Exact { cost: 0 });
+                let refused = reply.granted == 0 && !ending && !read;
                 let empty = ks.hot().lease.held() == 0
                     && matches!(op, Op::Exact { .. } | Op::Acquire { held: 0, .. });
                 if let Some(r) = &driver.route

@@ -683,3 +683,164 @@ fn ratelimit_drop_in_semantics() {
         serving.await.unwrap().unwrap();
     });
 }
+
+/// An nginx process on a free loopback port, from `conf` (where `{dir}` is its own
+/// temporary directory and `{port}` its port), stopped on drop.
+struct Nginx {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    fn start(conf: &str) -> Self {
+        let bin = ["nginx", "/usr/sbin/nginx"]
+            .into_iter()
+            .find(|b| {
+                std::process::Command::new(b)
+                    .arg("-v")
+                    .output()
+                    .is_ok_and(|o| o.status.success())
+            })
+            .expect(
+                "nginx is not installed: `apt-get install nginx` (scripts/test installs it \
+                 when it can)",
+            );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("www")).unwrap();
+        std::fs::create_dir_all(dir.path().join("tmp")).unwrap();
+        std::fs::write(dir.path().join("www/index.html"), "backend\n").unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let d = dir.path().display().to_string();
+        let text = format!(
+            "daemon off;\nmaster_process off;\nworker_processes 1;\npid {d}/nginx.pid;\n\
+             error_log {d}/error.log;\nevents {{ worker_connections 64; }}\nhttp {{\n\
+             access_log off;\nclient_body_temp_path {d}/tmp;\nproxy_temp_path {d}/tmp;\n\
+             fastcgi_temp_path {d}/tmp;\nuwsgi_temp_path {d}/tmp;\nscgi_temp_path {d}/tmp;\n\
+             server {{\nlisten 127.0.0.1:{port};\nroot {d}/www;\n{conf}\n}}\n}}\n"
+        );
+        let path = dir.path().join("nginx.conf");
+        std::fs::write(&path, text).unwrap();
+        let child = std::process::Command::new(bin)
+            .arg("-p")
+            .arg(dir.path())
+            .arg("-c")
+            .arg(&path)
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            let log = std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nginx did not listen on {port}: {log}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Self {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `GET /index.html` through nginx with `X-Api-Key: key` (or none): the status line and the head.
+async fn through(port: u16, key: Option<&str>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let h = key.map_or(String::new(), |k| format!("X-Api-Key: {k}\r\n"));
+    // The file itself: `/` would redirect internally to it, and pass auth_request twice.
+    let req = format!("GET /index.html HTTP/1.1\r\nHost: x\r\n{h}Connection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await.unwrap();
+    resp.to_ascii_lowercase()
+}
+
+/// The README's nginx recipe, as it is written there, in front of `leasehold serve`:
+/// the key's limit holds, the client gets 429 with Retry-After and the RateLimit headers,
+/// a key with spaces and `&cost=0` is just a key, and a missing key is 401, never 500.
+#[test]
+fn nginx_auth_request_recipe_from_the_readme() {
+    let server = support::server();
+    // The recipe, from the README, between its markers; the address is serve's here.
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let recipe = readme
+        .split("```nginx\n")
+        .nth(1)
+        .and_then(|r| r.split("```").next())
+        .expect("the README's nginx recipe")
+        .to_owned();
+    support::runtime().block_on(async {
+        let domains = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
+        let limiter = leasehold_agent::Limiter::builder()
+            .redis(server.url())
+            .rules(domains.rules())
+            .config({
+                let mut c = leasehold_agent::LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_port = http.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(leasehold_serve::serve(
+            leasehold_serve::Decider::new(limiter.clone(), domains, Default::default()),
+            None,
+            Some(http),
+            None,
+            leasehold_net::Limits::default(),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let conf = recipe
+            .replace("127.0.0.1:8080", &format!("127.0.0.1:{http_port}"))
+            .replace("domain=gw", "domain=messaging")
+            .replace("proxy_pass http://backend;", "");
+        let nginx = Nginx::start(&conf);
+        // api_key: 3 a day.
+        for _ in 0..3 {
+            let r = through(nginx.port, Some("odd key &cost=0")).await;
+            assert!(r.starts_with("http/1.1 200"), "{r}");
+            assert!(
+                r.contains("ratelimit-policy: \"messaging\";q=3;w=86400"),
+                "{r}"
+            );
+            assert!(r.contains("ratelimit: \"messaging\";r="), "{r}");
+            assert!(r.ends_with("backend\n"), "{r}");
+        }
+        let r = through(nginx.port, Some("odd key &cost=0")).await;
+        assert!(r.starts_with("http/1.1 429"), "{r}");
+        assert!(r.contains("retry-after: "), "{r}");
+        assert!(r.contains("ratelimit: \"messaging\";r=0;"), "{r}");
+        // Another key has its own bucket.
+        let r = through(nginx.port, Some("another")).await;
+        assert!(r.starts_with("http/1.1 200"), "{r}");
+        // No key: 401 from serve, passed on by nginx.
+        let r = through(nginx.port, None).await;
+        assert!(r.starts_with("http/1.1 401"), "{r}");
+        drop(nginx);
+        stop.send(()).unwrap();
+        serving.await.unwrap().unwrap();
+    });
+}

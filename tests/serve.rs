@@ -675,6 +675,8 @@ fn ratelimit_drop_in_semantics() {
         assert!(refused.starts_with("http/1.1 403"), "{refused}");
         assert!(refused.contains("retry-after:"), "{refused}");
         assert!(refused.contains("x-leasehold-outcome: limited"), "{refused}");
+        let unicode = auth(Some("ключ-日本")).await;
+        assert!(unicode.starts_with("HTTP/1.1 204"), "{unicode}");
         let missing = auth(None).await.to_ascii_lowercase();
         assert!(missing.starts_with("http/1.1 401"), "{missing}");
         assert!(missing.contains("x-leasehold-value-api_key"), "{missing}");

@@ -525,12 +525,16 @@ async fn auth_descriptors(
                              {key}=VALUE"
                         ));
                     };
-                    match headers.get(&name).and_then(|v| v.to_str().ok()) {
+                    // The bytes as the client sent them: UTF-8 is text too.
+                    match headers
+                        .get(&name)
+                        .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+                    {
                         Some(v) if !v.is_empty() => v,
                         _ => {
                             return unauthorized(format!(
                                 "no value for {key}: header {name} is missing, empty or not \
-                                 text"
+                                 UTF-8"
                             ));
                         }
                     }

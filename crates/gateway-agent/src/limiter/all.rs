@@ -33,24 +33,20 @@ impl Limiter {
         cost: u64,
     ) -> Result<Decision, CheckError> {
         let subject = subject.as_ref();
-        self.validate(subject, rule, cost)?;
+        let (existing, entry) = self.resolve(subject, rule, cost)?;
         let now = self.now_ns();
-        let ks = match self.key(rule, subject) {
+        let ks = match existing {
             Some(ks) => ks,
-            None => {
-                let entry = self.inner.rules.load().get(rule)?.resolve(subject).clone();
-                let bucket = entry.key(subject)?;
-                Arc::new(KeyState::new(
-                    &self.inner.cells,
-                    rule,
-                    &entry,
-                    bucket,
-                    now,
-                    true,
-                ))
-            }
+            // Not kept: a look does not make the agent hold a key.
+            None => Arc::new(KeyState::new(
+                &self.inner.cells,
+                rule,
+                &entry,
+                entry.key(subject)?,
+                now,
+                true,
+            )),
         };
-        let entry = ks.entry.load_full();
         let held = self.held_locally(&ks, now);
         if held >= cost {
             return Ok(Decision::Allowed {
@@ -114,30 +110,6 @@ impl Limiter {
         leased.saturating_add(ks.seat_level(now))
     }
 
-    /// What [`Limiter::check`] refuses before deciding: an unknown rule, a cost of 0 or
-    /// above the capacity, a subject that cannot name a bucket.
-    fn validate(&self, subject: &[u8], rule: &str, cost: u64) -> Result<(), CheckError> {
-        let rules = self.inner.rules.load();
-        let set = rules.get(rule)?;
-        let entry = match self.key(rule, subject) {
-            Some(ks) => ks.entry.load_full(),
-            None => set.resolve(subject).clone(),
-        };
-        if cost == 0 {
-            return Err(CheckError::ZeroCost);
-        }
-        let capacity = entry.params.capacity;
-        if cost > capacity {
-            return Err(CheckError::CostExceedsCapacity {
-                rule: rule.to_owned(),
-                cost,
-                capacity,
-            });
-        }
-        entry.key(subject)?;
-        Ok(())
-    }
-
     /// Checks several rules for one request (for example tenant, endpoint and global):
     /// admitted only if every rule admits, and a refused request takes nothing (see the
     /// module's notes for the one race that can charge it). Checks of the same bucket
@@ -178,7 +150,7 @@ impl Limiter {
             }
         }
         for b in &buckets {
-            self.validate(b.0, b.1, b.2)?;
+            self.resolve(b.0, b.1, b.2)?;
         }
         let answer = |each: &mut Vec<Option<Decision>>, j: usize, d: Decision| {
             for (i, _) in of.iter().enumerate().filter(|(_, b)| **b == j) {

@@ -1141,27 +1141,7 @@ impl Limiter {
         cost: u64,
         now: Option<u64>,
     ) -> Result<Local, CheckError> {
-        let rules = self.inner.rules.load();
-        let set = rules.get(rule)?;
-        let existing = self.inner.keys.get(&KeyRef::new(rule, subject));
-        let entry = match &existing {
-            Some(ks) => ks.entry.load_full(),
-            None => set.resolve(subject).clone(),
-        };
-        let capacity = entry.params.capacity;
-        if cost == 0 {
-            return Err(CheckError::ZeroCost);
-        }
-        if cost > capacity {
-            return Err(CheckError::CostExceedsCapacity {
-                rule: rule.to_owned(),
-                cost,
-                capacity,
-            });
-        }
-        if subject.is_empty() {
-            return Err(SubjectError::Empty.into());
-        }
+        let (existing, entry) = self.resolve(subject, rule, cost)?;
         let now = now.unwrap_or_else(|| self.now_ns());
         let keys = &self.inner.keys;
         if let Some(ks) = existing {
@@ -1210,6 +1190,39 @@ impl Limiter {
         // Another caller may have inserted it first, with the same entry.
         let entry = ks.entry.load_full();
         Ok(Local::NeedsStore(ks, entry))
+    }
+
+    /// What every decision checks first: the key if this agent holds it, and the rule
+    /// entry in force for `subject` (the key's, else the rule table's); an unknown rule,
+    /// a cost of 0 or above the capacity, or an empty subject is an error.
+    fn resolve(
+        &self,
+        subject: &[u8],
+        rule: &str,
+        cost: u64,
+    ) -> Result<(Option<Arc<KeyState>>, Arc<RuleEntry>), CheckError> {
+        let rules = self.inner.rules.load();
+        let set = rules.get(rule)?;
+        let existing = self.inner.keys.get(&KeyRef::new(rule, subject));
+        let entry = match &existing {
+            Some(ks) => ks.entry.load_full(),
+            None => set.resolve(subject).clone(),
+        };
+        let capacity = entry.params.capacity;
+        if cost == 0 {
+            return Err(CheckError::ZeroCost);
+        }
+        if cost > capacity {
+            return Err(CheckError::CostExceedsCapacity {
+                rule: rule.to_owned(),
+                cost,
+                capacity,
+            });
+        }
+        if subject.is_empty() {
+            return Err(SubjectError::Empty.into());
+        }
+        Ok((existing, entry))
     }
 
     /// Takes `cost` from the key's bucket of this agent's seat, if its rule has a local

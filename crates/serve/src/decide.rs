@@ -73,9 +73,6 @@ pub struct Verdict {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecideError {
-    /// No such domain in the configuration.
-    #[error("unknown domain {0:?}")]
-    UnknownDomain(String),
     /// The request has no domain or no descriptor.
     #[error("{0}")]
     Invalid(String),
@@ -94,6 +91,12 @@ pub struct Descriptor<'a> {
     pub hits: u64,
     /// The request's own limit for it (RateLimitOverride): requests per unit and unit.
     pub limit: Option<(u32, Unit)>,
+}
+
+/// A descriptor's tokens, as ratelimit counts them: its own `hits_addend` (0: a check
+/// that takes nothing), else the request's, whose 0 counts 1.
+pub fn hits(own: Option<u64>, request: u32) -> u64 {
+    own.unwrap_or(u64::from(request.max(1)))
 }
 
 /// Distinct limits requests may name in descriptors' `limit`: each is a Leasehold rule.
@@ -171,7 +174,8 @@ impl Decider {
         Some(name)
     }
 
-    /// Decides a request of `domain` with `descriptors`.
+    /// Decides a request of `domain` with `descriptors` (a domain not configured: every
+    /// descriptor OK, as in ratelimit).
     pub async fn decide(
         &self,
         domain: &str,
@@ -188,9 +192,22 @@ impl Decider {
         }
         let domains = self.domains.load();
         if !domains.has_domain(domain) {
-            return Err(DecideError::UnknownDomain(
-                domain.chars().take(80).collect(),
-            ));
+            // As ratelimit: no limit is configured for the domain, so OK.
+            tracing::debug!(domain = %domain.chars().take(80).collect::<String>(), "unknown domain");
+            metrics::counter!("leasehold_serve_unknown_domain_total").increment(1);
+            let ok = Status {
+                over_limit: false,
+                limit: None,
+                remaining: 0,
+                reset: None,
+            };
+            return Ok(Verdict {
+                over_limit: false,
+                unavailable: false,
+                statuses: vec![ok; descriptors.len()],
+                headers: Vec::new(),
+                metadata: None,
+            });
         }
         let limiter = &self.limiter;
         let matched: Vec<Option<Found<'_>>> = descriptors

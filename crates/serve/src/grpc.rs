@@ -16,7 +16,7 @@ use envoy_types::pb::google::protobuf::{
 use tonic::{Request, Response, Status};
 
 use crate::config::Unit;
-use crate::decide::{DecideError, Decider, Descriptor};
+use crate::decide::{Decider, Descriptor, hits};
 
 /// The gRPC service.
 #[derive(Clone, Debug)]
@@ -71,9 +71,6 @@ impl RateLimitService for Rls {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let req = request.into_inner();
-        // A request's hits_addend of 0 counts 1; a descriptor's 0 is a check that takes
-        // nothing (Envoy's apply_on_stream_done), as in envoyproxy/ratelimit.
-        let default_hits = u64::from(req.hits_addend.max(1));
         let mut descriptors = Vec::with_capacity(req.descriptors.len());
         for (i, d) in req.descriptors.iter().enumerate() {
             let limit = match &d.limit {
@@ -99,35 +96,16 @@ impl RateLimitService for Rls {
                 hits: if d.is_negative_hits {
                     0
                 } else {
-                    d.hits_addend.as_ref().map_or(default_hits, |h| h.value)
+                    hits(d.hits_addend.as_ref().map(|h| h.value), req.hits_addend)
                 },
                 limit,
             });
         }
-        let verdict = match self
+        let verdict = self
             .decider
             .decide(&req.domain, &descriptors, req.hits_addend)
             .await
-        {
-            Ok(v) => v,
-            Err(DecideError::UnknownDomain(d)) => {
-                // As ratelimit: no limit configured for the domain, so OK.
-                tracing::debug!(domain = %d, "unknown domain");
-                metrics::counter!("leasehold_serve_unknown_domain_total").increment(1);
-                return Ok(Response::new(RateLimitResponse {
-                    overall_code: Code::Ok as i32,
-                    statuses: descriptors
-                        .iter()
-                        .map(|_| DescriptorStatus {
-                            code: Code::Ok as i32,
-                            ..DescriptorStatus::default()
-                        })
-                        .collect(),
-                    ..RateLimitResponse::default()
-                }));
-            }
-            Err(e) => return Err(Status::invalid_argument(e.to_string())),
-        };
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let statuses = verdict
             .statuses
             .iter()

@@ -46,7 +46,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 
 use crate::config::Unit;
-use crate::decide::{DecideError, Decider, Descriptor, Verdict};
+use crate::decide::{Decider, Descriptor, Verdict, hits};
 
 #[derive(Clone, Debug)]
 struct Api {
@@ -211,7 +211,6 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
             body.descriptors.len()
         ));
     }
-    let default_hits = u64::from(body.hits_addend.max(1));
     let mut descriptors = Vec::with_capacity(body.descriptors.len());
     for (i, d) in body.descriptors.iter().enumerate() {
         let limit = match &d.limit {
@@ -233,7 +232,7 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
                 .iter()
                 .map(|e| (e.key.as_str(), e.value.as_str()))
                 .collect(),
-            hits: d.hits_addend.unwrap_or(default_hits),
+            hits: hits(d.hits_addend, body.hits_addend),
             limit,
         });
     }
@@ -243,15 +242,6 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
         .await
     {
         Ok(v) => v,
-        Err(DecideError::UnknownDomain(_)) => {
-            count("ok");
-            let statuses: Vec<_> = descriptors
-                .iter()
-                .map(|_| serde_json::json!({"code": "OK", "limit_remaining": 0}))
-                .collect();
-            return Json(serde_json::json!({"overall_code": "OK", "statuses": statuses}))
-                .into_response();
-        }
         Err(e) => return bad(e.to_string()),
     };
     let (status, outcome) = verdict_status(&verdict);
@@ -553,10 +543,6 @@ async fn auth_descriptors(
     }
     let verdict = match api.decider.decide(domain, &descriptors, 0).await {
         Ok(v) => v,
-        Err(DecideError::UnknownDomain(_)) => {
-            count("ok");
-            return StatusCode::NO_CONTENT.into_response();
-        }
         Err(e) => return bad(e.to_string()),
     };
     let (status, outcome) = verdict_status(&verdict);

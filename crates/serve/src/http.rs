@@ -83,14 +83,7 @@ async fn ready(State(api): State<Api>) -> Response {
 /// The most checks, or descriptors, one request may carry (each may be a store call).
 const MAX_CHECKS: usize = 256;
 
-/// A `POST /v1/check` body: the rate limit service's request, or rules and subjects.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum CheckBody {
-    Descriptors(RlsBody),
-    Rules(RulesBody),
-}
-
+/// A `POST /v1/check` body naming descriptors: the rate limit service's request.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RlsBody {
@@ -125,6 +118,7 @@ struct JsonLimit {
     unit: String,
 }
 
+/// A `POST /v1/check` body naming rules and subjects.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RulesBody {
@@ -182,24 +176,28 @@ async fn check(
         Ok(bytes) => bytes,
         Err(e) => return error(e.status(), e.body_text()),
     };
-    let body: CheckBody = match serde_json::from_slice(&bytes) {
-        Ok(b) => b,
-        Err(e) => {
-            // Untagged: say what each shape wants.
-            let why = serde_json::from_slice::<RlsBody>(&bytes)
-                .err()
-                .filter(|_| !bytes.windows(8).any(|w| w == b"\"checks\""))
-                .or_else(|| serde_json::from_slice::<RulesBody>(&bytes).err())
-                .map_or(e.to_string(), |e| e.to_string());
-            return bad(format!(
-                "the body is neither a rate limit request ({{\"domain\":..,\"descriptors\":[..]}}) \
-                 nor checks ({{\"checks\":[..]}}): {why}"
-            ));
-        }
+    // Its shape by its fields: `checks` names rules and subjects, anything else is a rate
+    // limit request.
+    let refuse = |e: serde_json::Error| {
+        bad(format!(
+            "the body is neither a rate limit request ({{\"domain\":..,\"descriptors\":[..]}}) \
+             nor checks ({{\"checks\":[..]}}): {e}"
+        ))
     };
-    match body {
-        CheckBody::Descriptors(b) => check_descriptors(&api, b).await,
-        CheckBody::Rules(b) => check_rules(&api, b).await,
+    let value: serde_json::Value = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => return refuse(e),
+    };
+    if value.get("checks").is_some() {
+        match RulesBody::deserialize(value) {
+            Ok(b) => check_rules(&api, b).await,
+            Err(e) => refuse(e),
+        }
+    } else {
+        match RlsBody::deserialize(value) {
+            Ok(b) => check_descriptors(&api, b).await,
+            Err(e) => refuse(e),
+        }
     }
 }
 

@@ -116,11 +116,27 @@ async fn post_as(
     (status, head.to_ascii_lowercase(), body.to_owned())
 }
 
-#[test]
-fn envoy_rls_and_http_check_on_redis() {
-    let server = support::server();
-    support::runtime().block_on(async {
-        let domains = Domains::from_yaml(CONFIG, "messaging.yaml").unwrap();
+/// `leasehold serve` in this process, on a spawned Redis, with gRPC and HTTP on free
+/// loopback ports.
+struct Serving {
+    decider: std::sync::Arc<leasehold_serve::Decider>,
+    grpc: std::net::SocketAddr,
+    http: std::net::SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+impl Serving {
+    /// Serves the YAML `config` on `server` with `options`, and `/metrics` with
+    /// `metrics` (the process's Prometheus recorder).
+    async fn start(
+        server: &leasehold_redis_harness::RedisServer,
+        config: &str,
+        options: leasehold_serve::Options,
+        metrics: bool,
+    ) -> Self {
+        let metrics = metrics.then(|| leasehold_agent::telemetry::install_prometheus().unwrap());
+        let domains = Domains::from_yaml(config, "messaging.yaml").unwrap();
         let limiter = leasehold_agent::Limiter::builder()
             .redis(server.url())
             .rules(domains.rules())
@@ -132,24 +148,51 @@ fn envoy_rls_and_http_check_on_redis() {
             .build()
             .await
             .unwrap();
+        let decider = leasehold_serve::Decider::new(limiter, domains, options);
         let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let metrics = leasehold_agent::telemetry::install_prometheus().unwrap();
-        let serving = tokio::spawn(leasehold_serve::serve(
-            leasehold_serve::Decider::new(limiter.clone(), domains, Default::default()),
+        let task = tokio::spawn(leasehold_serve::serve(
+            decider.clone(),
             Some(grpc),
             Some(http),
-            Some(metrics),
+            metrics,
             leasehold_net::Limits::default(),
             async {
                 let _ = stopped.await;
             },
         ));
-        let mut c = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
+        Self {
+            decider,
+            grpc: grpc_addr,
+            http: http_addr,
+            stop,
+            task,
+        }
+    }
+
+    /// A gRPC client of it.
+    async fn client(&self) -> Client {
+        RateLimitServiceClient::connect(format!("http://{}", self.grpc))
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// Stops it and waits for the calls in flight.
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+#[test]
+fn envoy_rls_and_http_check_on_redis() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let serving = Serving::start(&server, CONFIG, Default::default(), true).await;
+        let (http_addr, limiter) = (serving.http, serving.decider.limiter().clone());
+        let mut c = serving.client().await;
 
         // Nested descriptors: 5 a day, then OVER_LIMIT with the headers Envoy forwards.
         let marketing = || {
@@ -394,8 +437,7 @@ fn envoy_rls_and_http_check_on_redis() {
         assert_eq!(status, 200);
         assert!(body.contains("leasehold_serve_requests_total"), "{body}");
 
-        stop.send(()).unwrap();
-        serving.await.unwrap().unwrap();
+        serving.stop().await;
     });
 }
 
@@ -472,18 +514,6 @@ async fn call(
 fn ratelimit_drop_in_semantics() {
     let server = support::server();
     support::runtime().block_on(async {
-        let domains = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
-        let limiter = leasehold_agent::Limiter::builder()
-            .redis(server.url())
-            .rules(domains.rules())
-            .config({
-                let mut c = leasehold_agent::LimiterConfig::default();
-                c.store = support::config();
-                c
-            })
-            .build()
-            .await
-            .unwrap();
         let options = leasehold_serve::Options {
             dynamic_metadata: true,
             limit_headers: Some([
@@ -493,24 +523,9 @@ fn ratelimit_drop_in_semantics() {
             ]),
             ..Default::default()
         };
-        let decider = leasehold_serve::Decider::new(limiter.clone(), domains, options);
-        let grpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (grpc_addr, http_addr) = (grpc.local_addr().unwrap(), http.local_addr().unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(leasehold_serve::serve(
-            decider.clone(),
-            Some(grpc),
-            Some(http),
-            None,
-            leasehold_net::Limits::default(),
-            async {
-                let _ = stopped.await;
-            },
-        ));
-        let mut c = RateLimitServiceClient::connect(format!("http://{grpc_addr}"))
-            .await
-            .unwrap();
+        let serving = Serving::start(&server, DROP_IN, options, false).await;
+        let (http_addr, decider) = (serving.http, serving.decider.clone());
+        let mut c = serving.client().await;
 
         // 1. All or nothing in either order: 8 calls, 5 admitted, and the plain to_number
         // bucket charged for those 5 only.
@@ -681,8 +696,7 @@ fn ratelimit_drop_in_semantics() {
         assert!(missing.starts_with("http/1.1 401"), "{missing}");
         assert!(missing.contains("x-leasehold-value-api_key"), "{missing}");
 
-        stop.send(()).unwrap();
-        serving.await.unwrap().unwrap();
+        serving.stop().await;
     });
 }
 
@@ -790,31 +804,8 @@ fn nginx_auth_request_recipe_from_the_readme() {
         .expect("the README's nginx recipe")
         .to_owned();
     support::runtime().block_on(async {
-        let domains = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
-        let limiter = leasehold_agent::Limiter::builder()
-            .redis(server.url())
-            .rules(domains.rules())
-            .config({
-                let mut c = leasehold_agent::LimiterConfig::default();
-                c.store = support::config();
-                c
-            })
-            .build()
-            .await
-            .unwrap();
-        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let http_port = http.local_addr().unwrap().port();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let serving = tokio::spawn(leasehold_serve::serve(
-            leasehold_serve::Decider::new(limiter.clone(), domains, Default::default()),
-            None,
-            Some(http),
-            None,
-            leasehold_net::Limits::default(),
-            async {
-                let _ = stopped.await;
-            },
-        ));
+        let serving = Serving::start(&server, DROP_IN, Default::default(), false).await;
+        let http_port = serving.http.port();
         let conf = recipe
             .replace("127.0.0.1:8080", &format!("127.0.0.1:{http_port}"))
             .replace("domain=gw", "domain=messaging")
@@ -842,7 +833,6 @@ fn nginx_auth_request_recipe_from_the_readme() {
         let r = through(nginx.port, None).await;
         assert!(r.starts_with("http/1.1 401"), "{r}");
         drop(nginx);
-        stop.send(()).unwrap();
-        serving.await.unwrap().unwrap();
+        serving.stop().await;
     });
 }

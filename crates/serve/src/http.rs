@@ -234,20 +234,11 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
             limit,
         });
     }
-    let verdict = match api
-        .decider
-        .decide(&body.domain, &descriptors, body.hits_addend)
-        .await
-    {
-        Ok(v) => v,
-        Err(e) => return bad(e.to_string()),
-    };
-    let (status, outcome) = verdict_status(&verdict);
-    count(outcome);
-    let mut headers = HeaderMap::new();
-    for (k, v) in &verdict.headers {
-        set(&mut headers, k, v.clone());
-    }
+    let (verdict, status, headers) =
+        match decided(api, &body.domain, &descriptors, body.hits_addend).await {
+            Ok(x) => x,
+            Err(r) => return r,
+        };
     let statuses: Vec<serde_json::Value> = verdict
         .statuses
         .iter()
@@ -279,15 +270,32 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
     (status, headers, Json(json)).into_response()
 }
 
-/// The status of a verdict over HTTP, and its outcome label.
-fn verdict_status(v: &Verdict) -> (StatusCode, &'static str) {
-    if v.unavailable {
+/// Decides `descriptors` of `domain` (counted): the verdict, its status over HTTP (200,
+/// 429, 503) and its headers; a request that cannot be decided is a 400 naming why.
+async fn decided(
+    api: &Api,
+    domain: &str,
+    descriptors: &[Descriptor<'_>],
+    request_hits: u32,
+) -> Result<(Verdict, StatusCode, HeaderMap), Response> {
+    let verdict = api
+        .decider
+        .decide(domain, descriptors, request_hits)
+        .await
+        .map_err(|e| bad(e.to_string()))?;
+    let (status, outcome) = if verdict.unavailable {
         (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
-    } else if v.over_limit {
+    } else if verdict.over_limit {
         (StatusCode::TOO_MANY_REQUESTS, "over_limit")
     } else {
         (StatusCode::OK, "ok")
+    };
+    count(outcome);
+    let mut headers = HeaderMap::new();
+    for (k, v) in &verdict.headers {
+        set(&mut headers, k, v.clone());
     }
+    Ok((verdict, status, headers))
 }
 
 /// `RateLimit-Policy` and `RateLimit` for the check that decided.
@@ -539,16 +547,10 @@ async fn auth_descriptors(
     if descriptors.is_empty() {
         return bad("give at least one descriptor=KEY[=VALUE][,KEY...]");
     }
-    let verdict = match api.decider.decide(domain, &descriptors, 0).await {
-        Ok(v) => v,
-        Err(e) => return bad(e.to_string()),
+    let (verdict, status, mut h) = match decided(api, domain, &descriptors, 0).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
-    let (status, outcome) = verdict_status(&verdict);
-    count(outcome);
-    let mut h = HeaderMap::new();
-    for (k, v) in &verdict.headers {
-        set(&mut h, k, v.clone());
-    }
     if status == StatusCode::OK {
         return (StatusCode::NO_CONTENT, h).into_response();
     }

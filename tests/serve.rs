@@ -329,6 +329,15 @@ fn envoy_rls_and_http_check_on_redis() {
                 .shadow_denied,
             3
         );
+        // Named twice, more hits than the bucket holds: still only counted.
+        let user_a = [("service", "s"), ("user", "user-a")];
+        assert!(
+            !over(
+                &mut c,
+                vec![descriptor(&user_a, Some(2)), descriptor(&user_a, Some(2))]
+            )
+            .await
+        );
 
         // replaces: matched together, the specific limit (1/min) gives way to 10/min.
         let pair = || {

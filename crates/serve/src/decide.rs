@@ -220,20 +220,27 @@ impl Decider {
             .flat_map(|m| m.limit.replaces.iter().map(String::as_str))
             .collect();
         let applies = |l: &Limit| l.name.as_deref().is_none_or(|n| !replaced.contains(&n));
+        // A limit applies and counts (not replaced, not unlimited).
+        let counted = |i: usize| {
+            matched[i]
+                .as_ref()
+                .is_some_and(|m| applies(&m.limit) && m.limit.action != Action::Unlimited)
+        };
+        let quota = |i: usize| {
+            self.options.quota_mode || matched[i].as_ref().is_some_and(|m| m.limit.quota_mode)
+        };
         let mut statuses: Vec<Status> = matched
             .iter()
-            .map(|m| Status {
+            .enumerate()
+            .map(|(i, m)| Status {
                 over_limit: false,
-                limit: m
-                    .as_ref()
-                    .filter(|m| applies(&m.limit) && m.limit.action != Action::Unlimited)
-                    .and_then(|m| {
-                        Some((
-                            m.limit.requests_per_unit,
-                            m.limit.unit?,
-                            m.limit.name.clone(),
-                        ))
-                    }),
+                limit: m.as_ref().filter(|_| counted(i)).and_then(|m| {
+                    Some((
+                        m.limit.requests_per_unit,
+                        m.limit.unit?,
+                        m.limit.name.clone(),
+                    ))
+                }),
                 // As ratelimit: u32::MAX for an unlimited descriptor, else 0 until checked.
                 remaining: match m {
                     Some(m) if applies(&m.limit) && m.limit.action == Action::Unlimited => u32::MAX,
@@ -242,16 +249,19 @@ impl Decider {
                 reset: None,
             })
             .collect();
-        let quota = |i: usize| {
-            self.options.quota_mode || matched[i].as_ref().is_some_and(|m| m.limit.quota_mode)
+        // Over the limit without taking: in shadow mode only counted.
+        let over = |s: &mut Status, shadow: bool, reset: Option<Duration>| {
+            if shadow {
+                metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
+                    .increment(1);
+            } else {
+                s.over_limit = true;
+                s.remaining = 0;
+                s.reset = reset;
+            }
         };
-        let counted = |i: usize| {
-            matched[i]
-                .as_ref()
-                .is_some_and(|m| applies(&m.limit) && m.limit.action != Action::Unlimited)
-        };
-        // The descriptors to take from the store: (index, rule, subject, hits).
-        let mut takes: Vec<(usize, &str, &[u8], u64)> = Vec::new();
+        // The descriptors to take from the store.
+        let mut takes: Vec<Take<'_>> = Vec::new();
         let mut unavailable = false;
         for (i, m) in matched.iter().enumerate() {
             let Some(m) = m else { continue };
@@ -261,72 +271,70 @@ impl Decider {
             metrics::counter!("leasehold_serve_hits_total", "domain" => domain.to_owned(), "key" => metric_key(domain, &m.metric_key))
                 .increment(1);
             let hits = descriptors[i].hits;
-            // Over the limit without taking (with the reset to report).
-            let over: Option<Option<Duration>> = match &m.limit.action {
-                Action::Unlimited => None,
-                Action::DenyAll => Some(None),
-                Action::Rule(rule) => match limiter.bucket_params_for(rule, m.subject.as_bytes()) {
-                    // More hits than the bucket can ever hold: over the limit, as in
-                    // ratelimit (an error would let Envoy, failing open by default, pass
-                    // the request), with no time that would help.
-                    Ok(p) if hits > p.capacity => Some(None),
-                    Ok(p) if hits == 0 => {
-                        // A check that takes nothing: is there a token now?
-                        let d = limiter.peek(m.subject.as_bytes(), rule, 1).await?;
-                        let s = &mut statuses[i];
-                        match d {
-                            Decision::Allowed { remaining, .. } => {
-                                s.remaining = clip(remaining);
-                                s.reset =
-                                    Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
-                                None
-                            }
-                            Decision::Denied { retry_after } => Some(Some(retry_after)),
-                            Decision::Unavailable { retry_after } => {
-                                unavailable = true;
-                                Some(Some(retry_after))
-                            }
-                        }
-                    }
-                    _ => {
-                        takes.push((i, rule.as_str(), m.subject.as_bytes(), hits));
-                        None
-                    }
-                },
+            let shadow = m.limit.shadow;
+            let rule = match &m.limit.action {
+                Action::Unlimited => continue,
+                Action::DenyAll => {
+                    over(&mut statuses[i], shadow, None);
+                    continue;
+                }
+                Action::Rule(rule) => rule.as_str(),
             };
-            if let Some(reset) = over {
-                if m.limit.shadow {
-                    metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
-                        .increment(1);
-                } else {
-                    statuses[i].over_limit = true;
-                    statuses[i].remaining = 0;
-                    statuses[i].reset = reset;
+            let subject = m.subject.as_bytes();
+            let Ok(p) = limiter.bucket_params_for(rule, subject) else {
+                // The rule went with a reload meanwhile: the limiter says so.
+                takes.push(Take {
+                    i,
+                    rule,
+                    subject,
+                    hits,
+                    capacity: u64::MAX,
+                    shadow,
+                });
+                continue;
+            };
+            if hits > 0 {
+                takes.push(Take {
+                    i,
+                    rule,
+                    subject,
+                    hits,
+                    capacity: p.capacity,
+                    shadow,
+                });
+                continue;
+            }
+            // A check that takes nothing: is there a token now?
+            let s = &mut statuses[i];
+            match limiter.peek(subject, rule, 1).await? {
+                Decision::Allowed { remaining, .. } => {
+                    s.remaining = clip(remaining);
+                    s.reset = Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
+                }
+                Decision::Denied { retry_after } => over(s, shadow, Some(retry_after)),
+                Decision::Unavailable { retry_after } => {
+                    unavailable = true;
+                    over(s, shadow, Some(retry_after));
                 }
             }
         }
-        // A bucket named by several descriptors takes their hits together: more than it
-        // holds is over the limit for each of them, as one descriptor's would be.
+        // More hits on a bucket than it can ever hold, one descriptor's or several naming
+        // it together: over the limit, as in ratelimit (an error would let Envoy, failing
+        // open by default, pass the request), with no time that would help.
         let mut k = 0;
         while k < takes.len() {
-            let (_, rule, subject, _) = takes[k];
-            let same = |t: &(usize, &str, &[u8], u64)| t.1 == rule && t.2 == subject;
+            let (rule, subject, capacity) = (takes[k].rule, takes[k].subject, takes[k].capacity);
+            let same = |t: &Take<'_>| t.rule == rule && t.subject == subject;
             let sum = takes
                 .iter()
                 .filter(|t| same(t))
-                .fold(0u64, |a, t| a.saturating_add(t.3));
-            let capacity = limiter
-                .bucket_params_for(rule, subject)
-                .map_or(u64::MAX, |p| p.capacity);
+                .fold(0u64, |a, t| a.saturating_add(t.hits));
             if sum <= capacity {
                 k += 1;
                 continue;
             }
             for t in takes.iter().filter(|t| same(t)) {
-                let s = &mut statuses[t.0];
-                s.over_limit = true;
-                s.remaining = 0;
-                s.reset = None;
+                over(&mut statuses[t.i], t.shadow, None);
             }
             takes.retain(|t| !same(t));
         }
@@ -339,24 +347,24 @@ impl Decider {
         // All or nothing; a quota descriptor found over is left out and the rest tried
         // again (the refusal took nothing).
         while !takes.is_empty() && !refused(&statuses) {
-            let list: Vec<(&[u8], &str, u64)> = takes.iter().map(|t| (t.2, t.1, t.3)).collect();
+            let list: Vec<(&[u8], &str, u64)> =
+                takes.iter().map(|t| (t.subject, t.rule, t.hits)).collect();
             let mut each = Vec::new();
             let (d, at) = limiter.check_all_each(&list, &mut each).await?;
             if let Decision::Allowed { .. } = d {
-                for (k, d) in each.iter().enumerate() {
-                    let (i, rule, subject, _) = takes[k];
+                for (t, d) in takes.iter().zip(&each) {
                     if let Some(Decision::Allowed { remaining, .. }) = *d {
-                        let s = &mut statuses[i];
+                        let s = &mut statuses[t.i];
                         s.remaining = clip(remaining);
                         s.reset = limiter
-                            .bucket_params_for(rule, subject)
+                            .bucket_params_for(t.rule, t.subject)
                             .ok()
                             .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
                     }
                 }
                 break;
             }
-            let (i, ..) = takes[at];
+            let i = takes[at].i;
             let s = &mut statuses[i];
             s.over_limit = true;
             s.remaining = 0;
@@ -511,6 +519,19 @@ impl Decider {
         }
         headers
     }
+}
+
+/// A descriptor to take from the store.
+struct Take<'a> {
+    /// Its index in the request.
+    i: usize,
+    rule: &'a str,
+    subject: &'a [u8],
+    hits: u64,
+    /// Its bucket's capacity.
+    capacity: u64,
+    /// Its limit is in shadow mode.
+    shadow: bool,
 }
 
 /// A descriptor's limit: the YAML's, or one the request named.

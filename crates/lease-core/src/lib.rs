@@ -10,6 +10,8 @@
 //! - [`bucket`]: fixed-point token bucket arithmetic (no drift, exact retry times).
 //! - [`key`]: Redis keys of buckets, safe against hostile subjects (I7).
 //! - [`lease`]: the local lease an agent spends from (I3, I4).
+//! - [`cell`]: a key's cell and the local decision (lease, cached denial, refill
+//!   denial, seat, store), the one sequence the agent and the fleet tests run.
 //! - [`local`]: the local share, seats of every key's budget spent without the store.
 //! - [`sizing`]: the agent's lease policy: sizing from demand and share, reported demand,
 //!   reclaim.
@@ -20,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bucket;
+pub mod cell;
 pub mod key;
 pub mod lease;
 pub mod local;
@@ -32,6 +35,7 @@ pub mod sizing;
 mod sync;
 
 pub use bucket::{Level, refill_secs, retry_after_secs};
+pub use cell::{Around, Cell, DenialKind, Refill, Verdict};
 pub use key::{BucketKey, SubjectError, SubjectMatch};
 pub use lease::{LocalLease, Spend};
 pub use model::{AgentId, GlobalBucket, Op, ProtocolError, Reply, Request, Split};

@@ -27,6 +27,7 @@
 
 use std::time::Duration;
 
+use crate::cell::{Cell, Refill};
 use crate::lease::LocalLease;
 use crate::model::Reply;
 use crate::rate::Rate;
@@ -225,13 +226,15 @@ impl KeyPolicy {
         &mut self,
         rule: &Rule,
         cfg: &PolicyConfig,
-        lease: &LocalLease,
+        cell: &Cell,
+        refill: &Refill,
         sent_ns: u64,
         now_ns: u64,
         needed: u64,
         reply: &Reply,
         ending: bool,
     ) -> Granted {
+        let lease = &cell.lease;
         if !ending {
             let ttl_ns = reply.ttl_us * 1000;
             let margin = (cfg.margin.as_nanos() as u64).min(ttl_ns / 4);
@@ -282,6 +285,13 @@ impl KeyPolicy {
             let until = now_ns + self.pace_ns(rule, cfg);
             g.prefetch_after_ns = Some(g.prefetch_after_ns.map_or(until, |u| u.max(until)));
         }
+        cell.set_low_water(g.low_water);
+        if let Some(until) = g.deny_until_ns {
+            cell.deny(until, needed);
+        } else if reply.granted > 0 {
+            cell.clear_denial();
+        }
+        refill.granted(self, g.prefetch_after_ns);
         g
     }
 
@@ -534,11 +544,12 @@ mod tests {
     fn acquire_answered(
         p: &mut KeyPolicy,
         rule: &Rule,
-        lease: &LocalLease,
+        cell: &Cell,
         at_ns: u64,
         granted: Option<u64>,
         scale_ppm: u64,
     ) {
+        let lease = &cell.lease;
         let cfg = PolicyConfig::default();
         let want = p.acquire(rule, &cfg, at_ns, lease, 0, 1).want;
         let granted = granted.unwrap_or(want);
@@ -549,18 +560,29 @@ mod tests {
             scale_ppm,
             ..Reply::default()
         };
-        p.granted(rule, &cfg, lease, at_ns, at_ns + 1_000, 1, &reply, false);
+        p.granted(
+            rule,
+            &cfg,
+            cell,
+            &Refill::new(),
+            at_ns,
+            at_ns + 1_000,
+            1,
+            &reply,
+            false,
+        );
     }
 
     #[test]
     fn a_short_grant_on_a_contended_key_paces_the_next_prefetch() {
         let rule = Rule::new("r", 1000, "100/s").unwrap();
         let cfg = PolicyConfig::default();
-        let lease = LocalLease::new();
+        let cell = Cell::new();
+        let lease = &cell.lease;
         let mut p = KeyPolicy::new(1);
         let answer = |p: &mut KeyPolicy, at: u64, granted: u64, scale_ppm: u64| {
             // 1 000 tokens a second offered, all denied here.
-            let want = p.acquire(&rule, &cfg, at, &lease, at / 1_000_000, 0).want;
+            let want = p.acquire(&rule, &cfg, at, lease, at / 1_000_000, 0).want;
             assert!(at < 1_000_000_000 || want > 1, "demand measured");
             let reply = Reply {
                 granted: granted.min(want),
@@ -569,7 +591,17 @@ mod tests {
                 scale_ppm,
                 ..Reply::default()
             };
-            p.granted(&rule, &cfg, &lease, at, at + 1_000, 0, &reply, false)
+            p.granted(
+                &rule,
+                &cfg,
+                &cell,
+                &Refill::new(),
+                at,
+                at + 1_000,
+                0,
+                &reply,
+                false,
+            )
         };
         answer(&mut p, 1_000, 100, 1_000_000);
         let g = answer(&mut p, 1_000_000_000, u64::MAX, 1_000_000);
@@ -595,7 +627,7 @@ mod tests {
     #[test]
     fn a_short_grant_denies_callers_at_once_for_a_while() {
         let rule = Rule::new("r", 1000, "100/s").unwrap();
-        let lease = LocalLease::new();
+        let lease = Cell::new();
         let mut p = KeyPolicy::new(1);
         assert_eq!(p.deny_while_refilling_until(), 0, "nothing asked yet");
         // Granted what it asked: the bucket is not dry.
@@ -621,6 +653,7 @@ mod tests {
             &rule,
             &PolicyConfig::default(),
             &lease,
+            &Refill::new(),
             30_000_000,
             30_001_000,
             1,

@@ -234,7 +234,7 @@ pub(super) async fn report(limiter: Limiter) {
                 let recent = now.saturating_sub(*last) < REPORT_TTL_MS * 1_000_000;
                 ks.hot().lease.held() > 0
                     || ks.without_store.load(Ordering::Relaxed) > 0
-                    || (recent && (ks.hot().hot.load(Ordering::Relaxed) || ks.region))
+                    || (recent && (ks.hot().leases() || ks.region))
             })
             .collect()
     };
@@ -275,8 +275,8 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
         // Checked under the key's lock, which shutdown takes after setting `shut`: a
         // refill queued before a shutdown leases nothing after it.
         if limiter.is_hot(&ks, entry)
-            && ks.hot().hot.load(Ordering::Acquire)
-            && ks.hot().lease.held() < ks.hot().low_water.load(Ordering::Relaxed)
+            && ks.hot().leases()
+            && ks.hot().lease.held() < ks.hot().low_water()
         {
             let _ = limiter.acquire(&ks, &mut driver, entry, 0).await;
         }
@@ -329,7 +329,7 @@ impl Limiter {
                 continue;
             }
             keep.push(ks.clone());
-            if !ks.hot().hot.load(Ordering::SeqCst) && ks.hot().lease.held() == 0 {
+            if !ks.hot().leases() && ks.hot().lease.held() == 0 {
                 // Listed for the report only: nothing to reclaim or renew.
                 continue;
             }
@@ -343,7 +343,7 @@ impl Limiter {
                 &inner.policy,
                 now,
                 &ks.hot().lease,
-                ks.hot().denied_tokens.load(Ordering::Relaxed),
+                ks.hot().denied_tokens(),
                 ks.last_io_ns.load(Ordering::Relaxed),
             );
             let this = self.clone();
@@ -351,7 +351,7 @@ impl Limiter {
                 SweepAction::Keep => {}
                 SweepAction::Idle => {
                     if entry.rule.leasing() == Leasing::Auto {
-                        ks.hot().hot.store(false, Ordering::Release);
+                        ks.hot().set_leases(false);
                     }
                     if held > 0 {
                         tokio::spawn(async move {

@@ -12,12 +12,11 @@
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError};
 
 use crossbeam_utils::CachePadded;
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
-use leasehold_core::LocalLease;
 use parking_lot::Mutex;
 
 use super::{KeyId, KeyRef, KeyState};
@@ -72,7 +71,7 @@ impl Slot {
     #[inline]
     pub(super) fn valid_for(&self, cost: u64) -> Option<&Hot> {
         let hot = self.hot();
-        (cost != 0 && cost <= hot.capacity.load(Ordering::Relaxed)).then_some(hot)
+        hot.valid_for(cost).then_some(hot)
     }
 
     /// [`Slot::valid_for`], when the key leases too: its lease may cover `cost` (the HTTP
@@ -80,8 +79,7 @@ impl Slot {
     #[cfg(feature = "tower")]
     #[inline]
     pub(super) fn leased_for(&self, cost: u64) -> Option<&Hot> {
-        self.valid_for(cost)
-            .filter(|hot| hot.hot.load(Ordering::Relaxed))
+        self.valid_for(cost).filter(|hot| hot.leases())
     }
 }
 
@@ -286,56 +284,10 @@ fn victim(table: &Table, hash: u64, now: u64) -> Option<usize> {
     best.map(|(_, index)| index)
 }
 
-/// What a decision on a leased key, or a cached denial, reads and writes: one cache line
-/// per key, in chunks shared by many keys, so the hot path never touches memory a key's
-/// other allocations scattered.
-#[repr(C, align(64))]
-pub(super) struct Hot {
-    pub(super) lease: LocalLease,
-    /// The rule's capacity, so the hot path needs no rule lookup; 0 once the rule is
-    /// removed, which sends checks to the full path and its `UnknownRule`.
-    pub(super) capacity: AtomicU64,
-    pub(super) low_water: AtomicU64,
-    /// Callers of at least `deny_cost` are denied without the store until then (agent
-    /// clock): the time the store named in its last refusal, of that cost.
-    pub(super) deny_until_ns: AtomicU64,
-    /// Tokens denied on this key (offered demand = spent + denied), read only while it
-    /// leases, so a cold key's cached denials do not count them.
-    pub(super) denied_tokens: AtomicU64,
-    /// The key leases (a cold key of an `auto` rule turns hot when it is busy).
-    pub(super) hot: AtomicBool,
-    /// The key's rule is in shadow mode: refusals are counted and let through.
-    pub(super) shadow: AtomicBool,
-    /// The key's rule has a local share: a caller the cached denial covers tries the
-    /// agent's seat first.
-    pub(super) local: AtomicBool,
-    /// The least cost the cached denial covers (a smaller one may fit what is left).
-    deny_cost: AtomicU32,
-}
-
-impl Hot {
-    /// Callers of `cost` or more are denied without the store until `until`.
-    pub(super) fn deny(&self, until: u64, cost: u64) {
-        self.deny_cost
-            .store(u32::try_from(cost).unwrap_or(u32::MAX), Ordering::Relaxed);
-        self.deny_until_ns.store(until, Ordering::Release);
-    }
-
-    /// When the cached denial covers a caller of `cost`: until when the refused cost
-    /// is denied, and that cost (`cost` may be more: it waits longer).
-    #[inline(always)]
-    pub(super) fn denied_until(&self, cost: u64, now: u64) -> Option<(u64, u64)> {
-        let until = self.deny_until_ns.load(Ordering::Acquire);
-        if now >= until {
-            return None;
-        }
-        let covered = u64::from(self.deny_cost.load(Ordering::Relaxed));
-        (cost >= covered).then_some((until, covered))
-    }
-}
-
-// One cache line each.
-const _: () = assert!(std::mem::size_of::<Hot>() == 64);
+/// A key's cell ([`leasehold_core::Cell`]): what a decision on a leased key, or a cached
+/// denial, reads and writes, one cache line per key, in chunks shared by many keys, so the
+/// hot path never touches memory a key's other allocations scattered.
+pub(super) type Hot = leasehold_core::Cell;
 
 const CELLS_PER_CHUNK: usize = 256;
 
@@ -386,19 +338,7 @@ impl Cells {
                 Some(cell) => cell,
                 None => {
                     let chunk = Arc::new(Chunk {
-                        cells: (0..CELLS_PER_CHUNK)
-                            .map(|_| Hot {
-                                lease: LocalLease::new(),
-                                capacity: AtomicU64::new(0),
-                                low_water: AtomicU64::new(1),
-                                deny_until_ns: AtomicU64::new(0),
-                                denied_tokens: AtomicU64::new(0),
-                                hot: AtomicBool::new(false),
-                                shadow: AtomicBool::new(false),
-                                local: AtomicBool::new(false),
-                                deny_cost: AtomicU32::new(0),
-                            })
-                            .collect(),
+                        cells: (0..CELLS_PER_CHUNK).map(|_| Hot::new()).collect(),
                     });
                     free.extend((1..CELLS_PER_CHUNK as u32).rev().map(|index| CellRef {
                         chunk: chunk.clone(),
@@ -412,15 +352,7 @@ impl Cells {
             at,
             cells: self.clone(),
         };
-        let h = cell.get();
-        h.lease.reset();
-        h.capacity.store(capacity, Ordering::Relaxed);
-        h.low_water.store(1, Ordering::Relaxed);
-        h.deny_until_ns.store(0, Ordering::Relaxed);
-        h.denied_tokens.store(0, Ordering::Relaxed);
-        h.shadow.store(shadow, Ordering::Relaxed);
-        h.local.store(local, Ordering::Relaxed);
-        h.hot.store(hot, Ordering::Release);
+        cell.get().reset(capacity, hot, shadow, local);
         cell
     }
 }

@@ -30,11 +30,14 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use leasehold_core::bucket::Level;
+use leasehold_core::cell::refill_ns;
 use leasehold_core::key::{BucketKey, SubjectError};
 use leasehold_core::local::{LocalShare, SeatBucket, SeatRefusal, Tenure};
 use leasehold_core::model::{AgentId, Op, Reply, Split};
 use leasehold_core::rule::{BucketParams, FailurePolicy, Leasing, Rule};
-use leasehold_core::{KeyPolicy, PolicyConfig, Rate, Reclaim, Spend, SweepAction};
+use leasehold_core::{
+    Around, Cell, KeyPolicy, PolicyConfig, Rate, Reclaim, Refill, SweepAction, Verdict,
+};
 use tokio::sync::{Mutex as AsyncMutex, mpsc};
 use tokio::time::{Instant, timeout_at};
 
@@ -475,13 +478,10 @@ struct KeyState {
     rule: Box<str>,
     bucket: BucketKey,
     slot: u16,
-    /// A refused prefetch is not tried again before this time.
-    prefetch_after_ns: AtomicU64,
-    /// The policy's [`KeyPolicy::deny_while_refilling_until`] as of the last acquire.
-    refill_denies_until_ns: AtomicU64,
-    /// This agent's last granted share of the key (thousandths of a token per second),
-    /// for the emergency limit.
-    share_milli: AtomicU64,
+    /// What the local decision reads once the cell's lease and cached denial did not
+    /// decide: the refill denial, a refused prefetch's wait, this agent's share (also
+    /// the emergency limit's).
+    refill: Refill,
     /// Tokens admitted without the store (emergency, fail-open, a leasing key's seat) not
     /// yet reported.
     without_store: AtomicU64,
@@ -517,27 +517,10 @@ impl KeyState {
         self.cell.get()
     }
 
-    /// How much longer than a cached denial of `covered` tokens a caller of `cost` waits:
-    /// the time the rule's rate takes to bring the difference (ns).
-    #[inline(always)]
-    fn wait_beyond(&self, cost: u64, covered: u64) -> u64 {
-        if cost > covered {
-            self.wait_beyond_slow(cost - covered)
-        } else {
-            0
-        }
-    }
-
-    #[cold]
-    fn wait_beyond_slow(&self, tokens: u64) -> u64 {
-        refill_ns(tokens, self.entry.load().params.rate)
-    }
-
     /// How long a caller of `cost` is denied without the store, if the key's cached
-    /// denial covers it (the hot path reads the cell itself: [`Limiter::deny_cached`]).
+    /// denial covers it.
     fn cached_wait(&self, cost: u64, now: u64) -> Option<u64> {
-        let (until, covered) = self.hot().denied_until(cost, now)?;
-        Some(until - now + self.wait_beyond(cost, covered))
+        (self.hot()).cached_wait(cost, now, self.entry.load().params.rate)
     }
 
     /// The store answered that the global bucket has `left` tokens.
@@ -578,7 +561,7 @@ impl KeyState {
     /// it: it leases or holds tokens, admitted without the store since the last report,
     /// or is a region's bucket used lately (its broker feeds the keys reported).
     fn active(&self, now: u64) -> bool {
-        self.hot().hot.load(Ordering::SeqCst)
+        self.hot().leases()
             || self.hot().lease.held() > 0
             || self.without_store.load(Ordering::SeqCst) > 0
             || (self.region
@@ -620,10 +603,8 @@ impl KeyState {
             counters: entry.counters.clone(),
             slot: bucket.slot(),
             bucket,
-            prefetch_after_ns: AtomicU64::new(0),
-            refill_denies_until_ns: AtomicU64::new(0),
+            refill: Refill::new(),
             prefetching: AtomicBool::new(false),
-            share_milli: AtomicU64::new(0),
             without_store: AtomicU64::new(0),
             store_left: AtomicU64::new(entry.params.capacity),
             store_left_at_ns: AtomicU64::new(now),
@@ -712,16 +693,41 @@ enum Local {
     NeedsStore(Arc<KeyState>, Arc<RuleEntry>),
 }
 
+/// The agent around a key's cell, for [`Cell::decide`]: the key's seat, its prefetch
+/// queue, and whether it may wait for a refill (it leases, its shard's breaker is closed).
+struct AgentAround<'a> {
+    limiter: &'a Limiter,
+    ks: &'a Arc<KeyState>,
+}
+
+impl Around for AgentAround<'_> {
+    fn rate(&self) -> Rate {
+        self.ks.entry.load().params.rate
+    }
+
+    fn seat(&mut self, cost: u64, now_ns: u64) -> Result<u64, u64> {
+        Limiter::take_seat(self.ks, cost, now_ns)
+    }
+
+    fn refill(&mut self, now_ns: u64) -> bool {
+        self.limiter.request_prefetch(self.ks, now_ns);
+        self.ks.prefetching.load(Ordering::Acquire)
+    }
+
+    fn may_await_refill(&mut self, now_ns: u64) -> bool {
+        let entry = self.ks.entry.load();
+        // With the shard's breaker open the failure policy decides, as for any caller
+        // the lease cannot cover.
+        self.limiter.is_hot(self.ks, &entry)
+            && !self.limiter.inner.breakers.is_open(self.ks.slot, now_ns)
+    }
+}
+
 /// The store answered for `ks`: an emergency limit in force ends.
 fn store_answered(ks: &KeyState) {
     if ks.in_emergency.swap(false, Ordering::AcqRel) {
         *ks.emergency.lock() = None;
     }
-}
-
-/// Nanoseconds `rate` takes to bring `tokens` to an empty bucket.
-fn refill_ns(tokens: u64, rate: Rate) -> u64 {
-    Level::default().time_until(tokens, rate) * 1000
 }
 
 /// How long the store keeps a seat's record after a claim; claims renew it every
@@ -927,10 +933,9 @@ impl Limiter {
         }
     }
 
-    /// The hot path, under the shard's read lock and touching no reference count: a
-    /// known key whose lease covers the cost, or whose callers are denied for now.
-    /// Sets `now` when it read the clock. Kept apart from [`Limiter::look_up`] so the
-    /// callers build their result straight from it.
+    /// The hot path, under the shard's read lock and touching no reference count: the
+    /// local decision of a known key ([`Cell::decide`]). Sets `now` when it read the
+    /// clock. `None`: the key is unknown, the cost invalid, or only the store decides.
     #[inline(always)]
     fn decide_hot(
         &self,
@@ -942,47 +947,36 @@ impl Limiter {
         self.inner
             .keys
             .with(&KeyRef::new(rule, subject), |slot| {
-                let hot = slot.valid_for(cost)?;
+                let cell = slot.valid_for(cost)?;
                 let t = self.now_ns();
                 *now = Some(t);
-                if hot.hot.load(Ordering::Relaxed)
-                    && let Some(d) = self.spend(hot, &slot.counters, &slot.ks, cost, t)
-                {
-                    return Some(d);
-                }
-                self.deny_cached(hot, &slot.counters, &slot.ks, cost, t)
+                self.decide_local(cell, &slot.counters, &slot.ks, cost, t)
             })
             .flatten()
     }
 
-    /// A caller of a known key denied without the store: a denial cached until the time
-    /// the store named, or a dry bucket refilling ([`Limiter::deny_while_refilling`]).
-    /// `None` when neither holds: two loads, nothing written. A cached denial touches
-    /// only the key's cell (`hot`) and its rule's counters.
+    /// The key's local decision, counted: [`Cell::decide`] around this agent (its seat,
+    /// its prefetch queue, its breakers). `None` when only the store can decide.
     #[inline(always)]
-    fn deny_cached(
+    fn decide_local(
         &self,
-        hot: &keymap::Hot,
+        cell: &Cell,
         counters: &RuleCounters,
         ks: &Arc<KeyState>,
         cost: u64,
         now: u64,
     ) -> Option<Decision> {
-        if let Some((until, covered)) = hot.denied_until(cost, now) {
-            let seat_wait = if hot.local.load(Ordering::Relaxed) {
-                match self.spend_seat(ks, cost, now) {
-                    Ok(d) => return Some(d),
-                    Err(wait) => wait,
-                }
-            } else {
-                u64::MAX
-            };
-            // Only a leasing key's demand is read (lease sizing); a cold key's denials
-            // from the cache skip the shared write.
-            if hot.hot.load(Ordering::Relaxed) {
-                hot.denied_tokens.fetch_add(cost, Ordering::Relaxed);
+        let mut around = AgentAround { limiter: self, ks };
+        match cell.decide(&ks.refill, cost, now, &mut around) {
+            Verdict::Lease { left } => {
+                counters.incr(Counter::AdmittedLease);
+                Some(Decision::Allowed {
+                    remaining: left,
+                    via: Admission::Lease,
+                })
             }
-            return Some(if hot.shadow.load(Ordering::Relaxed) {
+            Verdict::Seat { left } => Some(self.seat_admitted(ks, cost, left)),
+            Verdict::Denied { wait_ns, .. } => Some(if cell.shadow() {
                 counters.incr(Counter::ShadowDenied);
                 Decision::Allowed {
                     remaining: 0,
@@ -990,20 +984,10 @@ impl Limiter {
                 }
             } else {
                 counters.incr(Counter::Denied);
-                denied((until - now + ks.wait_beyond(cost, covered)).min(seat_wait))
-            });
+                denied(wait_ns)
+            }),
+            Verdict::Store => None,
         }
-        if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed) {
-            return None;
-        }
-        if hot.local.load(Ordering::Relaxed)
-            && let Ok(d) = self.spend_seat(ks, cost, now)
-        {
-            return Some(d);
-        }
-        let entry = ks.entry.load();
-        self.deny_while_refilling(ks, &entry, cost, now)
-            .map(|d| entry.enforce(d))
     }
 
     /// For the HTTP layer: decides every check without waiting, all or nothing, or
@@ -1038,7 +1022,7 @@ impl Limiter {
             let spent = self.inner.keys.with(&KeyRef::new(rule, subject), |slot| {
                 let hot = slot.leased_for(cost)?;
                 let epoch = hot.lease.epoch();
-                self.spend(hot, &slot.counters, &slot.ks, cost, self.now_ns())
+                self.spend_leased(hot, &slot.counters, &slot.ks, cost, self.now_ns())
                     .map(|d| (d, slot.ks.clone(), epoch))
             });
             if let Some(Some((d, ks, epoch))) = spent {
@@ -1102,34 +1086,51 @@ impl Limiter {
         )
     }
 
-    /// Takes `cost` from the key's lease; below the low-water mark, asks the background
-    /// task for more.
+    /// The lease step of the local decision alone ([`Cell::spend`]), counted.
     #[inline]
-    fn spend_leased(&self, ks: &Arc<KeyState>, cost: u64, now: u64) -> Option<Decision> {
-        self.spend(ks.hot(), &ks.counters, ks, cost, now)
-    }
-
-    /// Takes `cost` from the lease in `hot` (the key `ks`'s), if it covers it.
-    #[inline(always)]
-    fn spend(
+    fn spend_leased(
         &self,
-        hot: &keymap::Hot,
+        cell: &Cell,
         counters: &RuleCounters,
         ks: &Arc<KeyState>,
         cost: u64,
         now: u64,
     ) -> Option<Decision> {
-        let Spend::Spent { left } = hot.lease.try_spend(cost, now) else {
+        let mut around = AgentAround { limiter: self, ks };
+        let Verdict::Lease { left } = cell.spend(cost, now, &ks.refill, &mut around)? else {
             return None;
         };
-        if left < hot.low_water.load(Ordering::Relaxed) {
-            self.request_prefetch(ks, now);
-        }
         counters.incr(Counter::AdmittedLease);
         Some(Decision::Allowed {
             remaining: left,
             via: Admission::Lease,
         })
+    }
+
+    /// What a caller finds on the store path once it holds the key's lock, or before
+    /// it joins a batch: the lease, or the cached denial ([`Cell::recheck`]).
+    fn recheck(
+        &self,
+        ks: &Arc<KeyState>,
+        entry: &RuleEntry,
+        cost: u64,
+        now: u64,
+    ) -> Option<Decision> {
+        let mut around = AgentAround { limiter: self, ks };
+        match ks.hot().recheck(&ks.refill, cost, now, &mut around)? {
+            Verdict::Lease { left } => {
+                entry.counters.incr(Counter::AdmittedLease);
+                Some(Decision::Allowed {
+                    remaining: left,
+                    via: Admission::Lease,
+                })
+            }
+            Verdict::Denied { wait_ns, .. } => {
+                entry.counters.incr(entry.denied);
+                Some(denied(wait_ns))
+            }
+            Verdict::Seat { .. } | Verdict::Store => None,
+        }
     }
 
     /// Everything the hot path does not cover: validation, new keys, the negative cache.
@@ -1145,15 +1146,14 @@ impl Limiter {
         let now = now.unwrap_or_else(|| self.now_ns());
         let keys = &self.inner.keys;
         if let Some(ks) = existing {
-            // The hot path tried the lease and the cached denials already, unless the key
-            // came or the rule changed meanwhile.
-            if let Some(d) = self.deny_cached(ks.hot(), &ks.counters, &ks, cost, now) {
-                return Ok(Local::Decided(d));
-            }
-            if let Ok(d) = self.spend_seat(&ks, cost, now) {
-                return Ok(Local::Decided(d));
-            }
-            return Ok(Local::NeedsStore(ks, entry));
+            // The hot path decided already, unless the key came or the rule changed
+            // meanwhile.
+            return Ok(
+                match self.decide_local(ks.hot(), &ks.counters, &ks, cost, now) {
+                    Some(d) => Local::Decided(d),
+                    None => Local::NeedsStore(ks, entry),
+                },
+            );
         }
         let bucket = entry.key(subject)?;
         let (ks, placed) = keys.get_or_insert_with(
@@ -1184,7 +1184,7 @@ impl Limiter {
                 return Ok(Local::NeedsStore(ks, entry));
             }
         }
-        if let Ok(d) = self.spend_seat(&ks, cost, now) {
+        if let Some(d) = self.decide_local(ks.hot(), &ks.counters, &ks, cost, now) {
             return Ok(Local::Decided(d));
         }
         // Another caller may have inserted it first, with the same entry.
@@ -1229,6 +1229,11 @@ impl Limiter {
     /// share, the agent holds a seat now, and the bucket covers it. Otherwise how long
     /// until it would (`u64::MAX`: never, no seat).
     fn spend_seat(&self, ks: &KeyState, cost: u64, now: u64) -> Result<Decision, u64> {
+        Self::take_seat(ks, cost, now).map(|left| self.seat_admitted(ks, cost, left))
+    }
+
+    /// [`Limiter::spend_seat`] uncounted: the tokens the seat's bucket holds after.
+    fn take_seat(ks: &KeyState, cost: u64, now: u64) -> Result<u64, u64> {
         if ks.transient {
             // Its bucket would be forgotten with it: a new one starts full.
             return Err(u64::MAX);
@@ -1240,20 +1245,23 @@ impl Limiter {
         seat.wanted(now);
         let since = seat.tenure.since(now).ok_or(u64::MAX)?;
         match ks.seat.take(share, cost, now, since) {
-            Ok(left) => {
-                ks.counters.incr(Counter::AdmittedLocal);
-                // A leasing key's report to the coordinator counts every admission; a
-                // cold key's is not reported (its decisions are exact by construction).
-                if ks.hot().hot.load(Ordering::Relaxed) {
-                    ks.without_store.fetch_add(cost, Ordering::Relaxed);
-                }
-                Ok(Decision::Allowed {
-                    remaining: left,
-                    via: Admission::Local,
-                })
-            }
+            Ok(left) => Ok(left),
             Err(SeatRefusal::Short { wait_ns }) => Err(wait_ns),
             Err(SeatRefusal::NoSeat) => Err(u64::MAX),
+        }
+    }
+
+    /// Counts an admission of `cost` by the key's seat, which holds `left` after.
+    fn seat_admitted(&self, ks: &KeyState, cost: u64, left: u64) -> Decision {
+        ks.counters.incr(Counter::AdmittedLocal);
+        // A leasing key's report to the coordinator counts every admission; a cold
+        // key's is not reported (its decisions are exact by construction).
+        if ks.hot().leases() {
+            ks.without_store.fetch_add(cost, Ordering::Relaxed);
+        }
+        Decision::Allowed {
+            remaining: left,
+            via: Admission::Local,
         }
     }
 
@@ -1264,51 +1272,8 @@ impl Limiter {
         }
     }
 
-    /// A caller the lease cannot cover, on a key where the policy says so
-    /// ([`KeyPolicy::deny_while_refilling_until`]: the bucket was dry lately): denied
-    /// at once while a prefetch refills the lease, or until a refused prefetch may be
-    /// tried again, instead of waiting for a store call of its own. `None` when no
-    /// prefetch could be queued (the caller takes the store path).
-    fn deny_while_refilling(
-        &self,
-        ks: &Arc<KeyState>,
-        entry: &RuleEntry,
-        cost: u64,
-        now: u64,
-    ) -> Option<Decision> {
-        if now >= ks.refill_denies_until_ns.load(Ordering::Relaxed)
-            || !self.is_hot(ks, entry)
-            || self.inner.breakers.is_open(ks.slot, now)
-        {
-            // With the shard's breaker open the failure policy decides, as for any caller
-            // the lease cannot cover.
-            return None;
-        }
-        let after = ks.prefetch_after_ns.load(Ordering::Relaxed);
-        if now >= after && !ks.prefetching.load(Ordering::Acquire) {
-            self.request_prefetch(ks, now);
-            if !ks.prefetching.load(Ordering::Acquire) {
-                return None;
-            }
-        }
-        // Retry-After: no sooner than a refused prefetch may be tried again, nor than the
-        // agent's share (at most the rule's rate) brings what the lease lacks of the cost.
-        let lacking = cost.saturating_sub(ks.hot().lease.held()).max(1);
-        let rate = &entry.params.rate;
-        let share = ks.share_milli.load(Ordering::Relaxed);
-        let by_share = if share == 0 || share as f64 >= rate.per_sec_f64() * 1000.0 {
-            refill_ns(lacking, *rate)
-        } else {
-            (lacking as f64 * 1e12 / share as f64) as u64
-        };
-        let wait = after.saturating_sub(now).max(by_share);
-        entry.counters.incr(entry.denied);
-        ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-        Some(denied(wait.max(1)))
-    }
-
     fn request_prefetch(&self, ks: &Arc<KeyState>, now: u64) {
-        if now < ks.prefetch_after_ns.load(Ordering::Relaxed) {
+        if !ks.refill.may_prefetch(now) {
             return;
         }
         if !ks.prefetching.swap(true, Ordering::AcqRel)
@@ -1325,7 +1290,7 @@ impl Limiter {
         match entry.rule.leasing() {
             Leasing::Lease => true,
             Leasing::Exact => false,
-            Leasing::Auto => ks.hot().hot.load(Ordering::Acquire),
+            Leasing::Auto => ks.hot().leases(),
         }
     }
 
@@ -1337,7 +1302,7 @@ impl Limiter {
     ) -> Decision {
         // A key that leases reaches the store before its first lease, and a region's
         // bucket before its first report: from here on the sweep visits it every tick.
-        if ks.hot().hot.load(Ordering::Relaxed) || ks.region {
+        if ks.hot().leases() || ks.region {
             self.track(&ks);
         }
         // A region's bucket the region's broker may not feed yet: tell it now rather than
@@ -1385,10 +1350,8 @@ impl Limiter {
             && entry.params.region.is_none()
             && now >= ks.batch_after_ns.load(Ordering::Relaxed)
         {
-            if let Some(wait) = ks.cached_wait(cost, now) {
-                entry.counters.incr(entry.denied);
-                ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-                return denied(wait);
+            if let Some(d) = self.recheck(&ks, &entry, cost, now) {
+                return d;
             }
             if let Some(d) = self.exact_batched(&ks, &entry, cost, deadline).await {
                 return d;
@@ -1403,13 +1366,8 @@ impl Limiter {
         let hot = self.is_hot(&ks, &entry);
         // Look again: a refill or a denial may have landed while we waited for the lock.
         let now = self.now_ns();
-        if hot && let Some(d) = self.spend_leased(&ks, cost, now) {
+        if let Some(d) = self.recheck(&ks, &entry, cost, now) {
             return d;
-        }
-        if let Some(wait) = ks.cached_wait(cost, now) {
-            entry.counters.incr(entry.denied);
-            ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
-            return denied(wait);
         }
         ks.last_io_ns.store(now, Ordering::Relaxed);
         let outcome = if hot {
@@ -1468,7 +1426,7 @@ impl Limiter {
         // Two rounds at most: other callers may spend the grant before we do.
         for _ in 0..2 {
             let reply = self.acquire(ks, driver, entry, cost).await?;
-            if let Some(d) = self.spend_leased(ks, cost, self.now_ns()) {
+            if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
                 return Ok(d);
             }
             if term_ending(driver, &reply) {
@@ -1481,7 +1439,7 @@ impl Limiter {
             }
         }
         entry.counters.incr(entry.denied);
-        ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
+        ks.hot().count_denied(cost);
         let now = self.now_ns();
         Ok(denied(match ks.cached_wait(cost, now) {
             Some(wait) => wait,
@@ -1535,9 +1493,8 @@ impl Limiter {
             );
         }
         if hot {
-            ks.share_milli
-                .store(driver.policy.share_milli(), Ordering::Relaxed);
-            ks.hot().hot.store(true, Ordering::Release);
+            ks.refill.set_share_milli(driver.policy.share_milli());
+            ks.hot().set_leases(true);
             // Visited by the sweep from now on, not only once the pass over the map
             // comes by.
             if !ks.transient {
@@ -1568,7 +1525,7 @@ impl Limiter {
             let wait = retry_us.max(1) * 1000;
             ks.hot().deny(self.now_ns() + wait, cost);
             entry.counters.incr(entry.denied);
-            ks.hot().denied_tokens.fetch_add(cost, Ordering::Relaxed);
+            ks.hot().count_denied(cost);
             denied(wait)
         }
     }
@@ -1595,7 +1552,7 @@ impl Limiter {
             &self.inner.policy,
             sent,
             &ks.hot().lease,
-            ks.hot().denied_tokens.load(Ordering::Relaxed),
+            ks.hot().denied_tokens(),
             needed,
         );
         let op = Op::Acquire {
@@ -1607,34 +1564,21 @@ impl Limiter {
         let reply = self.call(ks, driver, entry, op).await?;
         // A part in the last moments of its split's term leases nothing (ttl 0).
         let ending = term_ending(driver, &reply);
-        let g = driver.policy.granted(
+        driver.policy.granted(
             &entry.rule,
             &self.inner.policy,
-            &ks.hot().lease,
+            ks.hot(),
+            &ks.refill,
             sent,
             self.now_ns(),
             needed,
             &reply,
             ending,
         );
-        ks.hot().low_water.store(g.low_water, Ordering::Relaxed);
         if !reply.moved {
             ks.saw_store_left(reply.remaining, self.now_ns());
         }
-        ks.share_milli
-            .store(driver.policy.share_milli(), Ordering::Relaxed);
-        ks.refill_denies_until_ns.store(
-            driver.policy.deny_while_refilling_until(),
-            Ordering::Relaxed,
-        );
-        if let Some(until) = g.deny_until_ns {
-            ks.hot().deny(until, needed);
-        }
-        if let Some(until) = g.prefetch_after_ns {
-            ks.prefetch_after_ns.store(until, Ordering::Relaxed);
-        }
         if reply.granted > 0 {
-            ks.hot().deny_until_ns.store(0, Ordering::Release);
             entry.counters.incr(Counter::LeaseGrants);
             entry
                 .counters
@@ -1885,7 +1829,7 @@ impl Limiter {
                     let (share, cap) = leasehold_core::emergency_limit(
                         &entry.rule,
                         &self.inner.policy,
-                        ks.share_milli.load(Ordering::Relaxed),
+                        ks.refill.share_milli(),
                     );
                     // An explicit emergency rate overrides the share: a bucket of the
                     // rule's lease_max that starts full (each agent's own limit).
@@ -1989,18 +1933,16 @@ impl Limiter {
                     let entry = set.resolve(slot.subject());
                     if entry.params != ks.entry.load().params {
                         // A cached denial was timed at the old rate.
-                        ks.hot().deny_until_ns.store(0, Ordering::Relaxed);
+                        ks.hot().clear_denial();
                     }
-                    ks.hot().shadow.store(entry.shadow, Ordering::Relaxed);
                     ks.hot()
-                        .local
-                        .store(entry.local.is_some() && !ks.transient, Ordering::Relaxed);
+                        .set_rule_flags(entry.shadow, entry.local.is_some() && !ks.transient);
                     ks.entry.store(entry.clone());
                     entry.params.capacity
                 }
                 Err(_) => 0,
             };
-            ks.hot().capacity.store(capacity, Ordering::Relaxed);
+            ks.hot().set_capacity(capacity);
         });
     }
 

@@ -5,12 +5,14 @@
 //! utilisation and below-limit denials (requests the ideal bucket admitted and the fleet
 //! denied), and every window is checked against `B + r*W`.
 //!
-//! The agent side mirrors `gateway-agent`'s driver: the hot path spends from the lease
-//! and prefetches under the low-water mark; a caller the lease cannot cover waits for the
-//! key's call in flight, or makes one itself (two rounds at most); a refused caller
-//! denies until the store's time; a sweep every 100 ms applies the policy's
-//! [`SweepAction`]. Only one store call per agent is in flight at a time (the key's I/O
-//! lock).
+//! Each agent decides with the agent's own local decision, [`Cell::decide`] (lease,
+//! cached denial, denial while a refill comes, store), and installs replies with
+//! [`KeyPolicy::granted`]; this file is only the event loop around them: a caller the
+//! cell sends to the store waits for the key's call in flight, or makes one itself (two
+//! rounds at most, looking at the cell again with [`Cell::recheck`] after each); a sweep
+//! every 100 ms applies the policy's [`SweepAction`]. Only one store call per agent is
+//! in flight at a time (the key's I/O lock). There are no seats and no breakers here:
+//! the fleet's store always answers, or loses a reply.
 #![allow(dead_code)] // each test file uses part of the harness
 
 use std::collections::VecDeque;
@@ -19,7 +21,10 @@ use leasehold_core::Rate;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
 use leasehold_core::rule::{BucketParams, RegionParams, Rule};
-use leasehold_core::{KeyPolicy, Level, LocalLease, PolicyConfig, Reclaim, Spend, SweepAction};
+use leasehold_core::{
+    Around, Cell, KeyPolicy, Level, PolicyConfig, Reclaim, Refill, SweepAction, Verdict,
+};
+use std::sync::Arc;
 
 pub(crate) const T0_US: u64 = 1_700_000_000_000_000;
 pub(crate) const MS: u64 = 1_000_000;
@@ -198,12 +203,10 @@ struct Waiter {
 struct Agent {
     id: AgentId,
     seq: u64,
-    lease: LocalLease,
+    /// The key's cell and refill state, as the agent keeps them (shared with the
+    /// decision while the fleet starts a refill from inside it).
+    key: Arc<(Cell, Refill)>,
     policy: KeyPolicy,
-    low_water: u64,
-    deny_until_ns: u64,
-    prefetch_after_ns: u64,
-    denied_tokens: u64,
     last_io_ns: u64,
     inflight: Option<Inflight>,
     waiting: VecDeque<Waiter>,
@@ -222,12 +225,13 @@ impl Agent {
         Self {
             id: AgentId(i as u64 + 1),
             seq: 0,
-            lease: LocalLease::new(),
+            key: {
+                let cell = Cell::new();
+                // Every agent of the fleet leases the key.
+                cell.reset(u64::MAX, true, false, false);
+                Arc::new((cell, Refill::new()))
+            },
             policy: KeyPolicy::new(now_ns),
-            low_water: 1,
-            deny_until_ns: 0,
-            prefetch_after_ns: 0,
-            denied_tokens: 0,
             last_io_ns: now_ns,
             inflight: None,
             waiting: VecDeque::new(),
@@ -505,7 +509,7 @@ impl Fleet {
             max_committed: self.max_committed,
             cross_calls: self.cross_calls,
             region_ms: std::mem::take(&mut self.region_ms),
-            held_at_end: self.agents.iter().map(|a| a.lease.held()).sum(),
+            held_at_end: self.agents.iter().map(|a| a.key.0.lease.held()).sum(),
         }
     }
 
@@ -656,59 +660,28 @@ impl Fleet {
         }
     }
 
-    fn deny(&mut self, i: usize, cost: u64) {
-        self.agents[i].denied_tokens += cost;
-    }
-
-    /// One decision of `cost` by agent `i` at `t`, request `id`.
+    /// One decision of `cost` by agent `i` at `t`, request `id`: the agent's local
+    /// decision, else a wait for the store.
     fn decide(&mut self, i: usize, id: usize, cost: u64, t: u64) {
-        if self.spend(i, cost, t) {
-            self.admit(i, id, t);
-            return;
-        }
-        let a = &mut self.agents[i];
-        if t < a.deny_until_ns {
-            self.deny(i, cost);
-            return;
-        }
-        if t < a.policy.deny_while_refilling_until() {
-            // Denied at once while a prefetch refills the lease.
-            if a.inflight.is_none() && t >= a.prefetch_after_ns {
-                self.start_acquire(i, t, 0);
-                if self.spend(i, cost, t) {
-                    self.admit(i, id, t);
-                    return;
+        let key = self.agents[i].key.clone();
+        let verdict = (key.0).decide(&key.1, cost, t, &mut Driving { fleet: self, i });
+        match verdict {
+            Verdict::Lease { .. } | Verdict::Seat { .. } => self.admit(i, id, t),
+            Verdict::Denied { .. } => {}
+            Verdict::Store => {
+                let a = &mut self.agents[i];
+                let start = a.inflight.is_none();
+                self.waited += 1;
+                a.waiting.push_back(Waiter {
+                    id,
+                    cost,
+                    rounds: u32::from(start),
+                });
+                if start {
+                    self.start_acquire(i, t, cost);
                 }
             }
-            let a = &self.agents[i];
-            if a.inflight.is_some() || t < a.prefetch_after_ns {
-                self.deny(i, cost);
-                return;
-            }
         }
-        let a = &mut self.agents[i];
-        let start = a.inflight.is_none();
-        self.waited += 1;
-        a.waiting.push_back(Waiter {
-            id,
-            cost,
-            rounds: u32::from(start),
-        });
-        if start {
-            self.start_acquire(i, t, cost);
-        }
-    }
-
-    /// The hot path: spend from the lease, prefetch below the low-water mark.
-    fn spend(&mut self, i: usize, cost: u64, t: u64) -> bool {
-        let a = &self.agents[i];
-        let Spend::Spent { left } = a.lease.try_spend(cost, t) else {
-            return false;
-        };
-        if left < a.low_water && t >= a.prefetch_after_ns && a.inflight.is_none() {
-            self.start_acquire(i, t, 0);
-        }
-        true
     }
 
     fn send(&mut self, i: usize, t: u64, op: Op) -> Option<Reply> {
@@ -741,12 +714,13 @@ impl Fleet {
 
     fn start_acquire(&mut self, i: usize, t: u64, needed: u64) {
         let a = &mut self.agents[i];
+        let cell = &a.key.0;
         let args = a.policy.acquire(
             &self.s.rule,
             &self.s.cfg,
             t,
-            &a.lease,
-            a.denied_tokens,
+            &cell.lease,
+            cell.denied_tokens(),
             needed,
         );
         let reply = self.send(
@@ -781,25 +755,18 @@ impl Fleet {
             (Kind::Acquire { needed }, Some(r)) => {
                 self.refused += u64::from(r.granted == 0);
                 let a = &mut self.agents[i];
-                let g = a.policy.granted(
+                let (cell, refill) = &*a.key;
+                a.policy.granted(
                     &self.s.rule,
                     &self.s.cfg,
-                    &a.lease,
+                    cell,
+                    refill,
                     f.sent_ns,
                     now,
                     needed,
                     &r,
                     false,
                 );
-                a.low_water = g.low_water;
-                if let Some(u) = g.deny_until_ns {
-                    a.deny_until_ns = u;
-                } else if r.granted > 0 {
-                    a.deny_until_ns = 0;
-                }
-                if let Some(u) = g.prefetch_after_ns {
-                    a.prefetch_after_ns = u;
-                }
             }
             (Kind::Exact { .. }, _) => unreachable!("the fleet leases"),
             (Kind::Acquire { .. }, None) => {
@@ -807,7 +774,7 @@ impl Fleet {
                 // apart); the next acquire declares what the lease holds.
                 for w in std::mem::take(&mut self.agents[i].waiting) {
                     self.unavailable += 1;
-                    self.deny(i, w.cost);
+                    self.agents[i].key.0.count_denied(w.cost);
                 }
                 return;
             }
@@ -815,14 +782,19 @@ impl Fleet {
         // The callers waiting on the key's I/O lock, in order: each looks at the lease
         // and the denial cache again, then makes its own acquire (two at most).
         let mut waiting = std::mem::take(&mut self.agents[i].waiting);
+        let key = self.agents[i].key.clone();
         while let Some(mut w) = waiting.pop_front() {
-            if self.spend(i, w.cost, now) {
-                self.admit(i, w.id, now);
-                continue;
+            match (key.0).recheck(&key.1, w.cost, now, &mut Driving { fleet: self, i }) {
+                Some(Verdict::Lease { .. }) => {
+                    self.admit(i, w.id, now);
+                    continue;
+                }
+                Some(_) => continue,
+                None => {}
             }
             let a = &mut self.agents[i];
-            if now < a.deny_until_ns || (a.inflight.is_none() && w.rounds >= 2) {
-                self.deny(i, w.cost);
+            if a.inflight.is_none() && w.rounds >= 2 {
+                a.key.0.count_denied(w.cost);
                 continue;
             }
             let start = a.inflight.is_none();
@@ -844,12 +816,13 @@ impl Fleet {
             return;
         }
         let a = &mut self.agents[i];
+        let cell = &a.key.0;
         let action = a.policy.sweep(
             &self.s.rule,
             &self.s.cfg,
             t,
-            &a.lease,
-            a.denied_tokens,
+            &cell.lease,
+            cell.denied_tokens(),
             a.last_io_ns,
         );
         match action {
@@ -860,8 +833,8 @@ impl Fleet {
                     action,
                     SweepAction::Idle | SweepAction::Reclaim(Reclaim::Idle)
                 );
-                let expired = t >= a.lease.deadline_ns();
-                let taken = a.lease.take_all();
+                let expired = t >= cell.lease.deadline_ns();
+                let taken = cell.lease.take_all();
                 let tell = a.policy.released(taken, withdraw);
                 let returned = if expired { 0 } else { taken };
                 if returned > 0 || tell {
@@ -869,6 +842,30 @@ impl Fleet {
                 }
             }
         }
+    }
+}
+
+/// The fleet around agent `i`'s cell while it decides: a refill is the agent's acquire,
+/// started unless one is in flight (with no round trip it completes at once).
+struct Driving<'a> {
+    fleet: &'a mut Fleet,
+    i: usize,
+}
+
+impl Around for Driving<'_> {
+    fn rate(&self) -> Rate {
+        self.fleet.s.rule.rate()
+    }
+
+    fn refill(&mut self, now_ns: u64) -> bool {
+        if self.fleet.agents[self.i].inflight.is_none() {
+            self.fleet.start_acquire(self.i, now_ns, 0);
+        }
+        self.fleet.agents[self.i].inflight.is_some()
+    }
+
+    fn may_await_refill(&mut self, _: u64) -> bool {
+        true
     }
 }
 

@@ -66,7 +66,9 @@ impl System {
     async fn decide(&mut self, key: usize) -> bool {
         match self {
             Self::Leasehold(l) => matches!(
-                l.check(format!("tenant-{key}"), "cold", 1).await.unwrap(),
+                l.check(&"cold".into(), format!("tenant-{key}"), 1)
+                    .await
+                    .unwrap(),
                 Decision::Allowed { .. }
             ),
             Self::Naive(c, s) => {

@@ -51,7 +51,7 @@ fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
         .await;
         for k in keys {
             assert!(matches!(
-                l.check(k, "bench", 1).await.unwrap(),
+                l.check(&"bench".into(), k, 1).await.unwrap(),
                 Decision::Allowed { .. }
             ));
         }
@@ -59,7 +59,7 @@ fn leasehold_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
         // fall-through to the slow path instead of the hot path.
         let missing = keys
             .iter()
-            .filter(|k| l.try_check(k, "bench", 1).unwrap().is_none())
+            .filter(|k| l.try_check(&"bench".into(), k, 1).unwrap().is_none())
             .count();
         assert_eq!(missing, 0, "{missing} of {} keys hold no lease", keys.len());
         l
@@ -134,7 +134,7 @@ fn compare(
         g.bench_function(ours.0, |b| {
             b.iter_custom(|iters| {
                 checked(threads, iters, &group, |t, i| {
-                    (ours.2)(&ours.1.try_check(at(t, i), "bench", 1).unwrap())
+                    (ours.2)(&ours.1.try_check(&"bench".into(), at(t, i), 1).unwrap())
                 })
             })
         });
@@ -176,11 +176,11 @@ fn denying_limiter(rt: &tokio::runtime::Runtime, keys: &[String]) -> Limiter {
         let l = embedded("capacity = 1\nrate = \"1/h\"\nleasing = \"exact\"\n").await;
         for k in keys {
             for _ in 0..2 {
-                let _ = l.check(k, "bench", 1).await.unwrap();
+                let _ = l.check(&"bench".into(), k, 1).await.unwrap();
             }
             assert!(
                 matches!(
-                    l.try_check(k, "bench", 1).unwrap(),
+                    l.try_check(&"bench".into(), k, 1).unwrap(),
                     Some(Decision::Denied { .. })
                 ),
                 "{k} is not denied from the cache"

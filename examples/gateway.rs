@@ -28,7 +28,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
 use clap::Parser;
 use leasehold::agent::Limiter;
-use leasehold::agent::http::{Check, Checks, RateLimitLayer};
+use leasehold::agent::http::{Checks, RateLimitLayer};
+use leasehold::{Check, RuleRef};
 
 /// An HTTP gateway limited by Leasehold: every request is checked against `--rule` for
 /// its `x-api-key`, answered 429 with Retry-After when limited, 503 when the store is out
@@ -107,10 +108,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     limiter
         .require_rules(&used)
         .map_err(|e| format!("--rule: {e}"))?;
-    // Rule names are read once here; each request clones an Arc, never a String.
-    let rule: std::sync::Arc<str> = args.rule.as_str().into();
-    let ip_rule: Option<std::sync::Arc<str>> = args.ip_rule.as_deref().map(Into::into);
-    let write_rule: Option<std::sync::Arc<str>> = args.write_rule.as_deref().map(Into::into);
+    // Rules are named once here; each request clones an Arc, never a String.
+    let rule = RuleRef::from(args.rule.clone());
+    let ip_rule = args.ip_rule.clone().map(RuleRef::from);
+    let write_rule = args.write_rule.clone().map(RuleRef::from);
     let layer = RateLimitLayer::new(limiter.clone(), move |req: &axum::http::request::Parts| {
         // A request with several x-api-key headers never gets here (400, below).
         if let Some(first) = req.headers.get("x-api-key") {

@@ -29,7 +29,7 @@ async fn burst(l: &Limiter, keys: usize, per_key: usize) -> HashMap<String, u64>
             let l = l.clone();
             let subject = format!("tenant-{}", i % keys);
             tokio::spawn(async move {
-                let d = l.check(&subject, "cold", 1).await.unwrap();
+                let d = l.check(&"cold".into(), &subject, 1).await.unwrap();
                 (subject, d)
             })
         })

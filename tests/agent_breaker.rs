@@ -22,7 +22,10 @@ const RULES: &str = "[rules.api]\ncapacity = 1000000\nrate = \"1000/s\"\nleasing
 async fn until_admitted(l: &Limiter, tag: &str) -> Duration {
     let start = Instant::now();
     for i in 0.. {
-        let d = l.check(format!("{tag}-{i}"), "api", 1).await.unwrap();
+        let d = l
+            .check(&"api".into(), format!("{tag}-{i}"), 1)
+            .await
+            .unwrap();
         if let Decision::Allowed { .. } = d {
             return start.elapsed();
         }
@@ -42,7 +45,7 @@ fn out_of_memory_then_recovery_closes_the_breaker() {
     support::runtime().block_on(async {
         let l = support::limiter(&server.url(), RULES).await;
         assert!(matches!(
-            l.check("warm", "api", 1).await.unwrap(),
+            l.check(&"api".into(), "warm", 1).await.unwrap(),
             Decision::Allowed { .. }
         ));
         let _: String = server
@@ -50,7 +53,7 @@ fn out_of_memory_then_recovery_closes_the_breaker() {
             .expect("maxmemory");
         let mut unavailable = 0;
         for i in 0..40 {
-            match l.check(format!("oom-{i}"), "api", 1).await.unwrap() {
+            match l.check(&"api".into(), format!("oom-{i}"), 1).await.unwrap() {
                 Decision::Unavailable { .. } => unavailable += 1,
                 d => panic!("an OOM store admitted or denied: {d:?}"),
             }
@@ -78,7 +81,7 @@ fn a_cancelled_probe_does_not_keep_the_breaker_open() {
     support::runtime().block_on(async {
         let l = support::limiter(&proxy.url(), RULES).await;
         assert!(matches!(
-            l.check("warm", "api", 1).await.unwrap(),
+            l.check(&"api".into(), "warm", 1).await.unwrap(),
             Decision::Allowed { .. }
         ));
         proxy.set(Fault::Blackhole);
@@ -88,7 +91,10 @@ fn a_cancelled_probe_does_not_keep_the_breaker_open() {
         loop {
             i += 1;
             let asked = Instant::now();
-            let d = l.check(format!("down-{i}"), "api", 1).await.unwrap();
+            let d = l
+                .check(&"api".into(), format!("down-{i}"), 1)
+                .await
+                .unwrap();
             assert!(matches!(d, Decision::Unavailable { .. }), "{d:?}");
             if asked.elapsed() < Duration::from_millis(100) {
                 break; // refused at once: the breaker is open
@@ -97,7 +103,8 @@ fn a_cancelled_probe_does_not_keep_the_breaker_open() {
         }
         // After the cooldown, the next call is the probe; the client goes away mid-call.
         tokio::time::sleep(Duration::from_millis(700)).await;
-        let probe = tokio::time::timeout(Duration::from_millis(100), l.check("probe", "api", 1));
+        let api = "api".into();
+        let probe = tokio::time::timeout(Duration::from_millis(100), l.check(&api, "probe", 1));
         assert!(probe.await.is_err(), "the probe hangs on the dead store");
         proxy.cut();
         proxy.set(Fault::Pass);

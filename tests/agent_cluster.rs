@@ -39,7 +39,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
             .unwrap();
         assert_eq!(l.shards().len(), 4, "three primaries and the unassigned slots: {:?}", l.shards());
         for s in by_shard.values() {
-            assert!(matches!(l.check(s, "api", 1).await.unwrap(), Decision::Allowed { via: Admission::Exact, .. }));
+            assert!(matches!(l.check(&"api".into(), s, 1).await.unwrap(), Decision::Allowed { via: Admission::Exact, .. }));
         }
         c.node(frozen_port).unwrap().pause().unwrap();
         let frozen = {
@@ -49,7 +49,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
                 let start = Instant::now();
                 while start.elapsed() < Duration::from_millis(1200) {
                     let t = Instant::now();
-                    if let Decision::Unavailable { .. } = l.check(&s, "api", 1).await.unwrap() {
+                    if let Decision::Unavailable { .. } = l.check(&"api".into(), &s, 1).await.unwrap() {
                         unavailable += 1;
                     }
                     worst = worst.max(t.elapsed());
@@ -64,7 +64,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
         while start.elapsed() < Duration::from_millis(1200) {
             for s in &healthy {
                 let t = Instant::now();
-                let d = l.check(s, "api", 1).await.unwrap();
+                let d = l.check(&"api".into(), s, 1).await.unwrap();
                 worst = worst.max(t.elapsed());
                 assert!(matches!(d, Decision::Allowed { via: Admission::Exact, .. }), "healthy shard: {d:?}");
                 ok += 1;
@@ -80,7 +80,7 @@ fn a_frozen_shard_costs_its_own_keys_a_timeout_and_nothing_else() {
         assert!(frozen_worst < Duration::from_millis(100 + 250), "{frozen_worst:?}");
         assert!(worst < Duration::from_millis(100), "a healthy shard's key waited {worst:?}");
         let recovered = Instant::now();
-        while !matches!(l.check(&frozen_subject, "api", 1).await.unwrap(), Decision::Allowed { .. }) {
+        while !matches!(l.check(&"api".into(), &frozen_subject, 1).await.unwrap(), Decision::Allowed { .. }) {
             assert!(recovered.elapsed() < Duration::from_secs(10), "no recovery after the thaw");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -132,7 +132,7 @@ fn seats_are_claimed_on_whichever_shard_holds_their_rule() {
         tokio::time::sleep(Duration::from_millis(1500)).await;
         for l in &fleet {
             for n in names {
-                let d = l.check("tenant", n, 1).await.unwrap();
+                let d = l.check(&n.into(), "tenant", 1).await.unwrap();
                 assert!(
                     matches!(
                         d,
@@ -196,7 +196,7 @@ fn a_planned_cluster_failover_under_load_admits_at_most_the_bound() {
                 let (l, stop, admitted) = (limiter.clone(), stop.clone(), admitted.clone());
                 tokio::spawn(async move {
                     while !stop.load(Ordering::Relaxed) {
-                        match l.check("tenant", "hot", 1).await.expect("valid check") {
+                        match l.check(&"hot".into(), "tenant", 1).await.expect("valid check") {
                             Decision::Allowed { .. } => {
                                 admitted.fetch_add(1, Ordering::Relaxed);
                             }

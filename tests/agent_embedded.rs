@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use leasehold_agent::{Admission, CheckError, Decision, Limiter, LimiterConfig, Rules};
+use leasehold_agent::{Admission, Check, CheckError, Decision, Limiter, LimiterConfig, Rules};
 
 fn rules(text: &str) -> Rules {
     Rules::from_toml(text).expect("rules")
@@ -47,7 +47,7 @@ async fn leased_key_decides_without_the_store_in_steady_state() {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         assert!(matches!(
-            l.check("t", "api", 1).await.unwrap(),
+            l.check(&"api".into(), "t", 1).await.unwrap(),
             Decision::Allowed { .. }
         ));
     }
@@ -61,7 +61,7 @@ async fn leased_key_decides_without_the_store_in_steady_state() {
         if let Some(Decision::Allowed {
             via: Admission::Lease,
             ..
-        }) = l.try_check("t", "api", 1).unwrap()
+        }) = l.try_check(&"api".into(), "t", 1).unwrap()
         {
             fast += 1;
         }
@@ -79,14 +79,14 @@ async fn empty_bucket_is_remembered_until_the_refill_time() {
     let l = limiter("[rules.api]\ncapacity = 3\nrate = \"1/10s\"\nleasing = \"exact\"\n").await;
     for _ in 0..3 {
         assert!(matches!(
-            l.check("t", "api", 1).await.unwrap(),
+            l.check(&"api".into(), "t", 1).await.unwrap(),
             Decision::Allowed {
                 via: Admission::Exact,
                 ..
             }
         ));
     }
-    let Decision::Denied { retry_after } = l.check("t", "api", 1).await.unwrap() else {
+    let Decision::Denied { retry_after } = l.check(&"api".into(), "t", 1).await.unwrap() else {
         panic!("the bucket is empty")
     };
     assert!(
@@ -96,7 +96,7 @@ async fn empty_bucket_is_remembered_until_the_refill_time() {
     let calls = l.stats("api").unwrap().store_calls;
     for _ in 0..100 {
         let d = l
-            .try_check("t", "api", 1)
+            .try_check(&"api".into(), "t", 1)
             .unwrap()
             .expect("negative cache answers at once");
         assert!(matches!(d, Decision::Denied { retry_after } if retry_after > Duration::ZERO));
@@ -116,17 +116,17 @@ async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
     let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/10s\"\nleasing = \"exact\"\n").await;
     for _ in 0..8 {
         assert!(matches!(
-            l.check("t", "api", 1).await.unwrap(),
+            l.check(&"api".into(), "t", 1).await.unwrap(),
             Decision::Allowed { .. }
         ));
     }
     assert!(matches!(
-        l.check("t", "api", 5).await.unwrap(),
+        l.check(&"api".into(), "t", 5).await.unwrap(),
         Decision::Denied { .. }
     ));
     let calls = l.stats("api").unwrap().store_calls;
     // Cost 5 lacks 3 tokens (30 s at 1/10s); cost 6 lacks 4 (40 s).
-    let Decision::Denied { retry_after } = l.check("t", "api", 6).await.unwrap() else {
+    let Decision::Denied { retry_after } = l.check(&"api".into(), "t", 6).await.unwrap() else {
         panic!("cost 6 with 2 left")
     };
     assert!(
@@ -141,7 +141,7 @@ async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
     for left in [1, 0] {
         assert!(
             matches!(
-                l.check("t", "api", 1).await.unwrap(),
+                l.check(&"api".into(), "t", 1).await.unwrap(),
                 Decision::Allowed { remaining, .. } if remaining == left
             ),
             "cost 1 with {} left",
@@ -149,7 +149,7 @@ async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
         );
     }
     assert!(matches!(
-        l.check("t", "api", 1).await.unwrap(),
+        l.check(&"api".into(), "t", 1).await.unwrap(),
         Decision::Denied { .. }
     ));
 }
@@ -165,7 +165,7 @@ async fn retry_after_of_a_refilling_lease_is_what_the_rate_brings() {
     let l = limiter("[rules.api]\ncapacity = 100\nrate = \"10/s\"\nleasing = \"lease\"\n").await;
     let mut waits = Vec::new();
     for _ in 0..80 {
-        if let Decision::Denied { retry_after } = l.check("t", "api", 10).await.unwrap() {
+        if let Decision::Denied { retry_after } = l.check(&"api".into(), "t", 10).await.unwrap() {
             waits.push(retry_after);
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -194,31 +194,35 @@ async fn retry_after_of_a_refilling_lease_is_what_the_rate_brings() {
 async fn errors_name_what_is_wrong() {
     let l = limiter("[rules.api]\ncapacity = 10\nrate = \"1/s\"\n").await;
     assert!(matches!(
-        l.check("t", "api", 11).await,
+        l.check(&"api".into(), "t", 11).await,
         Err(CheckError::CostExceedsCapacity {
             cost: 11,
             capacity: 10,
             ..
         })
     ));
-    let e = l.check("t", "nope", 1).await.unwrap_err().to_string();
+    let e = l
+        .check(&"nope".into(), "t", 1)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("\"nope\"") && e.contains("api"), "{e}");
     assert!(matches!(
-        l.check("", "api", 1).await,
+        l.check(&"api".into(), "", 1).await,
         Err(CheckError::Subject(_))
     ));
     assert!(matches!(
-        l.check("t", "api", 0).await,
+        l.check(&"api".into(), "t", 0).await,
         Err(CheckError::ZeroCost)
     ));
     // Hostile subjects are just subjects.
     let big = vec![b'{'; 1 << 20];
     assert!(matches!(
-        l.check(&big, "api", 1).await.unwrap(),
+        l.check(&"api".into(), &big, 1).await.unwrap(),
         Decision::Allowed { .. }
     ));
     assert!(matches!(
-        l.check(b"\0}{x", "api", 1).await.unwrap(),
+        l.check(&"api".into(), b"\0}{x", 1).await.unwrap(),
         Decision::Allowed { .. }
     ));
 }
@@ -227,12 +231,12 @@ async fn errors_name_what_is_wrong() {
 async fn cold_keys_are_promoted_then_demoted_and_forgotten() {
     let l = limiter("[rules.api]\ncapacity = 1000\nrate = \"1000/s\"\nlease_ttl = \"2s\"\n").await;
     for _ in 0..10 {
-        l.check("warm", "api", 1).await.unwrap();
+        l.check(&"api".into(), "warm", 1).await.unwrap();
     }
     let s = l.stats("api").unwrap();
     assert!(s.admitted_exact >= 5, "cold at first: {s:?}");
     for _ in 0..200 {
-        l.check("warm", "api", 1).await.unwrap();
+        l.check(&"api".into(), "warm", 1).await.unwrap();
     }
     let s = l.stats("api").unwrap();
     assert!(s.admitted_lease > 150, "promoted to leasing: {s:?}");
@@ -253,10 +257,13 @@ async fn multi_rule_denial_refunds_the_other_leases() {
     )
     .await;
     assert!(matches!(
-        l.check("t", "tenant", 10).await.unwrap(),
+        l.check(&"tenant".into(), "t", 10).await.unwrap(),
         Decision::Allowed { .. }
     ));
-    let checks: [(&[u8], &str, u64); 2] = [(b"t", "tenant", 10), (b"e", "endpoint", 1)];
+    let checks = [
+        Check::new(&"tenant".into(), "t", 10),
+        Check::new(&"endpoint".into(), "e", 1),
+    ];
     assert!(matches!(
         l.check_all(&checks).await.unwrap(),
         Decision::Allowed { .. }
@@ -270,7 +277,7 @@ async fn multi_rule_denial_refunds_the_other_leases() {
     while let Some(Decision::Allowed {
         via: Admission::Lease,
         ..
-    }) = l.try_check("t", "tenant", 1).unwrap()
+    }) = l.try_check(&"tenant".into(), "t", 1).unwrap()
     {
         spent += 1;
     }
@@ -289,7 +296,10 @@ async fn check_wait_queues_until_tokens_arrive() {
     let tasks: Vec<_> = (0..6)
         .map(|_| {
             let l = l.clone();
-            tokio::spawn(async move { l.check_wait("t", "api", 1, Duration::from_secs(2)).await })
+            tokio::spawn(async move {
+                l.check_wait(&"api".into(), "t", 1, Duration::from_secs(2))
+                    .await
+            })
         })
         .collect();
     for t in tasks {
@@ -305,7 +315,7 @@ async fn check_wait_queues_until_tokens_arrive() {
     );
     // A wait longer than allowed is a plain denial.
     let d = l
-        .check_wait("t", "api", 2, Duration::from_millis(1))
+        .check_wait(&"api".into(), "t", 2, Duration::from_millis(1))
         .await
         .unwrap();
     assert!(matches!(d, Decision::Denied { .. }));
@@ -339,7 +349,7 @@ async fn a_bad_rules_file_is_refused_and_the_old_rules_stay() {
     assert_eq!(l.reload_rules().unwrap(), 2);
     assert_eq!(l.bucket_params("api").unwrap().capacity, 7);
     assert!(matches!(
-        l.check("t", "new", 1).await.unwrap(),
+        l.check(&"new".into(), "t", 1).await.unwrap(),
         Decision::Allowed { .. }
     ));
 }
@@ -376,7 +386,7 @@ async fn watched_rules_file_reloads_by_itself() {
 async fn shutdown_returns_leases_and_leases_nothing_after() {
     let l = limiter(LEASED).await;
     for _ in 0..50 {
-        l.check("t", "api", 1).await.expect("check");
+        l.check(&"api".into(), "t", 1).await.expect("check");
     }
     let before = l.stats("api").expect("stats");
     assert!(before.lease_grants > 0, "{before:?}");
@@ -387,7 +397,7 @@ async fn shutdown_returns_leases_and_leases_nothing_after() {
         "the unspent lease went back: {after:?}"
     );
     for _ in 0..20 {
-        let d = l.check("t", "api", 1).await.expect("check");
+        let d = l.check(&"api".into(), "t", 1).await.expect("check");
         assert!(
             matches!(
                 d,
@@ -433,7 +443,7 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
             if let Decision::Allowed {
                 via: Admission::Lease,
                 ..
-            } = l.check(s, "leased", 1).await.unwrap()
+            } = l.check(&"leased".into(), s, 1).await.unwrap()
             {
                 via_lease = true;
                 break;
@@ -444,7 +454,10 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
     }
     let flood = 3000;
     for i in 0..flood {
-        let d = l.check(&format!("once-{i}"), "once", 1).await.unwrap();
+        let d = l
+            .check(&"once".into(), &format!("once-{i}"), 1)
+            .await
+            .unwrap();
         assert!(matches!(d, Decision::Allowed { .. }), "once-{i}: {d:?}");
         assert!(l.keys_in_memory() <= 300, "{} keys", l.keys_in_memory());
     }
@@ -458,7 +471,7 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
         "{evicted} evicted for {flood} new keys"
     );
     for s in &leased {
-        let d = l.check(s, "leased", 1).await.unwrap();
+        let d = l.check(&"leased".into(), s, 1).await.unwrap();
         assert!(
             matches!(
                 d,
@@ -471,7 +484,10 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
         );
     }
     for i in 0..100 {
-        let d = l.check(&format!("once-{i}"), "once", 1).await.unwrap();
+        let d = l
+            .check(&"once".into(), &format!("once-{i}"), 1)
+            .await
+            .unwrap();
         assert!(
             matches!(d, Decision::Denied { .. }),
             "once-{i} again: {d:?}"

@@ -50,7 +50,7 @@ fn an_evicting_store_is_refused_unless_allowed() {
                 .await
                 .expect("allowed by the operator");
             assert!(matches!(
-                l.check("t", "api", 1).await.unwrap(),
+                l.check(&"api".into(), "t", 1).await.unwrap(),
                 leasehold_agent::Decision::Allowed { .. }
             ));
         }
@@ -80,7 +80,7 @@ fn a_bucket_lost_under_a_lease_restarts_empty() {
         for _ in 0..20 {
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
             if matches!(
-                l.check("tenant-1", "api", 1).await.unwrap(),
+                l.check(&"api".into(), "tenant-1", 1).await.unwrap(),
                 leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;
@@ -94,7 +94,7 @@ fn a_bucket_lost_under_a_lease_restarts_empty() {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             if matches!(
-                l.check("tenant-1", "api", 1).await.unwrap(),
+                l.check(&"api".into(), "tenant-1", 1).await.unwrap(),
                 leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;

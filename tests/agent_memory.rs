@@ -58,8 +58,8 @@ fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
                 let (mut wrong, mut most) = (0u64, 0usize);
                 for i in (t..keys).step_by(tasks) {
                     let subject = format!("flood-{i:08}");
-                    let first = l.check(&subject, "api", 1).await.unwrap();
-                    let second = l.check(&subject, "api", 1).await.unwrap();
+                    let first = l.check(&"api".into(), &subject, 1).await.unwrap();
+                    let second = l.check(&"api".into(), &subject, 1).await.unwrap();
                     if !matches!(first, Decision::Allowed { .. })
                         || !matches!(second, Decision::Denied { .. })
                     {

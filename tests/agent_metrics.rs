@@ -21,7 +21,7 @@ async fn prometheus_exporter_serves_decision_counters_on_loopback() {
         .await
         .unwrap();
     for _ in 0..200 {
-        l.check("t", "api", 1).await.unwrap();
+        l.check(&"api".into(), "t", 1).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(1300)).await; // one publish tick
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -166,7 +166,7 @@ fn redis_killed_mid_run_follows_each_policy_within_its_timeout_and_recovers() {
     support::runtime().block_on(async {
         let l = limiter(&server.url(), FAULT_RULES).await;
         for rule in ["closed", "open", "emergency"] {
-            assert!(matches!(l.check("t", rule, 1).await.unwrap(), Decision::Allowed { via: Admission::Exact, .. }));
+            assert!(matches!(l.check(&rule.into(), "t", 1).await.unwrap(), Decision::Allowed { via: Admission::Exact, .. }));
         }
         server.kill();
         let mut worst = Duration::ZERO;
@@ -174,7 +174,7 @@ fn redis_killed_mid_run_follows_each_policy_within_its_timeout_and_recovers() {
         for _ in 0..30 {
             for rule in ["closed", "open", "emergency"] {
                 let t = Instant::now();
-                let d = l.check("t", rule, 1).await.unwrap();
+                let d = l.check(&rule.into(), "t", 1).await.unwrap();
                 worst = worst.max(t.elapsed());
                 match (rule, d) {
                     ("closed", Decision::Unavailable { retry_after }) => {
@@ -202,7 +202,7 @@ fn redis_killed_mid_run_follows_each_policy_within_its_timeout_and_recovers() {
             // Each rule's keys sit behind their own slot group's breaker: each recovers
             // on its first successful probe after the cooldown.
             loop {
-                if let Decision::Allowed { via: Admission::Exact, .. } = l.check("t", rule, 1).await.unwrap() {
+                if let Decision::Allowed { via: Admission::Exact, .. } = l.check(&rule.into(), "t", 1).await.unwrap() {
                     break;
                 }
                 assert!(restarted.elapsed() < Duration::from_secs(10), "{rule}: no recovery 10s after the restart");
@@ -224,7 +224,7 @@ fn latency_and_lost_replies_never_debit_twice() {
         let (mut admitted, mut unknown) = (0u64, 0u64);
         let mut run = async |n: usize, l: &Limiter| {
             for _ in 0..n {
-                match l.check("t", "api", 1).await.unwrap() {
+                match l.check(&"api".into(), "t", 1).await.unwrap() {
                     Decision::Allowed { .. } => admitted += 1,
                     Decision::Unavailable { .. } => unknown += 1,
                     d => panic!("{d:?}"),
@@ -261,14 +261,17 @@ fn function_flush_under_load_reloads_the_library_once() {
     let rules = "[rules.api]\ncapacity = 1000000\nrate = \"100000/s\"\nleasing = \"exact\"\ntimeout = \"1s\"\n";
     support::runtime().block_on(async {
         let l = limiter(&server.url(), rules).await;
-        l.check("warm", "api", 1).await.unwrap();
+        l.check(&"api".into(), "warm", 1).await.unwrap();
         let _: String = server.cmd(&["FUNCTION", "FLUSH"]).expect("flush");
         let tasks: Vec<_> = (0..16)
             .map(|i| {
                 let l = l.clone();
                 tokio::spawn(async move {
                     for j in 0..25 {
-                        let d = l.check(format!("t{i}-{j}"), "api", 1).await.unwrap();
+                        let d = l
+                            .check(&"api".into(), format!("t{i}-{j}"), 1)
+                            .await
+                            .unwrap();
                         assert!(matches!(d, Decision::Allowed { .. }), "{d:?}");
                     }
                 })
@@ -306,7 +309,7 @@ fn eight_agents_on_one_hot_key_never_admit_more_than_the_bucket() {
                 tokio::spawn(async move {
                     let mut i = 0u64;
                     while start.elapsed() < run_for {
-                        if let Decision::Allowed { .. } = l.check("tenant-hot", "hot", 1).await.unwrap() {
+                        if let Decision::Allowed { .. } = l.check(&"hot".into(), "tenant-hot", 1).await.unwrap() {
                             admitted.fetch_add(1, Ordering::Relaxed);
                         }
                         decisions.fetch_add(1, Ordering::Relaxed);

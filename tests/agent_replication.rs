@@ -91,7 +91,11 @@ fn admitted_across_failover(replicas: bool) -> (u64, u64) {
         let check2 = async |n: usize| {
             let (mut got, mut denied) = (0, 0);
             for _ in 0..n {
-                match limiter.check("tenant", "f", 1).await.expect("check") {
+                match limiter
+                    .check(&"f".into(), "tenant", 1)
+                    .await
+                    .expect("check")
+                {
                     Decision::Allowed { .. } => got += 1,
                     Decision::Denied { .. } => denied += 1,
                     Decision::Unavailable { .. } => {}

@@ -35,7 +35,7 @@ fn admin_view_shows_agents_and_their_shares_of_demand() {
         for _ in 0..30 {
             for (i, l) in agents.iter().enumerate() {
                 for _ in 0..(i + 1) * 200 {
-                    l.check("tenant-7", "api", 1).await.unwrap();
+                    l.check(&"api".into(), "tenant-7", 1).await.unwrap();
                 }
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -38,7 +38,9 @@ fn skewed_agents_converge_to_proportional_shares() {
                 while !stop.load(Ordering::Relaxed) {
                     tick.tick().await;
                     for _ in 0..DEMAND[i] {
-                        if let Decision::Allowed { .. } = l.check("k", "api", 1).await.unwrap() {
+                        if let Decision::Allowed { .. } =
+                            l.check(&"api".into(), "k", 1).await.unwrap()
+                        {
                             counts[i].fetch_add(1, Ordering::Relaxed);
                         }
                     }

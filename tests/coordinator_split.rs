@@ -192,7 +192,7 @@ fn a_split_spreads_a_hot_key_over_three_shards_and_the_bound_holds() {
                 let mut tick = tokio::time::interval(Duration::from_millis(5));
                 while !stop.load(Ordering::Relaxed) {
                     tick.tick().await;
-                    match l.check("hot", "api", 1).await.unwrap() {
+                    match l.check(&"api".into(), "hot", 1).await.unwrap() {
                         Decision::Allowed { .. } => admitted.fetch_add(1, Ordering::Relaxed),
                         _ => denied.fetch_add(1, Ordering::Relaxed),
                     };

@@ -6,7 +6,8 @@
 use std::convert::Infallible;
 
 use http::{Method, Request, Response, StatusCode};
-use leasehold_agent::http::{Check, Checks, RateLimitLayer, Rejection};
+use leasehold_agent::Check;
+use leasehold_agent::http::{Checks, RateLimitLayer, Rejection};
 use leasehold_agent::{Limiter, Rules};
 use tower::{Layer, ServiceExt};
 
@@ -38,9 +39,9 @@ fn classify(req: &http::request::Parts) -> Option<Checks> {
         return Some(Checks::none());
     }
     let tenant = req.headers.get("x-tenant")?.as_bytes();
-    let mut checks = Checks::from(Check::new("tenant", tenant, 1));
+    let mut checks = Checks::from(Check::new(&"tenant".into(), tenant, 1));
     if req.method == Method::POST {
-        checks.push(Check::new("writes", b"all", 1));
+        checks.push(Check::new(&"writes".into(), b"all", 1));
     }
     Some(checks)
 }
@@ -189,7 +190,8 @@ async fn a_leased_keys_ratelimit_header_names_the_buckets_quota() {
     let inner = tower::service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new("ok".to_owned()))
     });
-    let classify = |_: &http::request::Parts| Some(Checks::from(Check::new("writes", b"all", 1)));
+    let classify =
+        |_: &http::request::Parts| Some(Checks::from(Check::new(&"writes".into(), b"all", 1)));
     let svc = RateLimitLayer::new(l.clone(), classify).layer(inner);
     for n in 1..=120 {
         let r = svc

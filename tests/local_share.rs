@@ -195,7 +195,10 @@ fn a_seat_admission_reports_the_whole_quota_left() {
         tokio::time::sleep(Duration::from_millis(1300)).await;
         let mut each = Vec::new();
         let (d, _) = l
-            .check_all_each(&[(b"tenant".as_slice(), "api", 1)], &mut each)
+            .check_all_each(
+                &[leasehold_agent::Check::new(&"api".into(), "tenant", 1)],
+                &mut each,
+            )
             .await
             .expect("check");
         let Decision::Allowed {
@@ -258,7 +261,10 @@ fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
         let deadline = Instant::now() + Duration::from_secs(8);
         let me = fleet[busy].agent_id().to_string();
         while !holders().contains(&me) && Instant::now() < deadline {
-            fleet[busy].check("busy", "api", 1).await.expect("check");
+            fleet[busy]
+                .check(&"api".into(), "busy", 1)
+                .await
+                .expect("check");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(
@@ -272,7 +278,7 @@ fn an_idle_gateway_gives_its_seat_to_a_busy_one() {
 /// Whether one check of `subject` under `api` on `l` was admitted from its seat.
 async fn from_seat(l: &leasehold_agent::Limiter, subject: &str) -> bool {
     matches!(
-        l.check(subject, "api", 1).await.expect("check"),
+        l.check(&"api".into(), subject, 1).await.expect("check"),
         leasehold_agent::Decision::Allowed {
             via: leasehold_agent::Admission::Local,
             ..

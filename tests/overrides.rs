@@ -23,7 +23,7 @@ fn rules_text(hot_capacity: u64, hot_rate: &str) -> String {
 async fn admitted(l: &Limiter, subject: &str, n: usize) -> usize {
     let mut ok = 0;
     for _ in 0..n {
-        if let Decision::Allowed { .. } = l.check(subject, "api", 1).await.unwrap() {
+        if let Decision::Allowed { .. } = l.check(&"api".into(), subject, 1).await.unwrap() {
             ok += 1;
         }
     }
@@ -52,10 +52,17 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         assert_eq!(admitted(&l, "tenant-1", 20).await, 10);
         assert_eq!(admitted(&l, "tenant-42", 300).await, 300);
         assert_eq!(
-            l.bucket_params_for("api", "tenant-42").unwrap().capacity,
+            l.bucket_params_for(&"api".into(), "tenant-42")
+                .unwrap()
+                .capacity,
             1000
         );
-        assert_eq!(l.bucket_params_for("api", "tenant-1").unwrap().capacity, 10);
+        assert_eq!(
+            l.bucket_params_for(&"api".into(), "tenant-1")
+                .unwrap()
+                .capacity,
+            10
+        );
         let key = "lh:{api|tenant-42}";
         assert!(support::field(&server, key, "tok") >= 690);
 
@@ -70,7 +77,7 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         );
         // A cost above the new capacity is refused by name, as for any rule.
         let e = l
-            .check("tenant-42", "api", 60)
+            .check(&"api".into(), "tenant-42", 60)
             .await
             .unwrap_err()
             .to_string();
@@ -80,7 +87,7 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         std::fs::write(&path, rules_text(50, "200/s")).unwrap();
         l.reload_rules().unwrap();
         let since = Instant::now();
-        let _ = l.check("tenant-42", "api", 1).await.unwrap();
+        let _ = l.check(&"api".into(), "tenant-42", 1).await.unwrap();
         tokio::time::sleep(Duration::from_millis(150)).await;
         let n = admitted(&l, "tenant-42", 100).await as f64;
         // At least the 150 ms of refill, at most B plus the refill for as long as it
@@ -102,7 +109,12 @@ fn a_live_bucket_follows_its_override_through_reloads() {
         std::fs::write(&path, rules_text(0, "1/m")).unwrap();
         let e = l.reload_rules().unwrap_err().to_string();
         assert!(e.contains("override \"tenant-42\": capacity"), "{e}");
-        assert_eq!(l.bucket_params_for("api", "tenant-1").unwrap().capacity, 10);
+        assert_eq!(
+            l.bucket_params_for(&"api".into(), "tenant-1")
+                .unwrap()
+                .capacity,
+            10
+        );
     });
 }
 

@@ -105,7 +105,7 @@ fn three_regions_share_one_global_bucket_through_a_partition() {
                 while !stop.load(Ordering::Relaxed) {
                     tick.tick().await;
                     for _ in 0..PER_10MS {
-                        match l.check("tenant", "api", 1).await.unwrap() {
+                        match l.check(&"api".into(), "tenant", 1).await.unwrap() {
                             Decision::Allowed { .. } => {
                                 log[k].lock().push(start.elapsed().as_millis() as u64);
                             }
@@ -280,10 +280,10 @@ fn a_broker_feeds_at_most_its_max_keys() {
         while Instant::now() < deadline
             && (!fed(first, second) || broker.stats().keys_refused.load(Ordering::Relaxed) == 0)
         {
-            if let Decision::Allowed { .. } = l.check("first", "api", 1).await.unwrap() {
+            if let Decision::Allowed { .. } = l.check(&"api".into(), "first", 1).await.unwrap() {
                 first += 1;
             }
-            if let Decision::Allowed { .. } = l.check("second", "api", 1).await.unwrap() {
+            if let Decision::Allowed { .. } = l.check(&"api".into(), "second", 1).await.unwrap() {
                 second += 1;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;

@@ -135,11 +135,27 @@ impl Serving {
         options: leasehold_serve::Options,
         metrics: bool,
     ) -> Self {
+        Self::start_with(server, config, options, metrics, None).await
+    }
+
+    /// [`Serving::start`], with `more` rules (from TOML) beside the YAML's.
+    async fn start_with(
+        server: &leasehold_redis_harness::RedisServer,
+        config: &str,
+        options: leasehold_serve::Options,
+        metrics: bool,
+        more: Option<&str>,
+    ) -> Self {
         let metrics = metrics.then(|| leasehold_agent::telemetry::install_prometheus().unwrap());
         let domains = Domains::from_yaml(config, "messaging.yaml").unwrap();
+        let mut rules = domains.rules();
+        if let Some(toml) = more {
+            let more = leasehold_agent::Rules::from_toml(toml).unwrap();
+            rules = rules.and(more.iter().cloned());
+        }
         let limiter = leasehold_agent::Limiter::builder()
             .redis(server.url())
-            .rules(domains.rules())
+            .rules(rules)
             .config({
                 let mut c = leasehold_agent::LimiterConfig::default();
                 c.store = support::config();
@@ -605,7 +621,7 @@ fn ratelimit_drop_in_semantics() {
         // A reload keeps the limits requests named, and their buckets.
         let reloaded = Domains::from_yaml(DROP_IN, "messaging.yaml").unwrap();
         let rules = reloaded.rules();
-        decider.reload(reloaded, &rules);
+        decider.reload(reloaded, &rules).expect("the reloaded limits");
         assert_eq!(call(&mut c, vec![with_limit(&unknown, 10, 4)]).await.overall_code, Code::OverLimit as i32);
         // A unit Envoy does not define is refused, naming it.
         let e = c
@@ -842,6 +858,59 @@ fn nginx_auth_request_recipe_from_the_readme() {
         let r = through(nginx.port, None).await;
         assert!(r.starts_with("http/1.1 401"), "{r}");
         drop(nginx);
+        serving.stop().await;
+    });
+}
+
+/// One vocabulary at the edge: a rule with a local share is described as a whole (q = its
+/// capacity, not its global part's) by the tower layer and by serve's HTTP API alike,
+/// item for item.
+#[test]
+fn rate_limit_headers_agree_between_the_tower_layer_and_serve() {
+    use tower::{Layer, ServiceExt};
+    let server = support::server();
+    support::runtime().block_on(async {
+        let shared = "[rules.shared]\ncapacity = 100\nrate = \"10/s\"\n\
+                      local_percent = 50\nlocal_agents = 2\nleasing = \"exact\"\n";
+        let serving =
+            Serving::start_with(&server, CONFIG, Default::default(), false, Some(shared)).await;
+        let limiter = serving.decider.limiter().clone();
+        let body = r#"{"checks":[{"rule":"shared","subject":"t1"}]}"#;
+        let (status, head, _) = post(serving.http, "/v1/check", body).await;
+        assert_eq!(status, 200, "{head}");
+        let line = |name: &str| {
+            head.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let served = line("ratelimit-policy");
+        assert_eq!(
+            served, "\"shared\";q=100;w=10",
+            "the whole rule, not its global part"
+        );
+
+        let rule = limiter.rule("shared").unwrap();
+        let inner = tower::service_fn(|_req: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        });
+        let svc = leasehold_agent::http::RateLimitLayer::new(
+            limiter.clone(),
+            move |_: &http::request::Parts| {
+                Some(leasehold_agent::Check::new(&rule, "t2", 1).into())
+            },
+        )
+        .layer(inner);
+        let r = svc
+            .oneshot(http::Request::new(String::new()))
+            .await
+            .unwrap();
+        let layer = r.headers()["ratelimit-policy"].to_str().unwrap().to_owned();
+        assert_eq!(layer, served);
+        // Both say what is left in the same form, of the same capacity.
+        let left = r.headers()["ratelimit"].to_str().unwrap().to_owned();
+        assert!(left.starts_with("\"shared\";r="), "{left}");
+        assert!(line("ratelimit").starts_with("\"shared\";r="), "{head}");
         serving.stop().await;
     });
 }

@@ -4,7 +4,9 @@
 //! would-be 503s are `shadow_unavailable`.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
-use leasehold_agent::{Admission, Decision, EmbeddedStore, Limiter, LimiterConfig, Rules, Store};
+use leasehold_agent::{
+    Admission, Check, Decision, EmbeddedStore, Limiter, LimiterConfig, Rules, Store,
+};
 
 const RULES: &str = r#"
 [rules.enforced]
@@ -43,8 +45,8 @@ async fn shadow_mode_counts_exactly_the_would_be_refusals_and_enforces_none() {
     let mut enforced = Vec::new();
     let mut watched = Vec::new();
     for _ in 0..25 {
-        enforced.push(l.check("t", "enforced", 1).await.unwrap());
-        watched.push(l.check("t", "watched", 1).await.unwrap());
+        enforced.push(l.check(&"enforced".into(), "t", 1).await.unwrap());
+        watched.push(l.check(&"watched".into(), "t", 1).await.unwrap());
     }
     let denied = enforced
         .iter()
@@ -70,14 +72,14 @@ async fn shadow_mode_counts_exactly_the_would_be_refusals_and_enforces_none() {
 
     // An override in shadow mode: that subject is watched, the rest enforced.
     for _ in 0..12 {
-        let d = l.check("tenant-s", "enforced", 1).await.unwrap();
+        let d = l.check(&"enforced".into(), "tenant-s", 1).await.unwrap();
         assert!(matches!(d, Decision::Allowed { .. }), "{d:?}");
     }
     assert_eq!(l.stats("enforced").unwrap().shadow_denied, 2);
 
     // Store unreachable, rules failing closed: 503s become shadow admissions.
     embedded.set_offline(true);
-    let d = l.check("t2", "watched", 1).await.unwrap();
+    let d = l.check(&"watched".into(), "t2", 1).await.unwrap();
     assert_eq!(
         d,
         Decision::Allowed {
@@ -86,7 +88,7 @@ async fn shadow_mode_counts_exactly_the_would_be_refusals_and_enforces_none() {
         }
     );
     assert_eq!(l.stats("watched").unwrap().shadow_unavailable, 1);
-    let d = l.check("t2", "enforced", 1).await.unwrap();
+    let d = l.check(&"enforced".into(), "t2", 1).await.unwrap();
     assert!(matches!(d, Decision::Unavailable { .. }), "{d:?}");
 }
 
@@ -94,7 +96,7 @@ async fn shadow_mode_counts_exactly_the_would_be_refusals_and_enforces_none() {
 async fn the_global_switch_puts_every_rule_in_shadow_mode() {
     let l = limiter(Store::Embedded(EmbeddedStore::new()), true).await;
     for _ in 0..20 {
-        let d = l.check("t", "enforced", 1).await.unwrap();
+        let d = l.check(&"enforced".into(), "t", 1).await.unwrap();
         assert!(matches!(d, Decision::Allowed { .. }), "{d:?}");
     }
     let s = l.stats("enforced").unwrap();
@@ -112,7 +114,10 @@ async fn check_all_reports_the_tightest_check() {
         .await
         .unwrap();
     let d = l
-        .check_all(&[(b"t", "a", 1), (b"t", "b", 1)])
+        .check_all(&[
+            Check::new(&"a".into(), "t", 1),
+            Check::new(&"b".into(), "t", 1),
+        ])
         .await
         .unwrap();
     assert_eq!(

@@ -139,7 +139,10 @@ fn a_server_that_requires_client_certificates_gets_one() {
         let mut admitted = 0;
         for _ in 0..5 {
             if matches!(
-                limiter.check("tenant", "t", 1).await.expect("check"),
+                limiter
+                    .check(&"t".into(), "tenant", 1)
+                    .await
+                    .expect("check"),
                 leasehold_agent::Decision::Allowed { .. }
             ) {
                 admitted += 1;
@@ -264,7 +267,7 @@ fn a_planned_sentinel_failover_under_load_admits_at_most_the_bound() {
                 );
                 tokio::spawn(async move {
                     while !stop.load(Ordering::Relaxed) {
-                        match l.check("tenant", "hot", 1).await.expect("valid check") {
+                        match l.check(&"hot".into(), "tenant", 1).await.expect("valid check") {
                             leasehold_agent::Decision::Allowed { .. } => {
                                 admitted.fetch_add(1, Ordering::Relaxed);
                             }

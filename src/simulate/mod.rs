@@ -392,7 +392,7 @@ impl System {
     ) -> Outcome {
         match self {
             Self::Leasehold { .. } => match limiter {
-                Some(l) => match l.check(subject, RULE, cost).await {
+                Some(l) => match l.check(&RULE.into(), subject, cost).await {
                     Ok(Decision::Allowed { .. }) => Outcome::Admitted,
                     Ok(Decision::Denied { .. }) | Err(_) => Outcome::Denied,
                     Ok(Decision::Unavailable { .. }) => Outcome::Unavailable,

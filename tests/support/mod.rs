@@ -116,7 +116,11 @@ pub fn hammer(
     let (l, stop, admitted) = (limiter.clone(), stop.clone(), admitted.clone());
     tokio::spawn(async move {
         while !stop.load(Ordering::Relaxed) {
-            match l.check(subject, rule, 1).await.expect("valid check") {
+            match l
+                .check(&rule.into(), subject, 1)
+                .await
+                .expect("valid check")
+            {
                 leasehold_agent::Decision::Allowed { .. } => {
                     admitted.fetch_add(1, Ordering::Relaxed);
                 }

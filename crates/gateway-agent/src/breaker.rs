@@ -48,9 +48,10 @@ impl Default for BreakerConfig {
     }
 }
 
-/// The breaker and bulkhead of one shard.
+/// The breaker and bulkhead of one shard, and what its user keeps per shard beside them
+/// (`Q`: the limiter's queue of exact decisions).
 #[derive(Debug)]
-pub(crate) struct Breaker {
+pub(crate) struct Breaker<Q = ()> {
     /// The shard, for log lines.
     name: Box<str>,
     failures: AtomicU32,
@@ -59,8 +60,8 @@ pub(crate) struct Breaker {
     last_success_ns: AtomicU64,
     in_flight: Arc<Semaphore>,
     config: BreakerConfig,
-    /// The shard's queue of cold decisions waiting for their exact batch.
-    pub(crate) batch: crate::limiter::ExactBatch,
+    /// What the user keeps per shard.
+    pub(crate) queue: Q,
 }
 
 /// Why a call may not go to the store now.
@@ -76,14 +77,14 @@ pub(crate) enum Refusal {
 /// the breaker is half-open. Resolve it with [`Permit::succeeded`] or [`Permit::failed`];
 /// dropping it unresolved ends a probe without a verdict, so the next call probes again.
 #[derive(Debug)]
-pub(crate) struct Permit<'a> {
-    breaker: &'a Breaker,
+pub(crate) struct Permit<'a, Q> {
+    breaker: &'a Breaker<Q>,
     sent_ns: u64,
     probe: bool,
     _place: OwnedSemaphorePermit,
 }
 
-impl Permit<'_> {
+impl<Q> Permit<'_, Q> {
     /// The store answered (an error reply about the request itself is an answer too).
     pub(crate) fn succeeded(mut self, now_ns: u64) {
         self.probe = false;
@@ -98,7 +99,7 @@ impl Permit<'_> {
     }
 }
 
-impl Drop for Permit<'_> {
+impl<Q> Drop for Permit<'_, Q> {
     fn drop(&mut self) {
         if self.probe {
             self.breaker.probing.store(false, Ordering::Release);
@@ -106,7 +107,7 @@ impl Drop for Permit<'_> {
     }
 }
 
-impl Breaker {
+impl<Q: Default> Breaker<Q> {
     fn new(name: &str, config: BreakerConfig) -> Self {
         Self {
             name: name.into(),
@@ -116,12 +117,14 @@ impl Breaker {
             last_success_ns: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
-            batch: crate::limiter::ExactBatch::default(),
+            queue: Q::default(),
         }
     }
+}
 
+impl<Q> Breaker<Q> {
     /// Asks to call the store at `now_ns`.
-    pub(crate) fn enter(&self, now_ns: u64) -> Result<Permit<'_>, Refusal> {
+    pub(crate) fn enter(&self, now_ns: u64) -> Result<Permit<'_, Q>, Refusal> {
         let until = self.open_until_ns.load(Ordering::Acquire);
         // Open: refuse until the cooldown ends, then let exactly one probe through.
         let probe = until != 0;
@@ -191,19 +194,19 @@ impl Breaker {
 pub use leasehold_store::ShardRange;
 
 #[derive(Debug)]
-struct Topology {
+struct Topology<Q> {
     by_slot: Vec<u16>,
-    shards: Vec<(String, Arc<Breaker>)>,
+    shards: Vec<(String, Arc<Breaker<Q>>)>,
 }
 
 /// The breakers of every shard, found by slot.
 #[derive(Debug)]
-pub(crate) struct Breakers {
-    topology: ArcSwap<Topology>,
+pub(crate) struct Breakers<Q = ()> {
+    topology: ArcSwap<Topology<Q>>,
     config: BreakerConfig,
 }
 
-impl Breakers {
+impl<Q: Default> Breakers<Q> {
     /// One shard serving every slot.
     pub(crate) fn new(config: BreakerConfig) -> Self {
         Self {
@@ -219,11 +222,11 @@ impl Breakers {
     /// range covers go to a shard of their own.
     pub(crate) fn set_topology(&self, ranges: &[ShardRange]) {
         let old = self.topology.load();
-        let known: HashMap<&str, &Arc<Breaker>> =
+        let known: HashMap<&str, &Arc<Breaker<Q>>> =
             old.shards.iter().map(|(n, b)| (n.as_str(), b)).collect();
-        let mut shards: Vec<(String, Arc<Breaker>)> = Vec::new();
+        let mut shards: Vec<(String, Arc<Breaker<Q>>)> = Vec::new();
         let mut index: HashMap<String, u16> = HashMap::new();
-        let mut shard_of = |name: &str, shards: &mut Vec<(String, Arc<Breaker>)>| {
+        let mut shard_of = |name: &str, shards: &mut Vec<(String, Arc<Breaker<Q>>)>| {
             *index.entry(name.to_owned()).or_insert_with(|| {
                 let b = known.get(name).map_or_else(
                     || Arc::new(Breaker::new(name, self.config)),
@@ -256,14 +259,14 @@ impl Breakers {
     }
 
     /// The breaker of the shard serving `slot`.
-    pub(crate) fn for_slot(&self, slot: u16) -> Arc<Breaker> {
+    pub(crate) fn for_slot(&self, slot: u16) -> Arc<Breaker<Q>> {
         self.with_slot(slot, Arc::clone)
     }
 
     /// `f` of the breaker of the shard serving `slot`, without a reference count (which
     /// every thread deciding on the shard would write).
     #[inline]
-    pub(crate) fn with_slot<R>(&self, slot: u16, f: impl FnOnce(&Arc<Breaker>) -> R) -> R {
+    pub(crate) fn with_slot<R>(&self, slot: u16, f: impl FnOnce(&Arc<Breaker<Q>>) -> R) -> R {
         let t = self.topology.load();
         let i = t.by_slot[usize::from(slot % SLOTS)];
         f(&t.shards[usize::from(i)].1)
@@ -328,7 +331,7 @@ mod tests {
 
     #[test]
     fn opens_after_failures_probes_once_and_closes_on_success() {
-        let b = Breaker::new("test", config(2, 4));
+        let b = Breaker::<()>::new("test", config(2, 4));
         b.enter(0).unwrap().failed(0);
         b.enter(1).unwrap().failed(1);
         assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
@@ -351,7 +354,7 @@ mod tests {
 
     #[test]
     fn a_cancelled_probe_ends_the_probe() {
-        let b = Breaker::new("test", config(1, 4));
+        let b = Breaker::<()>::new("test", config(1, 4));
         b.enter(0).unwrap().failed(0);
         let probe = b.enter(200).expect("a probe after the cooldown");
         // The caller's future is dropped mid-call: no verdict, but the probe is over.
@@ -365,7 +368,7 @@ mod tests {
 
     #[test]
     fn a_probe_refused_for_saturation_ends_the_probe() {
-        let b = Breaker::new("test", config(1, 1));
+        let b = Breaker::<()>::new("test", config(1, 1));
         let busy = b.enter(0).unwrap();
         b.failure(0, 0, false);
         assert_eq!(b.enter(200).unwrap_err(), Refusal::Saturated);
@@ -375,7 +378,7 @@ mod tests {
 
     #[test]
     fn a_timeout_while_the_shard_answers_others_does_not_count() {
-        let b = Breaker::new("test", config(2, 4));
+        let b = Breaker::<()>::new("test", config(2, 4));
         let slow1 = b.enter(0).unwrap();
         let slow2 = b.enter(1).unwrap();
         b.enter(5).unwrap().succeeded(10);
@@ -391,7 +394,7 @@ mod tests {
 
     #[test]
     fn bounds_in_flight_calls() {
-        let b = Breaker::new("test", config(3, 2));
+        let b = Breaker::<()>::new("test", config(3, 2));
         let p1 = b.enter(0).unwrap();
         let _p2 = b.enter(0).unwrap();
         assert_eq!(b.enter(0).unwrap_err(), Refusal::Saturated);
@@ -401,7 +404,7 @@ mod tests {
 
     #[test]
     fn shards_are_found_by_slot_and_keep_their_state_across_refreshes() {
-        let b = Breakers::new(config(1, 4));
+        let b = Breakers::<()>::new(config(1, 4));
         let ranges = vec![
             (0, 5460, "a:1".to_owned()),
             (5461, 10922, "b:1".to_owned()),

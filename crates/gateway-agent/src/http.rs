@@ -22,7 +22,6 @@
 //! client address is a fallback for unauthenticated traffic only, with its own rule,
 //! since many users can share one address.
 
-use std::borrow::Cow;
 use std::future::Future;
 use std::io::Write as _;
 use std::pin::Pin;
@@ -35,95 +34,8 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use smallvec::SmallVec;
 use tower::{Layer, Service};
 
-use crate::limiter::{CheckError, Decision, Limiter, RuleEntry};
-
-/// A rule's name as a [`Check`] holds it: a `&'static str` or an `Arc<str>` is shared,
-/// never copied, per request.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RuleRef(Repr);
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Repr {
-    Static(&'static str),
-    Shared(Arc<str>),
-}
-
-impl RuleRef {
-    /// The name.
-    pub fn as_str(&self) -> &str {
-        match &self.0 {
-            Repr::Static(s) => s,
-            Repr::Shared(s) => s,
-        }
-    }
-}
-
-impl From<&'static str> for RuleRef {
-    fn from(s: &'static str) -> Self {
-        Self(Repr::Static(s))
-    }
-}
-
-impl From<Arc<str>> for RuleRef {
-    fn from(s: Arc<str>) -> Self {
-        Self(Repr::Shared(s))
-    }
-}
-
-impl From<&Arc<str>> for RuleRef {
-    fn from(s: &Arc<str>) -> Self {
-        Self(Repr::Shared(s.clone()))
-    }
-}
-
-impl From<String> for RuleRef {
-    fn from(s: String) -> Self {
-        Self(Repr::Shared(s.into()))
-    }
-}
-
-impl From<Cow<'static, str>> for RuleRef {
-    fn from(s: Cow<'static, str>) -> Self {
-        match s {
-            Cow::Borrowed(s) => s.into(),
-            Cow::Owned(s) => s.into(),
-        }
-    }
-}
-
-/// One limit a request must pass.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Check {
-    rule: RuleRef,
-    subject: SmallVec<[u8; 48]>,
-    cost: u64,
-}
-
-impl Check {
-    /// `cost` tokens of `rule` for `subject`. A subject up to 48 bytes is kept inline.
-    pub fn new(rule: impl Into<RuleRef>, subject: impl AsRef<[u8]>, cost: u64) -> Self {
-        Self {
-            rule: rule.into(),
-            subject: SmallVec::from_slice(subject.as_ref()),
-            cost,
-        }
-    }
-
-    /// The rule.
-    pub fn rule(&self) -> &str {
-        self.rule.as_str()
-    }
-
-    /// Who is limited.
-    pub fn subject(&self) -> &[u8] {
-        &self.subject
-    }
-
-    /// Tokens the request costs.
-    pub fn cost(&self) -> u64 {
-        self.cost
-    }
-}
+use crate::headers::retry_secs;
+use crate::limiter::{Check, CheckError, Decision, Limiter, RuleEntry, RuleRef};
 
 /// The checks of one request, all or nothing; none means the request is not limited.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -149,6 +61,11 @@ impl Checks {
     /// The checks.
     pub fn iter(&self) -> impl Iterator<Item = &Check> {
         self.0.iter()
+    }
+
+    /// The checks, as [`Limiter::check_all`] takes them.
+    pub fn as_slice(&self) -> &[Check] {
+        &self.0
     }
 
     /// True when the request is not limited.
@@ -196,7 +113,7 @@ pub struct ByHeader {
 impl Classify for ByHeader {
     fn classify(&self, req: &Parts) -> Option<Checks> {
         let v = req.headers.get(&self.header)?;
-        Some(Check::new(self.rule.clone(), v.as_bytes(), 1).into())
+        Some(Check::new(&self.rule, v.as_bytes(), 1).into())
     }
 }
 
@@ -472,12 +389,8 @@ where
     S: Service<Request<B>, Response = Response<RB>>,
     R: Reject<RB>,
 {
-    let list: SmallVec<[(&[u8], &str, u64); 2]> = checks
-        .iter()
-        .map(|c| (c.subject(), c.rule(), c.cost()))
-        .collect();
     let mut each = Vec::new();
-    let (decision, at) = match limiter.check_all_each(&list, &mut each).await {
+    let (decision, at) = match limiter.check_all_each(checks.as_slice(), &mut each).await {
         Ok(decided) => decided,
         Err(e) => {
             let rule = checks.iter().next().map_or("", Check::rule);
@@ -530,18 +443,18 @@ fn refuse<RB, R: Reject<RB>>(
     r
 }
 
-/// `RateLimit-Policy` and `RateLimit`, one item per check.
+/// `RateLimit-Policy` and `RateLimit`, one item per check (see [`crate::headers`]).
 fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry>)]) {
     let policy = match limits {
         [] => return,
-        [(_, e)] => HeaderValue::from_maybe_shared(e.policy.clone()).ok(),
+        [(_, e)] => HeaderValue::from_maybe_shared(e.policy_item.clone()).ok(),
         many => {
             let mut v = Vec::with_capacity(many.len() * 32);
             for (i, (_, e)) in many.iter().enumerate() {
                 if i > 0 {
                     v.extend_from_slice(b", ");
                 }
-                v.extend_from_slice(&e.policy);
+                v.extend_from_slice(&e.policy_item);
             }
             HeaderValue::from_maybe_shared(bytes::Bytes::from(v)).ok()
         }
@@ -554,21 +467,11 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
     let mut w = &mut buf[..];
     let mut items = 0;
     for (d, e) in limits {
-        let (remaining, t) = match *d {
-            // Admitted without the store's count (fail open, the emergency limit, shadow):
-            // nothing honest to say of what is left.
-            Decision::Allowed { via, .. } if !via.is_metered() => continue,
-            Decision::Allowed { remaining, .. } => {
-                let p = &e.params;
-                let missing = p.capacity.saturating_sub(remaining);
-                (remaining, leasehold_core::refill_secs(missing, p.rate))
-            }
-            Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-                (0, retry_secs(retry_after))
-            }
+        let Some((remaining, t)) = e.policy.left(*d) else {
+            continue;
         };
         let sep = if items > 0 { ", " } else { "" };
-        if write!(w, "{sep}\"{}\";r={remaining};t={t}", e.name).is_err() {
+        if write!(w, "{sep}\"{}\";r={remaining};t={t}", e.policy.name()).is_err() {
             break;
         }
         items += 1;
@@ -583,11 +486,6 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
 
 fn number(n: u64) -> HeaderValue {
     HeaderValue::from(n)
-}
-
-/// `Retry-After` in whole seconds: rounded up, at least 1.
-pub fn retry_secs(wait: Duration) -> u64 {
-    leasehold_core::retry_after_secs(wait.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
 }
 
 pin_project_lite::pin_project! {

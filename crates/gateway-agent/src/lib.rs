@@ -4,6 +4,7 @@
 //! - [`limiter`]: the `Limiter` gateways call, its hot path, refill driver and failure
 //!   handling; [`breaker`]: circuit breakers and bulkheads per shard.
 //! - [`counters`]: sharded hot-path counters.
+//! - [`headers`]: `RateLimit-Policy`, `RateLimit` and `Retry-After`, for every front end.
 //! - [`http`] (feature `tower`, default): the tower `Layer` that answers 429 and 503.
 //! - [`telemetry`]: the metrics recorded and their help text; with feature `prometheus`
 //!   an exporter the application may install.
@@ -14,6 +15,7 @@
 
 pub mod breaker;
 pub mod counters;
+pub mod headers;
 #[cfg(feature = "tower")]
 pub mod http;
 pub mod limiter;
@@ -27,7 +29,8 @@ pub mod store {
 }
 
 pub use limiter::{
-    Admission, BuildError, CheckError, Decision, Health, Limiter, LimiterBuilder, LimiterConfig,
+    Admission, BuildError, Check, CheckError, Decision, Health, Limiter, LimiterBuilder,
+    LimiterConfig, RuleRef,
 };
 pub use redis_store::{ErrorKind, LIBRARY, RedisStore, StoreConfig, StoreError, TlsFiles};
 pub use rules::{Overrides, Rules, RulesError, UnknownRule};

@@ -19,3 +19,9 @@ pub use leasehold_core as core;
 #[cfg(feature = "serve")]
 pub use leasehold_serve as serve;
 pub use leasehold_store as store;
+
+// The types a gateway uses, at the top: build a limiter, name its rules, decide.
+pub use leasehold_agent::{
+    Admission, Check, CheckError, Decision, Limiter, LimiterBuilder, RuleRef, Rules, RulesError,
+    Store, StoreConfig, UnknownRule,
+};

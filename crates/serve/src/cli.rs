@@ -239,10 +239,12 @@ async fn reload(decider: Arc<Decider>, path: PathBuf, merge: bool) {
     leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("limits_reload", why).entered();
         match load(&path, merge) {
-            Ok((d, rules)) => {
-                decider.reload(d, &rules);
-                tracing::info!(rules = rules.len(), path = %path.display(), "limits reloaded");
-            }
+            Ok((d, rules)) => match decider.reload(d, &rules) {
+                Ok(()) => {
+                    tracing::info!(rules = rules.len(), path = %path.display(), "limits reloaded");
+                }
+                Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
+            },
             Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
         }
     })

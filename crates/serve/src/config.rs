@@ -38,6 +38,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use leasehold_agent::RuleRef;
 use leasehold_core::rule::{OverrideSpec, Rule, RuleError, RuleSpec};
 use leasehold_store::Rules;
 use serde::Deserialize;
@@ -270,7 +271,7 @@ pub enum Action {
     /// `requests_per_unit: 0`: always over the limit.
     DenyAll,
     /// The Leasehold rule of that name.
-    Rule(String),
+    Rule(RuleRef),
 }
 
 /// One `rate_limit` of the configuration.
@@ -555,7 +556,7 @@ impl Domains {
                     }
                 })?;
                 self.rules.push(rule);
-                Action::Rule(name)
+                Action::Rule(name.into())
             }
         };
         Ok(Limit {
@@ -865,7 +866,7 @@ descriptors:
         let Action::Rule(name) = &s.limit.action else {
             panic!()
         };
-        assert!(rules.get(name).unwrap().shadow());
+        assert!(rules.get(name.as_str()).unwrap().shadow());
         // name and replaces.
         let r = d
             .find("example", &[("key_2", "value_2"), ("user", "bkthomps")])
@@ -892,7 +893,7 @@ descriptors:
         let Action::Rule(name) = &w.limit.action else {
             panic!()
         };
-        let rule = rules.get(name).unwrap();
+        let rule = rules.get(name.as_str()).unwrap();
         assert!((rule.rate().per_sec_f64() - 700.0 / 604_800.0).abs() < 1e-9);
         assert_eq!(rule.capacity().get(), 700, "B = requests_per_unit");
         // Leasehold's own fields.
@@ -900,7 +901,7 @@ descriptors:
         let Action::Rule(name) = &t.limit.action else {
             panic!()
         };
-        let rule = rules.get(name).unwrap();
+        let rule = rules.get(name.as_str()).unwrap();
         assert_eq!(rule.capacity().get(), 10);
         assert_eq!(rule.leasing(), leasehold_core::Leasing::Exact);
         assert_eq!(t.subject, r#"[["tenant","t1"]]"#);

@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use leasehold_agent::{CheckError, Decision, Limiter};
+use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef, headers};
 use leasehold_core::rule::{Rule, RuleSpec};
-use leasehold_store::Rules;
+use leasehold_store::{Rules, RulesError};
 
 use crate::config::{Action, Domains, Limit, MAX_PER_SECOND, Unit};
 
@@ -140,15 +140,16 @@ impl Decider {
     }
 
     /// Puts `domains` and `rules` (a reloaded file's) in force; limits requests named
-    /// stay.
-    pub fn reload(&self, domains: Domains, rules: &Rules) {
+    /// stay. Rules the limiter refuses leave the config in force as it was.
+    pub fn reload(&self, domains: Domains, rules: &Rules) -> Result<(), RulesError> {
         let overrides = self
             .overrides
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         self.limiter
-            .set_rules(&with_overrides(rules, overrides.values()));
+            .set_rules(&with_overrides(rules, overrides.values()))?;
         self.domains.store(Arc::new(domains));
+        Ok(())
     }
 
     /// The rule of a descriptor's own limit, made (and given to the limiter) the first
@@ -169,8 +170,13 @@ impl Decider {
         let rule = Rule::from_spec(&name, &spec).ok()?;
         overrides.insert((rpu, unit), rule);
         let domains = self.domains.load();
-        self.limiter
-            .set_rules(&with_overrides(&domains.rules(), overrides.values()));
+        if let Err(e) =
+            (self.limiter).set_rules(&with_overrides(&domains.rules(), overrides.values()))
+        {
+            tracing::error!(error = %e, limit = %name, "a request's limit was refused");
+            overrides.remove(&(rpu, unit));
+            return None;
+        }
         Some(name)
     }
 
@@ -278,7 +284,7 @@ impl Decider {
                     over(&mut statuses[i], shadow, None);
                     continue;
                 }
-                Action::Rule(rule) => rule.as_str(),
+                Action::Rule(rule) => rule,
             };
             let subject = m.subject.as_bytes();
             let Ok(p) = limiter.bucket_params_for(rule, subject) else {
@@ -306,7 +312,7 @@ impl Decider {
             }
             // A check that takes nothing: is there a token now?
             let s = &mut statuses[i];
-            match limiter.peek(subject, rule, 1).await? {
+            match limiter.peek(rule, subject, 1).await? {
                 Decision::Allowed { remaining, .. } => {
                     s.remaining = clip(remaining);
                     s.reset = Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
@@ -347,8 +353,9 @@ impl Decider {
         // All or nothing; a quota descriptor found over is left out and the rest tried
         // again (the refusal took nothing).
         while !takes.is_empty() && !refused(&statuses) {
-            let list: Vec<(&[u8], &str, u64)> =
-                takes.iter().map(|t| (t.subject, t.rule, t.hits)).collect();
+            let list: Vec<Check> = (takes.iter())
+                .map(|t| Check::new(t.rule, t.subject, t.hits))
+                .collect();
             let mut each = Vec::new();
             let (d, at) = limiter.check_all_each(&list, &mut each).await?;
             if let Decision::Allowed { .. } = d {
@@ -431,7 +438,7 @@ impl Decider {
             Action::Unlimited
         } else {
             match self.override_rule(rpu, unit) {
-                Some(rule) => Action::Rule(rule),
+                Some(rule) => Action::Rule(rule.into()),
                 None => {
                     tracing::warn!(
                         max = MAX_OVERRIDE_LIMITS,
@@ -501,11 +508,11 @@ impl Decider {
                 let label = name.as_deref().unwrap_or(domain);
                 headers.push((
                     "ratelimit-policy".into(),
-                    format!("\"{label}\";q={rpu};w={}", unit.seconds()),
+                    headers::policy_item(label, u64::from(*rpu), unit.seconds()),
                 ));
                 headers.push((
                     "ratelimit".into(),
-                    format!("\"{label}\";r={};t={reset}", s.remaining),
+                    headers::limit_item(label, u64::from(s.remaining), reset),
                 ));
             }
         }
@@ -515,7 +522,7 @@ impl Decider {
                 .filter(|s| s.over_limit)
                 .find_map(|s| s.reset)
         {
-            headers.push(("retry-after".into(), secs(wait).max(1).to_string()));
+            headers.push(("retry-after".into(), headers::retry_secs(wait).to_string()));
         }
         headers
     }
@@ -525,7 +532,7 @@ impl Decider {
 struct Take<'a> {
     /// Its index in the request.
     i: usize,
-    rule: &'a str,
+    rule: &'a RuleRef,
     subject: &'a [u8],
     hits: u64,
     /// Its bucket's capacity.

@@ -41,7 +41,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use leasehold_agent::{CheckError, Decision, Limiter};
+use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 
@@ -298,38 +298,25 @@ async fn decided(
     Ok((verdict, status, headers))
 }
 
-/// `RateLimit-Policy` and `RateLimit` for the check that decided.
+/// `RateLimit-Policy` and `RateLimit` for the check that decided (see
+/// [`leasehold_agent::headers`]: the same items as the tower layer's).
 fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str, d: Decision) {
-    let Ok(p) = limiter.bucket_params_for(rule, subject) else {
+    let Ok(p) = limiter.policy(&RuleRef::from(rule.to_owned()), subject) else {
         return;
     };
-    let w = leasehold_core::refill_secs(p.capacity, p.rate);
-    set(
-        h,
-        "ratelimit-policy",
-        format!("\"{rule}\";q={};w={w}", p.capacity),
-    );
-    let (r, t) = match d {
-        // Admitted without the store's count: nothing honest to say of what is left.
-        Decision::Allowed { via, .. } if !via.is_metered() => return,
-        Decision::Allowed { remaining, .. } => {
-            let missing = p.capacity.saturating_sub(remaining);
-            (remaining, leasehold_core::refill_secs(missing, p.rate))
-        }
-        Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-            (0, secs(retry_after))
-        }
-    };
-    set(h, "ratelimit", format!("\"{rule}\";r={r};t={t}"));
+    set(h, "ratelimit-policy", p.item());
+    if let Some(item) = p.limit_item(d) {
+        set(h, "ratelimit", item);
+    }
 }
 
 async fn decide_rules(
     limiter: &Limiter,
     checks: &[OneCheck],
 ) -> Result<(Decision, usize, Vec<Option<Decision>>), CheckError> {
-    let list: Vec<(&[u8], &str, u64)> = checks
+    let list: Vec<Check> = checks
         .iter()
-        .map(|c| (c.subject.as_bytes(), c.rule.as_str(), c.cost))
+        .map(|c| Check::new(&RuleRef::from(c.rule.clone()), &c.subject, c.cost))
         .collect();
     let mut each = Vec::new();
     let (d, at) = limiter.check_all_each(&list, &mut each).await?;

@@ -186,6 +186,13 @@ pub enum RulesError {
         /// The file.
         path: String,
     },
+    /// The rules do not fit the agent that is given them (a region-scoped rule without a
+    /// weight for the agent's region, say): refused, and the rules in force stay.
+    #[error("rules refused: {why}")]
+    NotForAgent {
+        /// What does not fit.
+        why: String,
+    },
 }
 
 /// A lookup of a rule that is not defined.

@@ -14,7 +14,17 @@
 
 use futures_util::future::join_all;
 
-use super::*;
+use std::sync::Arc;
+
+use leasehold_core::cell::refill_ns;
+use leasehold_core::model::Op;
+use leasehold_core::rule::FailurePolicy;
+use tokio::time::{Instant, timeout_at};
+
+use super::decide::denied;
+use super::keys::KeyState;
+use super::store_path::store_answered;
+use super::{Admission, Check, CheckError, Decision, Limiter, RuleRef};
 
 impl Limiter {
     /// What [`Limiter::check`] of `cost` would answer now, taking nothing: the tokens this
@@ -28,11 +38,20 @@ impl Limiter {
     /// `hits_addend: 0`) are answered with it.
     pub async fn peek(
         &self,
+        rule: &RuleRef,
         subject: impl AsRef<[u8]>,
-        rule: &str,
         cost: u64,
     ) -> Result<Decision, CheckError> {
-        let subject = subject.as_ref();
+        self.peek_named(rule.as_str(), subject.as_ref(), cost).await
+    }
+
+    /// [`Limiter::peek`] of a rule by its name.
+    async fn peek_named(
+        &self,
+        rule: &str,
+        subject: &[u8],
+        cost: u64,
+    ) -> Result<Decision, CheckError> {
         let (existing, entry) = self.resolve(subject, rule, cost)?;
         let now = self.now_ns();
         let ks = match existing {
@@ -117,7 +136,7 @@ impl Limiter {
     /// reports the tightest check (least `remaining`, and how that one was admitted).
     /// A leased admission's `remaining` here is its key's [`Limiter::quota_left`], not
     /// what the lease alone holds.
-    pub async fn check_all(&self, checks: &[(&[u8], &str, u64)]) -> Result<Decision, CheckError> {
+    pub async fn check_all(&self, checks: &[Check]) -> Result<Decision, CheckError> {
         let mut each = Vec::new();
         Ok(self.check_all_each(checks, &mut each).await?.0)
     }
@@ -128,7 +147,7 @@ impl Limiter {
     /// `None` for a check not decided because another refused the request.
     pub async fn check_all_each(
         &self,
-        checks: &[(&[u8], &str, u64)],
+        checks: &[Check],
         each: &mut Vec<Option<Decision>>,
     ) -> Result<(Decision, usize), CheckError> {
         each.clear();
@@ -137,7 +156,8 @@ impl Limiter {
         // `of[i]`: the bucket of input i.
         let mut buckets: Vec<(&[u8], &str, u64, usize)> = Vec::with_capacity(checks.len());
         let mut of = Vec::with_capacity(checks.len());
-        for (i, &(subject, rule, cost)) in checks.iter().enumerate() {
+        for (i, c) in checks.iter().enumerate() {
+            let (subject, rule, cost) = (c.subject(), c.rule(), c.cost());
             match buckets.iter().position(|b| b.0 == subject && b.1 == rule) {
                 Some(j) => {
                     buckets[j].2 = buckets[j].2.saturating_add(cost);
@@ -175,7 +195,7 @@ impl Limiter {
             let looked = &remote[..remote.len() - 1];
             let peeks = looked.iter().map(|&j| {
                 let (subject, rule, cost, _) = buckets[j];
-                async move { (j, self.peek(subject, rule, cost).await) }
+                async move { (j, self.peek_named(rule, subject, cost).await) }
             });
             for (j, d) in join_all(peeks).await {
                 let d = d?;
@@ -193,7 +213,7 @@ impl Limiter {
             let (subject, rule, cost, first) = buckets[j];
             let before = self.key(rule, subject);
             let epoch = before.as_ref().map(|ks| ks.hot().lease.epoch());
-            let mut decided = self.check(subject, rule, cost).await?;
+            let mut decided = self.check_named(rule, subject, cost).await?;
             if let d @ Decision::Allowed {
                 via: Admission::Lease | Admission::Local,
                 ..

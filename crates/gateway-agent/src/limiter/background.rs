@@ -2,7 +2,27 @@
 //! forgetting idle keys), metrics, the report to the coordinator, topology and rules
 //! file refreshes.
 
-use super::*;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use leasehold_core::rule::Leasing;
+use tokio::time::Instant;
+
+use crate::counters::Counter;
+use crate::store::Store;
+
+use super::keys::KeyState;
+use super::seats::SEAT_TTL_US;
+use super::seats::{SEAT_MARGIN_NS, SEAT_RENEW_EVERY};
+use super::table::RuleTable;
+use super::{Inner, TOPOLOGY_EVERY};
+use super::{Limiter, keymap};
+use crate::redis_store::RedisStore;
+use leasehold_core::{Reclaim, SweepAction};
+use std::sync::Weak;
+use std::time::SystemTime;
+use tokio::sync::mpsc;
 
 /// How often the store's eviction policy is read again.
 const POLICY_EVERY: Duration = Duration::from_secs(30);

@@ -24,9 +24,16 @@ use leasehold_store::ExactItem;
 use tokio::sync::oneshot;
 use tokio::time::{Instant, timeout_at};
 
-use super::{CallTimer, Decision, KeyState, Limiter, RuleEntry, store_answered};
-use crate::breaker::{Breaker, Refusal};
+use super::call::CallTimer;
+use super::keys::KeyState;
+use super::store_path::store_answered;
+use super::table::RuleEntry;
+use super::{Decision, Limiter};
+use crate::breaker::Refusal;
 use crate::counters::Counter;
+
+/// A shard's breaker, with its queue of exact decisions.
+type Breaker = crate::breaker::Breaker<ExactBatch>;
 use crate::redis_store::ErrorKind;
 
 /// The most keys one call carries.
@@ -196,7 +203,7 @@ impl Limiter {
         deadline: Instant,
     ) -> Option<Decision> {
         let (rx, start) = self.inner.breakers.with_slot(ks.slot, |shard| {
-            let (rx, start) = shard.batch.push(ks, entry, cost, deadline);
+            let (rx, start) = shard.queue.push(ks, entry, cost, deadline);
             (rx, start.then(|| shard.clone()))
         });
         if let Some(shard) = start {
@@ -223,7 +230,7 @@ impl Limiter {
 
     /// A sending task of the shard: one call at a time until the queue is empty.
     async fn send_batches(&self, shard: &Breaker) {
-        while let Some(items) = shard.batch.take() {
+        while let Some(items) = shard.queue.take() {
             let out = self.send_batch(shard, &items).await;
             self.answer(items, out);
         }

@@ -1,7 +1,29 @@
 //! Building a `Limiter`: its configuration, the store it talks to, and the checks made
 //! before the first decision.
 
-use super::*;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+
+use crate::redis_store::StoreError;
+use crate::rules::{Rules, RulesError};
+use crate::store::Store;
+
+use super::Breakers;
+use super::Inner;
+use super::Limiter;
+use super::background::background;
+use super::table::RuleTable;
+use crate::breaker::BreakerConfig;
+use crate::counters::ErrorCounts;
+use crate::redis_store::{RedisStore, StoreConfig};
+use crate::store::EmbeddedStore;
+use leasehold_core::PolicyConfig;
+use leasehold_core::model::AgentId;
+use std::path::PathBuf;
+use tokio::sync::mpsc;
 
 /// Why a limiter could not be built.
 #[derive(Debug, thiserror::Error)]

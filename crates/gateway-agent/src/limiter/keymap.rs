@@ -19,7 +19,7 @@ use crossbeam_utils::CachePadded;
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
 use parking_lot::Mutex;
 
-use super::{KeyId, KeyRef, KeyState};
+use super::keys::{KeyId, KeyRef, KeyState};
 use crate::counters::RuleCounters;
 
 type Hasher = foldhash::fast::RandomState;

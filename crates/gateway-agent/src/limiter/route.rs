@@ -1,7 +1,13 @@
 //! Where a key's store calls go while its bucket is split: the part this agent uses, and
 //! when to read the split again.
 
-use super::*;
+use leasehold_core::key::BucketKey;
+use leasehold_core::model::Reply;
+use leasehold_core::rule::BucketParams;
+
+use super::keys::{Driver, KeyState};
+use super::table::RuleEntry;
+use leasehold_core::model::Split;
 
 /// The part of a split bucket this agent uses, as the parent last described the split.
 #[derive(Debug)]

@@ -3,8 +3,7 @@
 -- Leasehold global bucket protocol, version 1: the only code that mutates global state.
 --
 -- Each function touches exactly one key, KEYS[1], holding one bucket (invariant I7), and
--- uses only the Redis server clock (I5); lh_exact_batch (and its older forms), the batch
--- of cold decisions, touches each of its keys as lh_exact would, each only from its own
+-- uses only the Redis server clock (I5); lh_exact_batch, the batch of cold decisions, touches each of its keys as lh_exact would, each only from its own
 -- state. A bucket is a hash, or, while it has no lease record, demand or split and only
 -- a batch has written it, a compact string (COMPACT below: two commands a decision
 -- instead of three, and no field table); any other function turns it into the hash. It is the twin of
@@ -21,7 +20,8 @@
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
 --   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us, rate_milli
 --   Agents send every one of these as lh_call (at the end of this file), its numbers
---   packed; the decimal functions serve the agents of the versions before.
+--   packed; the decimal functions are the same operations in a form tests and redis-cli
+--   can type.
 -- A region's bucket (model/region.rs) starts empty and refills nothing during its term
 -- (ru): its broker's deposits feed it, once per seq (rq, the grant's global time); at the
 -- term's end what is left is void, and then it refills at its floor only.
@@ -244,21 +244,6 @@ local function carry_period(p)
   return p.fper or p.per
 end
 
-local function decode(text)
-  local out = {}
-  for v in string.gmatch(text, '[^,]+') do
-    out[#out + 1] = tonumber(v)
-  end
-  return out
-end
-
--- A stored reply has 7 numbers when no split is in force (the other 7 are 0).
-local function decode_reply(text)
-  local out = decode(text)
-  for i = #out + 1, 14 do out[i] = 0 end
-  return out
-end
-
 local function no_split()
   return {parts = 0, salt = 0, gen = 0, untl = 0, tok = 0, out = 0, drop = 0}
 end
@@ -284,15 +269,11 @@ end
 local COMPACT = '<c2I8I8I8I8'
 local COMPACT_TAG = 'L1'
 
--- A compact bucket's four numbers: tok, car, ts, p; also read in the decimal form
--- 'tok,car,ts,p' an earlier version wrote (the next write makes it binary).
+-- A compact bucket's four numbers: tok, car, ts, p.
 local function compact_of(key, v)
   local tag, a, b, c, d = nil, nil, nil, nil, nil
   if #v == 34 then
     tag, a, b, c, d = struct.unpack(COMPACT, v)
-  elseif #v <= 80 then
-    a, b, c, d = string.match(v, '^(%d+),(%d+),(%d+),(%d+)$')
-    if a then return tonumber(a), tonumber(b), tonumber(c), tonumber(d) end
   end
   if tag ~= COMPACT_TAG then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds another string') end
   return a, b, c, d
@@ -318,9 +299,7 @@ end
 -- ru rq rr, the split in force (parts salt until tokens outstanding drop; parts 0: none)
 -- and the part's (pg pu). A record: held x seq demand credit, then the agent's last
 -- reply (7 numbers, or 14 while a split is in force). wire.rs, bucket_fields, reads
--- both as the fields of leasehold_core::schema. The layout before, a field per number
--- (tok, car, ..., and id:h, id:x, id:s, id:r, id:d, id:c per agent), is converted in
--- place by the first call that finds it (legacy).
+-- both as the fields of leasehold_core::schema.
 local STATE = 'st'
 local STATE_FORMAT = '<' .. 'I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8'
 local STATE_LEN = 168
@@ -380,46 +359,6 @@ local function pack_record(held, x, seq, demand, credit, reply)
   return struct.pack(format_of(5 + n), held, x, seq, demand, credit, unpack(reply, 1, n))
 end
 
--- A hash in the layout before, converted in place (its expiry kept); then the fields
--- STATE and id, as HMGET reads them (false, false: the hash holds no bucket).
-local function legacy(key, id)
-  local all = redis.call('HGETALL', key)
-  local old, recs = {}, {}
-  for i = 1, #all, 2 do
-    local aid, field = string.match(all[i], '^(%x+):([hxsrdc])$')
-    if aid then
-      recs[aid] = recs[aid] or {}
-      recs[aid][field] = all[i + 1]
-    else
-      old[all[i]] = all[i + 1]
-    end
-  end
-  if not old.tok then return {false, false} end
-  local function n(v) return tonumber(v or 0) or 0 end
-  local s = {tok = n(old.tok), car = n(old.car), p = n(old.p), ts = n(old.ts), out = n(old.out),
-    nexp = n(old.nexp), mx = n(old.mx), ds = n(old.ds), dx = n(old.dx), sg = n(old.sg),
-    ru = n(old.ru), rq = n(old.rq), rr = n(old.rr), pg = 0, pu = 0, split = NO_SPLIT}
-  if old.sp then
-    local a = decode(old.sp)
-    s.split = {parts = a[1], salt = a[2], gen = s.sg, untl = a[3], tok = a[4], out = a[5],
-               drop = a[6]}
-  end
-  if old.pt then
-    local a = decode(old.pt)
-    s.pg, s.pu = a[1], a[2]
-  end
-  local args = {STATE, pack_state(s)}
-  for aid, r in pairs(recs) do
-    args[#args + 1] = aid
-    args[#args + 1] = pack_record(n(r.h), n(r.x), n(r.s), n(r.d), n(r.c), decode_reply(r.r or '0'))
-  end
-  local ttl = redis.call('PTTL', key)
-  redis.call('DEL', key)
-  redis.call('HSET', key, unpack(args))
-  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
-  return redis.call('HMGET', key, STATE, id)
-end
-
 -- Loads the bucket and the agent's record (none for a deposit, which has no record);
 -- returns (state, record, now, replay).
 local function begin(key, p, norecord)
@@ -436,12 +375,9 @@ local function begin(key, p, norecord)
     f = {}
   else
     if not f[1] then
-      -- No state: a new key, or a hash in the layout before; any other hash is not ours.
+      -- No state: a new key; any other hash is not ours.
       local exists = redis.call('EXISTS', key)
-      if exists == 1 then
-        f = legacy(key, p.id)
-        if not f[1] then bad_bucket(key) end
-      end
+      if exists == 1 then bad_bucket(key) end
     end
     if f[1] then s = state_of(key, f[1]) end
   end
@@ -864,13 +800,8 @@ end
 --        integer of an array reply as on a key's whole decision; a string is one value.
 -- Dedup key: BATCH_TAG, seq and the reply (the same integers), expiring after the
 --            longest grace.
---
--- The agents of the versions before call the same batch as lh_exact_packed (the same
--- arguments, the reply as an array of integers) and lh_exact_many (its numbers as decimal
--- arguments, each its own), served while a rolling upgrade runs.
 local MAX_BATCH_COSTS = 4096
--- A dedup record's first byte: 0xc1, which no MessagePack value starts with (the records
--- of the version before are MessagePack: seq, then the reply as an array).
+-- A dedup record's first byte.
 local BATCH_TAG = '\193'
 
 
@@ -943,18 +874,14 @@ end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,
 -- the same period) runs on locals; the rest through exact_full. s: its state as the batch
--- read it (nil: no state field, or the layout before). Its answer is appended to out.
+-- read it. Its answer is appended to out.
 local function exact_one(key, p, cost, first, count, server_now, s, rt, out)
-  if not s then
-    local v = legacy(key, STATE)[1]
-    s = v and state_of(key, v)
-  end
-  if s and (s.split.parts ~= 0 or s.pg ~= 0) then
+  if s.split.parts ~= 0 or s.pg ~= 0 then
     for i = 1, count do rt[i] = 0 end
     return answer(out, 1, 0, 0, 0, count, rt)
   end
   -- nexp 0: no lease record (then out and mx are 0); dx 0: no demand (ds is 0).
-  if not s or s.nexp ~= 0 or s.dx ~= 0 or s.p ~= p.per then
+  if s.nexp ~= 0 or s.dx ~= 0 or s.p ~= p.per then
     return exact_full(key, p, cost, first, count, server_now, s, rt, out)
   end
   local at
@@ -1034,16 +961,12 @@ local function batch_agent(args)
   return id
 end
 
--- A kept dedup record's reply (packed), or nil if it is another batch's. The records of
--- the version before are MessagePack (seq, then the reply as an array).
+-- A kept dedup record's reply (packed), or nil if it is another batch's.
 local function kept_reply(kept, seq)
-  if string.byte(kept, 1) == 193 then
-    if #kept >= 17 and struct.unpack('<I8', kept, 2) == seq then return string.sub(kept, 10) end
-    return nil
+  if string.byte(kept, 1) == 193 and #kept >= 17 and struct.unpack('<I8', kept, 2) == seq then
+    return string.sub(kept, 10)
   end
-  local kseq, kout = cmsgpack.unpack(kept)
-  if kseq ~= seq then return nil end
-  return struct.pack(format_of(#kout), unpack(kout))
+  return nil
 end
 
 -- The batch of agent id over its numbers (see ARGV); its reply, packed.
@@ -1124,13 +1047,10 @@ local function exact_batch(keys, id, args)
       ty = ty['ok']
       if ty ~= 'hash' then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty) end
       local st = redis.call('HGET', key, STATE)
-      if st then
-        states[k] = state_of(key, st)
-        check_clock(key, states[k].ts, server_now)
-      elseif redis.call('HEXISTS', key, 'tok') == 0 then
-        -- Neither a bucket nor one in the layout before (legacy): not ours.
-        bad_bucket(key)
-      end
+      -- A hash without a bucket's state: not ours.
+      if not st then bad_bucket(key) end
+      states[k] = state_of(key, st)
+      check_clock(key, states[k].ts, server_now)
       found[k] = true
     else
       found[k] = false
@@ -1158,20 +1078,6 @@ local function exact_packed(keys, args)
   local id = batch_agent(args)
   if args[3] ~= nil then fail('LH_ARG ' .. fmt(#args - 2) .. ' arguments left over') end
   return exact_batch(keys, id, packed(args[2]))
-end
-
--- lh_exact_packed: the same, its reply as an array of integers (the version before).
-local function exact_packed_array(keys, args)
-  return packed(exact_packed(keys, args))
-end
-
--- lh_exact_many: the same, its numbers as decimal arguments, each its own, its reply an
--- array (two versions before).
-local function exact_many(keys, args)
-  local id = batch_agent(args)
-  local numbers = {}
-  for i = 2, #args do numbers[i - 1] = int(args[i], 'at position ' .. fmt(i), MAX) end
-  return packed(exact_batch(keys, id, numbers))
 end
 
 -- The operations by their number in lh_call, each with its own arguments' names and bounds.
@@ -1215,8 +1121,8 @@ local function call(keys, args)
   return struct.pack(format_of(#reply), unpack(reply))
 end
 
--- The decimal form of operation i (ARGV above), as the agents of the versions before
--- call it: its reply an array.
+-- The decimal form of operation i (ARGV above), for tests and redis-cli: its reply an
+-- array.
 local function decimal(i)
   local run, own = OPS[i][1], OPS[i][2]
   return function(keys, args)
@@ -1288,16 +1194,59 @@ local function seat(keys, args)
   return reply
 end
 
+-- lh_lead: the coordinators' leader lock, KEYS[1] = lh:coordinator, holding the holder's
+-- id. ARGV: id, ttl_ms, give_up (1: release it if held). Taken when free, extended when
+-- held by id (the compare and the extension in one step: between a GET and a PEXPIRE
+-- the lock could pass to another instance), left alone when another holds it. Reply: 1
+-- when id holds it after the call, else 0.
+local function lead(keys, args)
+  local key = keys[1]
+  local id = args[1]
+  if #keys ~= 1 or key ~= 'lh:coordinator' then fail('LH_ARG not the leader lock: ' .. clip(tostring(key))) end
+  if type(id) ~= 'string' or #id < 1 or #id > 64 then fail('LH_ARG invalid argument id = ' .. clip(tostring(id))) end
+  local ttl = int(args[2], 'ttl_ms', 3600000)
+  local give_up = int(args[3], 'give_up', 1)
+  if ttl == 0 then fail('LH_ARG invalid argument ttl_ms = 0') end
+  local holder = redis.call('GET', key)
+  if give_up == 1 then
+    if holder == id then
+      redis.call('DEL', key)
+    end
+    return 0
+  end
+  if holder == false then
+    redis.call('SET', key, id, 'PX', ttl)
+    return 1
+  end
+  if holder == id then
+    redis.call('PEXPIRE', key, ttl)
+    return 1
+  end
+  return 0
+end
+
+-- lh_state: a bucket's state field as the hash holds it (see STATE), or nothing for a
+-- compact bucket (which has no split) or no bucket. Read-only.
+local function state_field(keys, args)
+  local key = keys[1]
+  if #keys ~= 1 or #key > 512 or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then
+    fail('LH_ARG not a bucket key: ' .. clip(tostring(key)))
+  end
+  if args[1] ~= nil then fail('LH_ARG ' .. fmt(#args) .. ' arguments left over') end
+  local ty = redis.call('TYPE', key)
+  if ty['ok'] ~= 'hash' then return false end
+  return redis.call('HGET', key, STATE)
+end
+
 redis.register_function('lh_call', call)
 redis.register_function('lh_seat', seat)
+redis.register_function('lh_lead', lead)
+redis.register_function{function_name = 'lh_state', callback = state_field,
+  flags = {'no-writes'}}
 redis.register_function('lh_acquire', decimal(1))
 redis.register_function('lh_release', decimal(2))
 redis.register_function('lh_exact', decimal(3))
 redis.register_function('lh_split', decimal(4))
 redis.register_function('lh_deposit', decimal(5))
 redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
-  flags = {'allow-cross-slot-keys'}}
-redis.register_function{function_name = 'lh_exact_packed', callback = exact_packed_array,
-  flags = {'allow-cross-slot-keys'}}
-redis.register_function{function_name = 'lh_exact_many', callback = exact_many,
   flags = {'allow-cross-slot-keys'}}

@@ -103,7 +103,7 @@ async fn readiness(admin: &Admin) -> Result<(), String> {
     if admin.store.failing_over() {
         return Err("store failover under way".to_owned());
     }
-    match admin.store.query::<String>(&redis::cmd("PING")).await {
+    match admin.store.ping().await {
         Ok(_) => Ok(()),
         Err(e) => Err(format!("store unreachable: {e}")),
     }

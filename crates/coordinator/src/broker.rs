@@ -21,7 +21,7 @@ use leasehold_core::key::BucketKey;
 use leasehold_core::model::AgentId;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::rule::BucketParams;
-use leasehold_store::report::{KeyReport, Report, WANTED_KEY};
+use leasehold_store::report::{KeyReport, Report};
 use leasehold_store::{RedisStore, Rules};
 use parking_lot::Mutex;
 
@@ -128,7 +128,7 @@ impl Broker {
 
     /// Brokers `keys` (regions' bucket keys the region's agents reported) while
     /// `leader`; a key already brokered goes on; without the lead, every key stops. With
-    /// the lead it also watches [`WANTED_KEY`], where agents announce a key they start
+    /// the lead it also watches [`leasehold_store::report::WANTED_KEY`], where agents announce a key they start
     /// using, so a new key is fed within a round trip.
     pub fn ensure<'a>(self: &Arc<Self>, leader: bool, keys: impl IntoIterator<Item = &'a str>) {
         self.active.store(leader, Ordering::Relaxed);
@@ -219,12 +219,7 @@ impl Broker {
                     tracing::debug!(error = %e, "report to the global store failed");
                 }
             }
-            let mut read = redis::cmd("ZRANGEBYSCORE");
-            read.arg(WANTED_KEY)
-                .arg(since)
-                .arg("+inf")
-                .arg("WITHSCORES");
-            match self.regional.query::<Vec<(String, u64)>>(&read).await {
+            match self.regional.announced_keys(since).await {
                 Ok(entries) => {
                     since = entries
                         .iter()
@@ -242,9 +237,7 @@ impl Broker {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_millis() as u64)
                     .saturating_sub(60_000);
-                let mut trim = redis::cmd("ZREMRANGEBYSCORE");
-                trim.arg(WANTED_KEY).arg("-inf").arg(cutoff);
-                let _ = self.regional.query::<i64>(&trim).await;
+                let _ = self.regional.forget_announced(cutoff).await;
             }
             tokio::time::sleep(WATCH_EVERY).await;
         }

@@ -18,9 +18,9 @@ use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
 use leasehold_core::key::BucketKey;
-use leasehold_core::model::{AgentId, Op, Request, Split};
+use leasehold_core::model::{AgentId, Op, Request};
 use leasehold_core::rule::Rule;
-use leasehold_store::report::{AGENTS_KEY, REPORT_TTL_MS, Report, report_key};
+use leasehold_store::report::{REPORT_TTL_MS, Report};
 use leasehold_store::{RedisStore, Rules, StoreError};
 use parking_lot::RwLock;
 use serde::Serialize;
@@ -30,21 +30,7 @@ use crate::plan::{SplitPolicy, Step, choose_salt, step};
 use crate::view::SplitView;
 
 /// The leader lock.
-pub const LOCK_KEY: &str = "lh:coordinator";
-
-/// Extends the leader lock only if this instance holds it (token compare and PEXPIRE in
-/// one script).
-const RENEW_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
-     return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end";
-
-/// Releases the leader lock only if this instance holds it.
-const DELETE_IF_OURS: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then \
-     return redis.call('DEL', KEYS[1]) else return 0 end";
-
-/// A bucket's state field and the split fields of the layout before (ARGV), or none when
-/// the key holds a compact bucket.
-const SPLIT_FIELDS: &str = "if redis.call('TYPE', KEYS[1])['ok'] == 'string' then return {} end \
-     return redis.call('HMGET', KEYS[1], ARGV[1], ARGV[2], ARGV[3])";
+pub use leasehold_store::report::LEAD_KEY as LOCK_KEY;
 
 /// Tuning of the coordinator.
 #[derive(Clone, Debug)]
@@ -114,10 +100,6 @@ fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn num(v: &Option<String>) -> u64 {
-    v.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 impl Coordinator {
@@ -213,72 +195,11 @@ impl Coordinator {
     /// Takes or renews the leader lock; true when this instance holds it.
     async fn lock(&self) -> Result<bool, StoreError> {
         let ttl = self.config.lock_ttl.as_millis() as u64;
-        let id = self.id.to_string();
-        let mut set = redis::cmd("SET");
-        set.arg(LOCK_KEY).arg(&id).arg("NX").arg("PX").arg(ttl);
-        if self.store.query::<Option<String>>(&set).await?.is_some() {
-            return Ok(true);
-        }
-        // Renew only our own lock, in one atomic step: between a GET and a PEXPIRE the
-        // lock could expire and pass to another instance.
-        let mut renew = redis::cmd("EVAL");
-        renew
-            .arg(RENEW_IF_OURS)
-            .arg(1)
-            .arg(LOCK_KEY)
-            .arg(&id)
-            .arg(ttl);
-        Ok(self.store.query::<i64>(&renew).await? == 1)
+        self.store.take_lead(&self.id.to_string(), ttl).await
     }
 
     async fn unlock(&self) -> Result<(), StoreError> {
-        let mut del = redis::cmd("EVAL");
-        del.arg(DELETE_IF_OURS)
-            .arg(1)
-            .arg(LOCK_KEY)
-            .arg(self.id.to_string());
-        self.store.query::<i64>(&del).await?;
-        Ok(())
-    }
-
-    async fn server_now_us(&self) -> Result<u64, StoreError> {
-        let (secs, micros): (u64, u64) = self.store.query(&redis::cmd("TIME")).await?;
-        Ok(secs * 1_000_000 + micros)
-    }
-
-    /// The split in force on `key`, read from its bucket. A compact bucket (a string) has
-    /// none; HMGET's WRONGTYPE is not an error here, so the read is a script.
-    async fn split_of(&self, key: &BucketKey, now_us: u64) -> Result<Option<Split>, StoreError> {
-        let mut read = redis::cmd("EVAL");
-        read.arg(SPLIT_FIELDS)
-            .arg(1)
-            .arg(key.as_str())
-            .arg(leasehold_store::wire::STATE)
-            .arg(leasehold_core::schema::SPLIT)
-            .arg(leasehold_core::schema::SPLIT_GEN);
-        let f: Vec<Option<Vec<u8>>> = self.store.query(&read).await?;
-        let mut pairs = Vec::new();
-        for (name, v) in [
-            leasehold_store::wire::STATE,
-            leasehold_core::schema::SPLIT,
-            leasehold_core::schema::SPLIT_GEN,
-        ]
-        .iter()
-        .zip(f)
-        {
-            if let Some(v) = v {
-                pairs.push((name.as_bytes().to_vec(), v));
-            }
-        }
-        let fields = leasehold_store::wire::bucket_fields(&pairs).ok_or_else(|| {
-            StoreError::Misconfigured(format!("{key} holds a hash that is not a bucket"))
-        })?;
-        let field = |name: &str| fields.get(name).cloned();
-        let split = leasehold_store::wire::decode_split(
-            field(leasehold_core::schema::SPLIT).as_deref(),
-            num(&field(leasehold_core::schema::SPLIT_GEN)),
-        );
-        Ok(split.filter(|s| s.until_us > now_us))
+        self.store.give_up_lead(&self.id.to_string()).await
     }
 
     /// One round: reports in, accounting and metrics out, splits when leader.
@@ -287,29 +208,18 @@ impl Coordinator {
         let started = std::time::Instant::now();
         let leader = self.lock().await?;
         let now_ms = wall_ms();
-        let mut live = redis::cmd("ZRANGEBYSCORE");
-        live.arg(AGENTS_KEY)
-            .arg(now_ms.saturating_sub(REPORT_TTL_MS))
-            .arg("+inf");
-        let agents: Vec<String> = self.store.query(&live).await?;
+        let agents = (self.store)
+            .live_agents(now_ms.saturating_sub(REPORT_TTL_MS))
+            .await?;
         if leader {
-            let mut prune = redis::cmd("ZREMRANGEBYSCORE");
-            prune
-                .arg(AGENTS_KEY)
-                .arg("-inf")
-                .arg(now_ms.saturating_sub(FORGET_AFTER_MS));
-            self.store.query::<i64>(&prune).await?;
-        }
-        for agent in &agents {
-            let Ok(id) = u64::from_str_radix(agent, 16) else {
-                continue;
-            };
-            let text: Option<String> = self
-                .store
-                .query(redis::cmd("GET").arg(report_key(AgentId(id))))
+            (self.store)
+                .forget_agents(now_ms.saturating_sub(FORGET_AFTER_MS))
                 .await?;
-            if let Some(text) = text {
-                self.ledger.lock().record(agent, &Report::parse(&text));
+        }
+        for &agent in &agents {
+            if let Some(text) = self.store.agent_report(agent).await? {
+                let name = agent.to_string();
+                self.ledger.lock().record(&name, &Report::parse(&text));
             }
         }
         let mut statuses = BTreeMap::new();
@@ -353,7 +263,7 @@ impl Coordinator {
             .map(|(k, _)| k.clone())
             .collect();
         if !warm.is_empty() {
-            let now_us = self.server_now_us().await?;
+            let now_us = self.store.server_now_us().await?;
             let ranges = self.store.shards().await?;
             let mut primaries: Vec<&str> = ranges.iter().map(|(_, _, n)| n.as_str()).collect();
             primaries.sort_unstable();
@@ -381,7 +291,7 @@ impl Coordinator {
                 else {
                     continue;
                 };
-                let split = self.split_of(&bucket, now_us).await?;
+                let split = self.store.split_of(&bucket, now_us).await?;
                 let calls = statuses[&key].stats.calls_per_sec;
                 let until_us = now_us + policy.term.as_micros() as u64;
                 let op = match (leader, step(policy, calls, split.as_ref(), primaries.len())) {

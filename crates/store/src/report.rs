@@ -21,6 +21,9 @@ pub const AGENTS_KEY: &str = "lh:agents";
 /// next report. The broker trims it.
 pub const WANTED_KEY: &str = "lh:wanted";
 
+/// The coordinators' leader lock: the holder's id, with an expiry (see `lh_lead`).
+pub const LEAD_KEY: &str = "lh:coordinator";
+
 /// A report lives this long unless renewed (ms).
 pub const REPORT_TTL_MS: u64 = 10_000;
 

@@ -298,9 +298,7 @@ pub const STATE: &str = "st";
 
 /// The fields of [`leasehold_core::schema`] a bucket's hash stands for, given as Redis
 /// holds it (`HGETALL`'s pairs): [`STATE`] and each agent's record expand to the fields
-/// [`hash_fields`] renders; a field of the layout before (one decimal number each, which
-/// the library converts at its next call) is taken as it is. `None` if a field is
-/// neither.
+/// [`hash_fields`] renders. `None` if a field is neither.
 pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, String>> {
     let mut f = BTreeMap::new();
     for (name, value) in pairs {
@@ -355,7 +353,7 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
             }
             f.insert(format!("{name}{}", h::AGENT_REPLY), join(&v[5..]));
         } else {
-            f.insert(name.to_owned(), std::str::from_utf8(value).ok()?.to_owned());
+            return None;
         }
     }
     Some(f)
@@ -392,22 +390,9 @@ pub fn compact_text(v: &[u8]) -> Option<String> {
 }
 
 /// The hash a compact bucket's string stands for (its four fields; every other field is
-/// 0), or `None` if `v` is not one. The decimal form `tok,car,ts,p` of the version before
-/// is read too (the library reads it, and writes it anew in the binary form).
+/// 0), or `None` if `v` is not one.
 pub fn compact_fields(v: &[u8]) -> Option<BTreeMap<String, String>> {
-    let decimal = || -> Option<[u64; 4]> {
-        let text = std::str::from_utf8(v).ok()?;
-        let n: Vec<u64> = text
-            .split(',')
-            .map(|d| {
-                (!d.is_empty() && d.len() <= 16 && d.bytes().all(|b| b.is_ascii_digit()))
-                    .then(|| d.parse().ok())
-                    .flatten()
-            })
-            .collect::<Option<_>>()?;
-        n.try_into().ok()
-    };
-    let [tok, car, ts, p] = compact_numbers(v).or_else(decimal)?;
+    let [tok, car, ts, p] = compact_numbers(v)?;
     Some(
         [
             (h::TOKENS, tok),
@@ -500,8 +485,7 @@ pub fn unpack_numbers(bytes: &[u8]) -> Option<Vec<u64>> {
         .collect()
 }
 
-/// A batch dedup record's first byte, which no MessagePack value (the records of the
-/// version before) starts with.
+/// A batch dedup record's first byte.
 pub const BATCH_TAG: u8 = 0xc1;
 
 /// The dedup key of `agent`'s batch `seq` whose first key is `first`: beside it, in its
@@ -589,10 +573,7 @@ mod tests {
         for bad in [&other[..], &v[..33], b"7,0,1,1000000", b"", b"hello"] {
             assert_eq!(compact_numbers(bad), None, "{bad:?}");
         }
-        // The decimal form of the version before: read as the hash, nothing else is.
-        let old = compact_fields(b"7,0,1,1000000").expect("the decimal form");
-        assert_eq!((old["tok"].as_str(), old["p"].as_str()), ("7", "1000000"));
-        for bad in [&b"7,0,1"[..], b"7,0,1,x", b"7,,1,1", b"hello", &other[..]] {
+        for bad in [&b"7,0,1,1000000"[..], b"7,0,1,x", b"hello", &other[..]] {
             assert_eq!(compact_fields(bad), None, "{bad:?}");
         }
         assert_eq!(

@@ -1,0 +1,612 @@
+//! Reaching a store: addresses (single, Cluster, Sentinel, TLS), dialling, and connecting
+//! in the background while the store is down.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use redis::RedisError;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use crate::secret::{redact, redact_in};
+use crate::sentinel::SentinelConn;
+
+use super::error::{StoreError, redacted};
+use super::{Conn, Link, Loader, RedisStore};
+
+/// `scheme://node` for each of the comma-separated `nodes` (`cluster://` addresses).
+pub(super) fn node_urls(scheme: &str, nodes: &str) -> Vec<String> {
+    nodes
+        .split(',')
+        .filter(|n| !n.is_empty())
+        .map(|n| format!("{scheme}://{n}"))
+        .collect()
+}
+
+pub(super) fn manager_settings(config: &StoreConfig) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        .set_response_timeout(Some(config.call_timeout))
+        .set_number_of_retries(1)
+}
+
+/// Connection settings.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct StoreConfig {
+    /// Bound on establishing a connection.
+    pub connect_timeout: Duration,
+    /// Bound on one call, reload included.
+    pub call_timeout: Duration,
+    /// Certificates for `rediss://` (TLS through rustls). Without a CA file the system's
+    /// trust store is used.
+    pub tls: TlsFiles,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(1),
+            call_timeout: Duration::from_millis(500),
+            tls: TlsFiles::default(),
+        }
+    }
+}
+
+/// PEM files for TLS connections (`rediss://`, `rediss+sentinel://`).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct TlsFiles {
+    /// The CA that signed the server's certificate, when it is not in the system's trust
+    /// store (a private CA, as managed services and self-run clusters use).
+    pub ca_file: Option<PathBuf>,
+    /// A client certificate, for servers that require one (`tls-auth-clients yes`).
+    pub client_cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub client_key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    pub(super) fn is_empty(&self) -> bool {
+        self.ca_file.is_none() && self.client_cert.is_none() && self.client_key.is_none()
+    }
+
+    /// Reads the files; an error names the file and what is wrong with it.
+    #[cfg(feature = "tls")]
+    pub(super) fn load(&self) -> Result<redis::TlsCertificates, StoreError> {
+        let read = |what: &str, path: &std::path::Path| {
+            let bytes = std::fs::read(path).map_err(|e| {
+                StoreError::Misconfigured(format!("{what} {}: {e}", path.display()))
+            })?;
+            if !bytes.starts_with(b"-----BEGIN") {
+                return Err(StoreError::Misconfigured(format!(
+                    "{what} {}: not a PEM file (it must start with -----BEGIN)",
+                    path.display()
+                )));
+            }
+            Ok(bytes)
+        };
+        let root_cert = match &self.ca_file {
+            Some(p) => Some(read("TLS CA file", p)?),
+            None => None,
+        };
+        let client_tls = match (&self.client_cert, &self.client_key) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read("TLS client certificate", cert)?,
+                client_key: read("TLS client key", key)?,
+            }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(StoreError::Misconfigured(
+                    "a TLS client certificate was given without its key".into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(StoreError::Misconfigured(
+                    "a TLS client key was given without its certificate".into(),
+                ));
+            }
+        };
+        Ok(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        })
+    }
+}
+
+/// Makes rustls use the ring provider (the only one built), once per process.
+#[cfg(feature = "tls")]
+pub(super) fn tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Err only when a provider is installed already, which serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// The error for an address that asks for TLS when the `tls` feature is off.
+#[cfg(not(feature = "tls"))]
+pub(super) fn no_tls(address: &str) -> StoreError {
+    StoreError::Misconfigured(format!(
+        "{address:?} asks for TLS, but leasehold-store was built without its `tls` feature"
+    ))
+}
+
+/// A client for one node, with the TLS files when the URL asks for TLS.
+pub(super) fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
+    let bad = |e: RedisError| {
+        // redis-rs says only "did not parse - InvalidClientConfig": say what is wrong.
+        let shown = redact(url);
+        if shown.starts_with('<') {
+            // Not SCHEME://… at all: the description says so.
+            return StoreError::Misconfigured(format!("redis url {shown}"));
+        }
+        let why = if e.kind() == redis::ErrorKind::InvalidClientConfig {
+            crate::secret::what_is_wrong(url)
+        } else {
+            redact_in(&e.to_string(), url)
+        };
+        StoreError::Misconfigured(format!("redis url {shown}: {why}"))
+    };
+    if url.starts_with("rediss://") {
+        #[cfg(not(feature = "tls"))]
+        return Err(no_tls(&redact(url)));
+        #[cfg(feature = "tls")]
+        {
+            tls_provider();
+            if !tls.is_empty() {
+                return redis::Client::build_with_tls(url, tls.load()?).map_err(bad);
+            }
+        }
+    } else if !tls.is_empty() {
+        return Err(StoreError::Misconfigured(format!(
+            "TLS files were given but the url {:?} is not rediss://",
+            redact(url)
+        )));
+    }
+    redis::Client::open(url).map_err(bad)
+}
+
+/// How a store is reached. Made from the address at once, so a malformed address or a
+/// bad TLS file is refused before anything is dialled; dialled as often as it takes.
+pub(super) enum Dialer {
+    Single(redis::Client),
+    Cluster(Box<redis::cluster::ClusterClient>),
+    Sentinel {
+        sentinels: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
+        /// The Sentinels' own addresses, whose announcements of a failover are followed.
+        watch: Vec<redis::ConnectionAddr>,
+        /// The TLS files for the Sentinels, when given.
+        certs: Option<Certs>,
+        service: String,
+    },
+}
+
+/// The TLS files of a connection (none without the `tls` feature).
+#[cfg(feature = "tls")]
+pub(crate) type Certs = redis::TlsCertificates;
+
+/// The TLS files of a connection (none without the `tls` feature).
+#[cfg(not(feature = "tls"))]
+#[derive(Clone)]
+pub(crate) enum Certs {}
+
+impl Dialer {
+    /// Takes `address` apart (see [`RedisStore::open`]); errors name what is wrong.
+    pub(super) fn new(address: &str, config: &StoreConfig) -> Result<Self, StoreError> {
+        if let Some(nodes) = address.strip_prefix("cluster://") {
+            Self::cluster(&node_urls("redis", nodes), config)
+        } else if let Some(nodes) = address.strip_prefix("clusters://") {
+            Self::cluster(&node_urls("rediss", nodes), config)
+        } else if let Some(rest) = address.strip_prefix("redis+sentinel://") {
+            Self::sentinel(false, rest, config)
+        } else if let Some(rest) = address.strip_prefix("rediss+sentinel://") {
+            Self::sentinel(true, rest, config)
+        } else {
+            Ok(Self::Single(client(address, &config.tls)?))
+        }
+    }
+
+    pub(super) fn sentinel(
+        tls: bool,
+        rest: &str,
+        config: &StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let scheme = if tls {
+            "rediss+sentinel"
+        } else {
+            "redis+sentinel"
+        };
+        let shown = redact(&format!("{scheme}://{rest}"));
+        let bad = |why: &str| {
+            StoreError::Misconfigured(format!(
+                "sentinel address {shown}: {why}; expected \
+                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE"
+            ))
+        };
+        let (authority, service) = rest.split_once('/').ok_or_else(|| bad("no /SERVICE"))?;
+        if service.is_empty() || service.contains(['/', '?', '#']) {
+            return Err(bad("the service name is missing or malformed"));
+        }
+        let (credentials, hosts) = match authority.rsplit_once('@') {
+            Some((c, h)) => (Some(c), h),
+            None => (None, authority),
+        };
+        let mut sentinels = Vec::new();
+        for host in hosts.split(',').filter(|h| !h.is_empty()) {
+            let (name, port) = host
+                .rsplit_once(':')
+                .ok_or_else(|| bad("a Sentinel lacks :PORT"))?;
+            let port: u16 = port
+                .parse()
+                .map_err(|_| bad("a Sentinel's port is not a number"))?;
+            let name = name
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            sentinels.push(if tls {
+                redis::ConnectionAddr::TcpTls {
+                    host: name,
+                    port,
+                    insecure: false,
+                    tls_params: None,
+                }
+            } else {
+                redis::ConnectionAddr::Tcp(name, port)
+            });
+        }
+        if sentinels.is_empty() {
+            return Err(bad("no Sentinel given"));
+        }
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
+        let mut certs: Option<Certs> = None;
+        let mut builder = redis::sentinel::SentinelClientBuilder::new(
+            sentinels.clone(),
+            service,
+            redis::sentinel::SentinelServerType::Master,
+        )
+        .map_err(|e| bad(&e.to_string()))?;
+        if let Some(c) = credentials {
+            let (user, password) = c.split_once(':').unwrap_or((c, ""));
+            if !user.is_empty() {
+                builder = builder.set_client_to_redis_username(user);
+            }
+            if !password.is_empty() {
+                builder = builder.set_client_to_redis_password(password);
+            }
+        }
+        if tls {
+            #[cfg(not(feature = "tls"))]
+            return Err(no_tls(&shown));
+            #[cfg(feature = "tls")]
+            {
+                tls_provider();
+                builder = builder
+                    .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                    .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+                if !config.tls.is_empty() {
+                    let loaded = config.tls.load()?;
+                    builder = builder
+                        .set_client_to_redis_certificates(loaded.clone())
+                        .set_client_to_sentinel_certificates(loaded.clone());
+                    certs = Some(loaded);
+                }
+            }
+        } else if !config.tls.is_empty() {
+            return Err(bad(
+                "TLS files were given for a plain-text address (use rediss+sentinel://)",
+            ));
+        }
+        let sentinel = builder.build().map_err(|e| bad(&e.to_string()))?;
+        Ok(Self::Sentinel {
+            sentinels: Arc::new(tokio::sync::Mutex::new(sentinel)),
+            watch: sentinels,
+            certs,
+            service: service.to_owned(),
+        })
+    }
+
+    pub(super) fn cluster(nodes: &[String], config: &StoreConfig) -> Result<Self, StoreError> {
+        let builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
+            .connection_timeout(config.connect_timeout)
+            .response_timeout(config.call_timeout)
+            .retries(3);
+        let tls_node = nodes.iter().find(|n| n.starts_with("rediss://"));
+        #[cfg(not(feature = "tls"))]
+        if let Some(n) = tls_node {
+            return Err(no_tls(&redact(n)));
+        }
+        #[cfg(feature = "tls")]
+        let builder = if tls_node.is_some() && !config.tls.is_empty() {
+            tls_provider();
+            builder.certs(config.tls.load()?)
+        } else {
+            if tls_node.is_some() {
+                tls_provider();
+            }
+            builder
+        };
+        if tls_node.is_none() && !config.tls.is_empty() {
+            return Err(StoreError::Misconfigured(
+                "TLS files were given for plain-text cluster nodes (use clusters:// or rediss:// nodes)"
+                    .into(),
+            ));
+        }
+        let client = builder.build().map_err(|e| {
+            let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+            // redis-rs says only "did not parse - InvalidClientConfig": name the node.
+            if e.kind() == redis::ErrorKind::InvalidClientConfig
+                && let Some((i, n)) = nodes
+                    .iter()
+                    .enumerate()
+                    .find(|(_, n)| redis::Client::open(n.as_str()).is_err())
+            {
+                return StoreError::Misconfigured(format!(
+                    "cluster node {} ({}): {}",
+                    i + 1,
+                    shown[i],
+                    crate::secret::what_is_wrong(n)
+                ));
+            }
+            let mut text = e.to_string();
+            for n in nodes {
+                text = redact_in(&text, n);
+            }
+            StoreError::Misconfigured(format!("cluster nodes {shown:?}: {text}"))
+        })?;
+        Ok(Self::Cluster(Box::new(client)))
+    }
+
+    pub(super) fn tls(&self) -> bool {
+        match self {
+            Self::Single(c) => matches!(
+                c.get_connection_info().addr(),
+                redis::ConnectionAddr::TcpTls { .. }
+            ),
+            Self::Cluster(_) => false,
+            Self::Sentinel { watch, .. } => {
+                matches!(watch.first(), Some(redis::ConnectionAddr::TcpTls { .. }))
+            }
+        }
+    }
+
+    /// One attempt to connect, within twice the connect timeout.
+    pub(super) async fn dial(&self, config: &StoreConfig) -> Result<Conn, StoreError> {
+        let limit = config.connect_timeout * 2;
+        let settings = manager_settings(config);
+        let dialled = tokio::time::timeout(limit, async {
+            Ok(match self {
+                Self::Single(client) => Conn::Single(
+                    ConnectionManager::new_with_config(client.clone(), settings).await?,
+                ),
+                Self::Cluster(client) => Conn::Cluster(client.get_async_connection().await?),
+                Self::Sentinel {
+                    sentinels,
+                    watch,
+                    certs,
+                    service,
+                } => {
+                    let client = sentinels.lock().await.async_get_client().await?;
+                    let conn = ConnectionManager::new_with_config(client, settings.clone()).await?;
+                    Conn::Sentinel(SentinelConn::start(
+                        Arc::clone(sentinels),
+                        watch.clone(),
+                        certs.clone(),
+                        service.clone(),
+                        conn,
+                        settings,
+                        config.call_timeout,
+                    ))
+                }
+            })
+        })
+        .await;
+        match dialled {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(StoreError::Unavailable(e)),
+            Err(_) if self.tls() => Err(StoreError::Misconfigured(format!(
+                "no TLS session within {limit:?}: the server may not speak TLS on that port \
+                 (rediss:// needs a TLS port; use redis:// for plain text)"
+            ))),
+            Err(_) => Err(StoreError::Timeout(limit)),
+        }
+    }
+}
+
+#[cfg(all(test, not(feature = "tls")))]
+mod no_tls_tests {
+    use super::*;
+
+    #[test]
+    fn tls_addresses_name_the_missing_feature() {
+        let e = client("rediss://:secret@127.0.0.1:1", &TlsFiles::default())
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("without its `tls` feature"), "{e}");
+        assert!(e.contains("rediss://***@127.0.0.1:1"), "{e}");
+        assert!(!e.contains("secret"), "{e}");
+    }
+}
+
+impl RedisStore {
+    /// Connects to the store `address` names and loads the library:
+    /// - `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or `rediss://…` for TLS: one Redis;
+    /// - `cluster://HOST:PORT,HOST:PORT` (or `clusters://…` for TLS): a Redis Cluster, by
+    ///   any of its nodes;
+    /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE` (or
+    ///   `rediss+sentinel://…`): the primary that these Sentinels name for `SERVICE`,
+    ///   followed through failovers. The credentials are the data nodes'.
+    ///
+    /// No error shows the password.
+    pub async fn open(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let opened = async {
+            let dialer = Dialer::new(address, &config)?;
+            let store = Self::unconnected(redact(address), config);
+            let conn = dialer.dial(&store.config).await?;
+            store.connect_with(conn).await?;
+            Ok(store)
+        };
+        opened.await.map_err(|e| redacted(e, address))
+    }
+
+    /// Like [`RedisStore::open`], but returns at once, with a store that connects in the
+    /// background: until it has connected and loaded the library, every call fails as
+    /// `Unavailable` (so each rule's failure policy decides), and it keeps trying,
+    /// logging what stops it. A malformed address or a bad TLS file is still an error
+    /// here: retrying cannot mend it. Needs a tokio runtime.
+    pub fn open_in_background(address: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        let dialer = Dialer::new(address, &config).map_err(|e| redacted(e, address))?;
+        Ok(Self::in_background(
+            dialer,
+            redact(address),
+            config,
+            vec![address.to_owned()],
+        ))
+    }
+
+    /// [`RedisStore::open_in_background`] for a Redis Cluster reached through `nodes`.
+    pub fn cluster_in_background(
+        nodes: &[String],
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let dialer = Dialer::cluster(nodes, &config)?;
+        let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+        Ok(Self::in_background(
+            dialer,
+            shown.join(","),
+            config,
+            nodes.to_vec(),
+        ))
+    }
+
+    /// A store that `dialer` connects in the background; `secrets` are the addresses
+    /// whose passwords its log lines must not show.
+    pub(super) fn in_background(
+        dialer: Dialer,
+        shown: String,
+        config: StoreConfig,
+        secrets: Vec<String>,
+    ) -> Self {
+        let store = Self::unconnected(shown, config);
+        let weak = Arc::downgrade(&store.link);
+        let (loader, config) = (Arc::clone(&store.loader), store.config.clone());
+        tokio::spawn(async move {
+            let mut wait = Duration::from_millis(100);
+            let mut failures = 0u64;
+            loop {
+                let Some(link) = weak.upgrade() else { return };
+                let store = RedisStore {
+                    link,
+                    loader: Arc::clone(&loader),
+                    config: config.clone(),
+                };
+                let tried = match dialer.dial(&config).await {
+                    Ok(conn) => store.connect_with(conn).await,
+                    Err(e) => Err(e),
+                };
+                match tried {
+                    Ok(()) if failures == 0 => {
+                        tracing::info!(store = %store.link.shown, "store connected");
+                        return;
+                    }
+                    Ok(()) => {
+                        tracing::warn!(
+                            store = %store.link.shown,
+                            after_failures = failures,
+                            "store connected; using it from now on"
+                        );
+                        return;
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        // The first failure, then one line every 15 attempts (20-30 s).
+                        if failures == 1 || failures.is_multiple_of(15) {
+                            let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
+                            // Reachable, but not with these credentials: a retry helps
+                            // only once the server's or the address's password changes.
+                            let what = match &e {
+                                StoreError::Unavailable(r)
+                                    if r.kind() == redis::ErrorKind::AuthenticationFailed =>
+                                {
+                                    "store refused the credentials: check the user and \
+                                     password of the address"
+                                }
+                                _ => "store unreachable",
+                            };
+                            tracing::error!(
+                                store = %store.link.shown,
+                                error = %text,
+                                failures,
+                                "{what}; each rule's failure policy decides meanwhile; retrying"
+                            );
+                        }
+                    }
+                }
+                drop(store);
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+        });
+        store
+    }
+
+    /// Connects to one Redis (`redis://host:port`, `rediss://host:port`) and loads the
+    /// library.
+    pub async fn connect(url: &str, config: StoreConfig) -> Result<Self, StoreError> {
+        Self::open(url, config).await
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes` and loads the library on
+    /// every primary.
+    pub async fn connect_cluster(
+        nodes: &[String],
+        config: StoreConfig,
+    ) -> Result<Self, StoreError> {
+        let dialer = Dialer::cluster(nodes, &config)?;
+        let shown: Vec<String> = nodes.iter().map(|n| redact(n)).collect();
+        let store = Self::unconnected(shown.join(","), config);
+        let conn = dialer.dial(&store.config).await?;
+        store.connect_with(conn).await?;
+        Ok(store)
+    }
+
+    pub(super) fn unconnected(shown: String, config: StoreConfig) -> Self {
+        Self {
+            link: Arc::new(Link {
+                conn: std::sync::OnceLock::new(),
+                connected: tokio::sync::watch::Sender::new(false),
+                refused: arc_swap::ArcSwapOption::empty(),
+                shown,
+            }),
+            loader: Arc::new(Loader {
+                generation: AtomicU64::new(0),
+                loads: AtomicU64::new(0),
+                lock: tokio::sync::Mutex::new(()),
+            }),
+            config,
+        }
+    }
+
+    /// Checks `conn` (credentials, then the library) and makes it the store's.
+    pub(super) async fn connect_with(&self, conn: Conn) -> Result<(), StoreError> {
+        // A small command first: an unauthenticated client's large FUNCTION LOAD is cut
+        // off by Redis as a protocol error, which would hide the missing password.
+        if let Err(e) = conn.query(&redis::cmd("PING")).await
+            && e.code() == Some("NOAUTH")
+        {
+            return Err(StoreError::Misconfigured(
+                "Redis requires a password (NOAUTH): give it in the URL, \
+                 redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT"
+                    .into(),
+            ));
+        }
+        self.load_library(&conn).await?;
+        if self.link.conn.set(conn).is_err() {
+            return Err(StoreError::Misconfigured("store connected twice".into()));
+        }
+        self.link.connected.send_replace(true);
+        Ok(())
+    }
+}

@@ -1,0 +1,114 @@
+//! The per-shard breaker against real Redis: every way out of a probe ends it, so a shard
+//! answers again within one cooldown of becoming healthy. Reproduces an outage where a
+//! cancelled probe, or a probe ending in a non-retryable error (OOM), left the breaker
+//! open for ever and every key on the shard answered 503.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use crate::support;
+
+use std::time::{Duration, Instant};
+
+use leasehold_agent::{Decision, ErrorKind, Limiter};
+use leasehold_redis_harness::{Fault, FaultProxy};
+use support::server;
+
+/// The breaker's cooldown (the default) plus room for a loaded machine.
+const RECOVERY_LIMIT: Duration = Duration::from_secs(3);
+
+const RULES: &str = "[rules.api]\ncapacity = 1000000\nrate = \"1000/s\"\nleasing = \"exact\"\n\
+                     on_failure = \"fail_closed\"\ntimeout = \"400ms\"\n";
+
+/// Checks fresh subjects until one is admitted; returns how long that took.
+async fn until_admitted(l: &Limiter, tag: &str) -> Duration {
+    let start = Instant::now();
+    for i in 0.. {
+        let d = l
+            .check(&"api".into(), format!("{tag}-{i}"), 1)
+            .await
+            .unwrap();
+        if let Decision::Allowed { .. } = d {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < RECOVERY_LIMIT,
+            "{tag}: still {d:?} {:?} after the store became healthy",
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    unreachable!()
+}
+
+#[test]
+fn out_of_memory_then_recovery_closes_the_breaker() {
+    let server = server();
+    support::runtime().block_on(async {
+        let l = support::limiter(&server.url(), RULES).await;
+        assert!(matches!(
+            l.check(&"api".into(), "warm", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+        let _: String = server
+            .cmd(&["CONFIG", "SET", "maxmemory", "1"])
+            .expect("maxmemory");
+        let mut unavailable = 0;
+        for i in 0..40 {
+            match l.check(&"api".into(), format!("oom-{i}"), 1).await.unwrap() {
+                Decision::Unavailable { .. } => unavailable += 1,
+                d => panic!("an OOM store admitted or denied: {d:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(unavailable, 40);
+        let ooms = l.store_errors(ErrorKind::OutOfMemory);
+        assert!(ooms >= 3, "OOM replies are counted by kind: {ooms}");
+        assert!(
+            ooms < 40,
+            "the breaker opened and spared the store most calls: {ooms}"
+        );
+        let _: String = server
+            .cmd(&["CONFIG", "SET", "maxmemory", "0"])
+            .expect("maxmemory");
+        let took = until_admitted(&l, "healed").await;
+        println!("OOM cleared: admitted again after {took:?} ({ooms} OOM replies seen)");
+    });
+}
+
+#[test]
+fn a_cancelled_probe_does_not_keep_the_breaker_open() {
+    let server = server();
+    let proxy = FaultProxy::start(server.addr()).expect("proxy");
+    support::runtime().block_on(async {
+        let l = support::limiter(&proxy.url(), RULES).await;
+        assert!(matches!(
+            l.check(&"api".into(), "warm", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+        proxy.set(Fault::Blackhole);
+        // Timeouts open the breaker.
+        let start = Instant::now();
+        let mut i = 0;
+        loop {
+            i += 1;
+            let asked = Instant::now();
+            let d = l
+                .check(&"api".into(), format!("down-{i}"), 1)
+                .await
+                .unwrap();
+            assert!(matches!(d, Decision::Unavailable { .. }), "{d:?}");
+            if asked.elapsed() < Duration::from_millis(100) {
+                break; // refused at once: the breaker is open
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "never opened");
+        }
+        // After the cooldown, the next call is the probe; the client goes away mid-call.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let api = "api".into();
+        let probe = tokio::time::timeout(Duration::from_millis(100), l.check(&api, "probe", 1));
+        assert!(probe.await.is_err(), "the probe hangs on the dead store");
+        proxy.cut();
+        proxy.set(Fault::Pass);
+        let took = until_admitted(&l, "healed").await;
+        println!("probe cancelled, store healed: admitted again after {took:?}");
+    });
+}

@@ -1,0 +1,113 @@
+//! Global accounting end to end: agents report, the coordinator sums what they admitted
+//! per key per second, checks it against `B + r*W`, and exports it: `/keys` and the
+//! Prometheus metrics show the key, its admissions, and an overshoot of 0.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use crate::support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use leasehold_coordinator::{Admin, Coordinator, CoordinatorConfig};
+use support::http_get as get;
+
+const RULES: &str = "[rules.api]\ncapacity = 500\nrate = \"2000/s\"\nleasing = \"lease\"\n";
+
+#[test]
+fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let mut agents = Vec::new();
+        for _ in 0..3 {
+            agents.push(support::limiter(&server.url(), RULES).await);
+        }
+        let store = support::store(&server.url()).await;
+        let coordinator = Arc::new(Coordinator::new(
+            store.clone(),
+            support::rules(RULES),
+            CoordinatorConfig::default(),
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let admin = Admin::new(store, support::rules(RULES))
+            .with_metrics(leasehold_coordinator::admin::install_prometheus().expect("recorder"))
+            .with_snapshot(coordinator.snapshot());
+        let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(leasehold_coordinator::serve(listener, admin, async {
+            let _ = stopped.await;
+        }));
+        let running = coordinator.clone().spawn();
+        // Three agents flat out on one key: 2000/s can be admitted in all (a denial
+        // yields; the negative cache answers it without a store call).
+        let stop = Arc::new(AtomicBool::new(false));
+        let admitted = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let load: Vec<_> = agents
+            .iter()
+            .map(|l| support::hammer(l, "tenant-1", "api", &stop, &admitted))
+            .collect();
+        // Reports every whole second; a second is settled 1.5 s after it ends.
+        let key = "lh:{api|tenant-1}";
+        let waited = Instant::now();
+        let stats = loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let snap = coordinator.snapshot().read().clone();
+            if let Some(k) = snap.keys.get(key)
+                && k.stats.admitted_last_sec > 0
+                && k.stats.agents == 3
+            {
+                break k.stats.clone();
+            }
+            assert!(
+                waited.elapsed() < Duration::from_secs(10),
+                "no accounting: {snap:?}"
+            );
+        };
+        println!("accounting after {:?}: {stats:?}", waited.elapsed());
+        let (status, body) = get(addr, "/keys").await;
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["leader"], true, "{v}");
+        assert_eq!(v["agents"], 3, "{v}");
+        assert_eq!(v["keys"][0]["key"], key, "{v}");
+        let (_, view) = get(addr, "/keys/api/tenant-1").await;
+        let view: serde_json::Value = serde_json::from_str(&view).unwrap();
+        assert!(
+            view["accounting"]["admitted_total"].as_u64().unwrap() > 0,
+            "{view}"
+        );
+        let (_, metrics) = get(addr, "/metrics").await;
+        let line = |name: &str| {
+            metrics
+                .lines()
+                .find(|l| l.starts_with(name) && l.contains("rule=\"api\""))
+                .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+                .to_owned()
+        };
+        println!(
+            "{}\n{}",
+            line("leasehold_overshoot_ratio"),
+            line("leasehold_admitted_tokens")
+        );
+        assert!(line("leasehold_overshoot_ratio").ends_with(" 0"));
+        assert_eq!(stats.overshoot, 0.0);
+        // What was admitted in the last settled second is within one second's budget
+        // (r plus what B can add).
+        assert!(stats.admitted_last_sec <= 2000 + 500, "{stats:?}");
+        assert!(
+            stats.admitted_last_sec >= 1500,
+            "the key is saturated: {stats:?}"
+        );
+        stop.store(true, Ordering::Relaxed);
+        for t in load {
+            t.await.unwrap();
+        }
+        let t = started.elapsed().as_secs_f64();
+        let admitted = admitted.load(Ordering::Relaxed);
+        assert!(admitted as f64 <= 500.0 + 2000.0 * t, "{admitted} in {t} s");
+        running.stop().await;
+        stop_admin.send(()).unwrap();
+        serving.await.unwrap().unwrap();
+    });
+}

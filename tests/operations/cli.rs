@@ -1,0 +1,272 @@
+//! The `leasehold` binary.
+#![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
+
+use std::process::Command;
+
+fn leasehold(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(args)
+        .output()
+        .expect("run leasehold");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_accepts_the_example_file() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("api.write")
+            && stdout.contains("override \"tenant-42\"")
+            && stdout.contains("4 rule(s), 2 override(s) ok")
+            && stdout.contains("local share 50%: 8 seats of 50 tokens at 250.000/s"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn check_config_names_what_is_wrong() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases = [
+        ("[rules.a]\ncapacity = 10\nrate = \"0/s\"\n", "rule a: rate"),
+        (
+            "[rules.a]\ncapacity = 10\nrate = \"1/s\"\nlease_max = 11\n",
+            "lease_max = 11",
+        ),
+        (
+            "[rules.\"a b\"]\ncapacity = 10\nrate = \"1/s\"\n",
+            "\"a b\"",
+        ),
+        ("[rules.a]\ncapacity = 10\n", "rate"),
+        ("not toml at all [", "rules file"),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&path, text).expect("write");
+        let (ok, _, stderr) = leasehold(&["check-config", path.to_str().expect("utf-8 path")]);
+        assert!(!ok, "accepted {text:?}");
+        assert!(stderr.contains(want), "for {text:?}: {stderr}");
+    }
+    let (ok, _, stderr) = leasehold(&["check-config", "/nonexistent.toml"]);
+    assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
+}
+
+#[test]
+fn coordinator_names_what_is_wrong() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        example,
+        "--split-above",
+        "0",
+    ]);
+    assert!(!ok && stderr.contains("--split-above 0"), "{stderr}");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        "/nonexistent.toml",
+    ]);
+    assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
+    // Nothing listening on the store's port is not an error: the coordinator starts and
+    // retries (tests/operations/ops_binaries.rs).
+}
+
+/// The store's address from a file or the environment, never echoed: a malformed address
+/// read from `--redis-url-file` or `LEASEHOLD_REDIS_URL` is refused, its password `***`.
+#[test]
+fn coordinator_reads_the_address_from_a_file_or_the_environment_and_hides_it() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("redis-url");
+    std::fs::write(&file, "redis://:file-secret-pw@127.0.0.1:notaport\n").expect("write");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis-url-file",
+        file.to_str().expect("utf-8"),
+        "--config",
+        example,
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("redis://***@***"), "{stderr}");
+    assert!(!stderr.contains("file-secret-pw"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["coordinator", "--config", example])
+        .env(
+            "LEASEHOLD_REDIS_URL",
+            "redis://:env-secret-pw@127.0.0.1:notaport",
+        )
+        .output()
+        .expect("run leasehold");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("redis://***@***") && !stderr.contains("env-secret-pw"),
+        "{stderr}"
+    );
+
+    let help = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["coordinator", "--help"])
+        .env("LEASEHOLD_REDIS_URL", "redis://:env-secret-pw@127.0.0.1:1")
+        .output()
+        .expect("run leasehold");
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("--redis-url-file") && !text.contains("env-secret-pw"),
+        "{text}"
+    );
+
+    let (ok, _, stderr) = leasehold(&["coordinator", "--config", example]);
+    assert!(!ok && stderr.contains("no store given"), "{stderr}");
+}
+
+/// The README's table of a bucket's hash lists every field `leasehold_core::schema` has.
+#[test]
+fn the_readme_describes_every_hash_field() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    for (name, _) in leasehold_core::schema::FIELDS {
+        let cell = if name.starts_with(':') {
+            format!("| `ID{name}` |")
+        } else {
+            format!("| `{name}` |")
+        };
+        assert!(readme.contains(&cell), "README lacks {cell}");
+    }
+}
+
+/// serve's listener flags out of range are refused at start, naming the flag.
+#[test]
+fn serve_names_a_listener_flag_out_of_range() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    for (flag, value, says) in [
+        ("--max-connections", "0", "--max-connections 0: at least 1"),
+        (
+            "--max-connections",
+            "100000000",
+            "--max-connections 100000000: this process may open only",
+        ),
+        ("--header-timeout", "0", "--header-timeout 0"),
+        ("--idle-timeout", "0", "--idle-timeout 0"),
+    ] {
+        let (ok, _, stderr) = leasehold(&[
+            "serve",
+            "--config",
+            example,
+            "--http",
+            "127.0.0.1:0",
+            flag,
+            value,
+        ]);
+        assert!(!ok && stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+}
+
+/// A malformed address is explained in words (not redis-rs's "InvalidClientConfig").
+#[test]
+fn a_malformed_address_is_explained() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    for (address, says) in [
+        ("redis://:Zq9secret@127.0.0.1:notaport", "is not HOST:PORT"),
+        ("redis://127.0.0.1:6379/x", "not /DB, a database number"),
+    ] {
+        let (ok, _, stderr) = leasehold(&[
+            "serve",
+            "--config",
+            example,
+            "--http",
+            "127.0.0.1:0",
+            "--redis",
+            address,
+        ]);
+        assert!(!ok && stderr.contains(says), "{address}: {stderr}");
+        assert!(!stderr.contains("InvalidClientConfig"), "{stderr}");
+        assert!(!stderr.contains("Zq9secret"), "{stderr}");
+    }
+}
+
+/// check-config reads envoyproxy/ratelimit's YAML as serve does (a migrating user can
+/// check a file without starting serve), and names what is wrong in a bad one.
+#[test]
+fn check_config_reads_ratelimit_yaml() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = dir.path().join("rls.yaml");
+    std::fs::write(
+        &good,
+        "domain: messaging\ndescriptors:\n  - key: message_type\n    value: marketing\n    \
+         descriptors:\n      - key: to_number\n        rate_limit: {unit: day, requests_per_unit: 5}\n  \
+         - key: to_number\n    rate_limit: {unit: day, requests_per_unit: 100}\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = leasehold(&["check-config", good.to_str().expect("utf-8")]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("domain(s) messaging")
+            && stdout.contains("messaging.message_type_marketing.to_number")
+            && stdout.contains("2 rule(s)"),
+        "{stdout}"
+    );
+    let bad = dir.path().join("bad.yml");
+    std::fs::write(
+        &bad,
+        "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n",
+    )
+    .expect("write");
+    let (ok, _, stderr) = leasehold(&["check-config", bad.to_str().expect("utf-8")]);
+    assert!(!ok && stderr.contains("\"fortnight\""), "{stderr}");
+}
+
+/// Two files for one domain: refused, unless merged (`--merge-domain-config` or
+/// ratelimit's `MERGE_DOMAIN_CONFIG=true`); a descriptor defined twice is refused even then.
+#[test]
+fn files_of_one_domain_merge_only_when_asked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, key: &str| {
+        std::fs::write(
+            dir.path().join(name),
+            format!(
+                "domain: d\ndescriptors:\n  - key: {key}\n    rate_limit: {{unit: second, requests_per_unit: 5}}\n"
+            ),
+        )
+        .expect("write");
+    };
+    write("1.yaml", "a");
+    write("2.yaml", "b");
+    let path = dir.path().to_str().expect("utf-8");
+    let (ok, _, stderr) = leasehold(&["check-config", path]);
+    assert!(
+        !ok && stderr.contains("domain \"d\" is already defined"),
+        "{stderr}"
+    );
+    let (ok, stdout, stderr) = leasehold(&["check-config", "--merge-domain-config", path]);
+    assert!(
+        ok && stdout.contains("d.a") && stdout.contains("d.b"),
+        "{stdout}{stderr}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["check-config", path])
+        .env("MERGE_DOMAIN_CONFIG", "true")
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    write("3.yaml", "a");
+    let (ok, _, stderr) = leasehold(&["check-config", "--merge-domain-config", path]);
+    assert!(
+        !ok && stderr.contains("d.a: duplicate descriptor"),
+        "{stderr}"
+    );
+}

@@ -21,7 +21,9 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::report::{self, SystemReport};
-use super::{Keys, Options, RULE, Run, RunReport, System, worker};
+use super::run::{Keys, Run, worker};
+use super::systems::{RULE, System};
+use super::{Options, RunReport};
 
 /// What crossed between regions and the global store.
 #[derive(Clone, Debug, Default, serde::Serialize)]

@@ -1,0 +1,189 @@
+//! The store under test: embedded, or spawned Redis (single, primary and replica, Sentinel,
+//! cluster, behind a fault proxy), its faults, and the memory it uses.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use leasehold::agent::EmbeddedStore;
+use leasehold_redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
+
+/// Where the global buckets live.
+#[derive(Clone, Debug)]
+pub(crate) enum StoreChoice {
+    /// In this process.
+    Embedded,
+    /// A private redis-server.
+    Spawn,
+    /// A private primary and replica behind a virtual address that a failover moves.
+    SpawnReplica,
+    /// A private 6-node cluster.
+    ClusterSpawn,
+    /// A Redis already running.
+    Redis(String),
+    /// A Redis Cluster already running, by seed nodes.
+    Cluster(Vec<String>),
+}
+
+impl std::str::FromStr for StoreChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "embedded" => Ok(Self::Embedded),
+            "spawn" => Ok(Self::Spawn),
+            "spawn-replica" => Ok(Self::SpawnReplica),
+            "cluster-spawn" => Ok(Self::ClusterSpawn),
+            url if url.starts_with("redis://") => Ok(Self::Redis(url.to_owned())),
+            list if list.starts_with("cluster://") => Ok(Self::Cluster(
+                list["cluster://".len()..]
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .map(|n| format!("redis://{n}"))
+                    .collect(),
+            )),
+            other => Err(format!(
+                "unknown store {other:?}: embedded, spawn (a private redis-server), spawn-replica, \
+                 cluster-spawn, redis://HOST:PORT or cluster://HOST:PORT,HOST:PORT"
+            )),
+        }
+    }
+}
+
+/// What a system's agents connect to.
+#[derive(Clone)]
+pub(super) enum Target {
+    Embedded(EmbeddedStore),
+    Redis(String),
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    /// The memory Redis uses (`used_memory`, MB), for a single Redis.
+    pub(super) async fn memory_mb(&self) -> Option<f64> {
+        let Self::Redis(url) = self else {
+            return None;
+        };
+        let client = redis::Client::open(url.as_str()).ok()?;
+        let mut c = client.get_multiplexed_async_connection().await.ok()?;
+        let info: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        let bytes: f64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(bytes / 1e6)
+    }
+}
+
+/// This process's resident memory, MB.
+pub(super) fn rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1000.0)
+}
+
+/// The store of one system's run, started fresh for it so that faults in one run never
+/// leak into the next.
+pub(super) enum Env {
+    Embedded(EmbeddedStore),
+    External(Target),
+    Single(RedisServer),
+    Pair { pair: ReplicaPair, vip: FaultProxy },
+    Cluster(Cluster),
+}
+
+impl Env {
+    pub(super) fn start(choice: &StoreChoice) -> Result<Self, String> {
+        let e = |e: leasehold_redis_harness::HarnessError| e.to_string();
+        Ok(match choice {
+            StoreChoice::Embedded => Self::Embedded(EmbeddedStore::new()),
+            // `hz 100`, as the README advises for a long tail of cold keys: Redis's
+            // active expiry then pauses at most about 2.5 ms a cycle, not 25 ms.
+            StoreChoice::Spawn => {
+                Self::Single(RedisServer::start_with(&["--hz", "100"]).map_err(e)?)
+            }
+            StoreChoice::SpawnReplica => {
+                let pair = ReplicaPair::start().map_err(e)?;
+                let vip = FaultProxy::start(pair.primary.addr()).map_err(e)?;
+                Self::Pair { pair, vip }
+            }
+            StoreChoice::ClusterSpawn => Self::Cluster(Cluster::start().map_err(e)?),
+            StoreChoice::Redis(url) => Self::External(Target::Redis(url.clone())),
+            StoreChoice::Cluster(nodes) => Self::External(Target::Cluster(nodes.clone())),
+        })
+    }
+
+    pub(super) fn target(&self) -> Target {
+        match self {
+            Self::Embedded(s) => Target::Embedded(s.clone()),
+            Self::External(t) => t.clone(),
+            Self::Single(server) => Target::Redis(server.url()),
+            Self::Pair { vip, .. } => Target::Redis(vip.url()),
+            Self::Cluster(c) => Target::Cluster(c.urls()),
+        }
+    }
+
+    pub(super) fn describe(&self) -> String {
+        match self {
+            Self::Embedded(_) => "embedded".into(),
+            Self::External(Target::Redis(u)) => u.clone(),
+            Self::External(Target::Cluster(n)) => format!("cluster {}", n.join(",")),
+            Self::External(Target::Embedded(_)) => "embedded".into(),
+            Self::Single(_) => "spawn".into(),
+            Self::Pair { .. } => "spawn-replica".into(),
+            Self::Cluster(_) => "cluster-spawn (3 primaries, 3 replicas)".into(),
+        }
+    }
+
+    /// Checks that the scenario's faults can happen to this store.
+    pub(super) fn supports(choice: &StoreChoice, action: &str) -> bool {
+        match action {
+            "crash-agent" | "leave-agent" | "join-agent" => true,
+            "kill-store" | "restore-store" => {
+                matches!(choice, StoreChoice::Embedded | StoreChoice::Spawn)
+            }
+            "promote-replica" | "stall-replication" => {
+                matches!(choice, StoreChoice::SpawnReplica)
+            }
+            "stop-coordinator" | "start-coordinator" => !matches!(choice, StoreChoice::Embedded),
+            _ => false,
+        }
+    }
+
+    /// Makes a store fault happen; `naive_offline` is the embedded naive bucket's switch.
+    pub(super) fn fault(&mut self, action: &str, naive_offline: &AtomicBool) -> Result<(), String> {
+        match (action, self) {
+            ("kill-store", Self::Embedded(s)) => {
+                s.set_offline(true);
+                naive_offline.store(true, Ordering::Release);
+            }
+            ("restore-store", Self::Embedded(s)) => {
+                s.set_offline(false);
+                naive_offline.store(false, Ordering::Release);
+            }
+            ("kill-store", Self::Single(server)) => server.kill(),
+            ("restore-store", Self::Single(server)) => {
+                server.restart().map_err(|e| e.to_string())?
+            }
+            ("stall-replication", Self::Pair { pair, .. }) => {
+                pair.link.set(leasehold_redis_harness::Fault::Blackhole);
+            }
+            ("promote-replica", Self::Pair { pair, vip }) => {
+                pair.fail_over().map_err(|e| e.to_string())?;
+                vip.set_upstream(pair.replica.addr());
+                vip.cut();
+                pair.rejoin().map_err(|e| e.to_string())?;
+            }
+            (action, _) => return Err(format!("fault {action} does not apply to this store")),
+        }
+        Ok(())
+    }
+}

@@ -6,15 +6,25 @@ use crate::support;
 
 use std::time::Duration;
 
-use leasehold_agent::{Admission, Check, CheckError, Decision, Limiter, LimiterConfig, Rules};
+use leasehold_agent::{
+    Admission, Check, CheckError, Decision, Limiter, LimiterConfig, ManualClock, Rules,
+};
 
 fn rules(text: &str) -> Rules {
     Rules::from_toml(text).expect("rules")
 }
 
 async fn limiter(text: &str) -> Limiter {
-    Limiter::builder()
-        .embedded()
+    limiter_with(Limiter::builder().embedded(), text).await
+}
+
+/// [`limiter`] on `clock`: time moves only when the test moves it.
+async fn limiter_on(clock: &ManualClock, text: &str) -> Limiter {
+    limiter_with(Limiter::builder().clock(clock), text).await
+}
+
+async fn limiter_with(builder: leasehold_agent::LimiterBuilder, text: &str) -> Limiter {
+    builder
         .rules(rules(text))
         .config({
             let mut c = LimiterConfig::default();
@@ -162,13 +172,20 @@ async fn a_cached_denial_does_not_refuse_a_smaller_cost_the_bucket_holds() {
 /// refill. (A denial the store named may be shorter: the bucket had most of the cost.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_of_a_refilling_lease_is_what_the_rate_brings() {
-    let l = limiter("[rules.api]\ncapacity = 100\nrate = \"10/s\"\nleasing = \"lease\"\n").await;
+    let clock = ManualClock::new();
+    let l = limiter_on(
+        &clock,
+        "[rules.api]\ncapacity = 100\nrate = \"10/s\"\nleasing = \"lease\"\n",
+    )
+    .await;
     let mut waits = Vec::new();
     for _ in 0..80 {
         if let Decision::Denied { retry_after } = l.check(&"api".into(), "t", 10).await.unwrap() {
             waits.push(retry_after);
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // 10 ms pass for the agent and the store; the refills it asked for land meanwhile.
+        clock.advance(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     assert!(
         waits.len() > 40,
@@ -540,4 +557,37 @@ fn the_embedded_store_sweeps_buckets_redis_would_have_expired() {
     let logs = store.batch_logs() as u64;
     println!("{} batches: {logs} dedup logs held", flood / 4);
     assert!(logs < 64 * 2 * 64, "{logs} dedup logs still held");
+}
+
+/// On a clock the test moves: a denial lasts exactly until the time it names, not a
+/// microsecond less, whatever the machine's load.
+#[tokio::test]
+async fn a_denial_lasts_exactly_until_its_retry_after() {
+    let clock = ManualClock::new();
+    let l = limiter_on(
+        &clock,
+        "[rules.api]\ncapacity = 2\nrate = \"1/s\"\nleasing = \"exact\"\n",
+    )
+    .await;
+    let api = l.rule("api").unwrap();
+    for _ in 0..2 {
+        assert!(matches!(
+            l.check(&api, "t", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+    }
+    let Decision::Denied { retry_after } = l.check(&api, "t", 1).await.unwrap() else {
+        panic!("the bucket is empty");
+    };
+    assert_eq!(retry_after, Duration::from_secs(1), "one token at 1/s");
+    clock.advance(retry_after - Duration::from_micros(1));
+    assert!(matches!(
+        l.check(&api, "t", 1).await.unwrap(),
+        Decision::Denied { .. }
+    ));
+    clock.advance(Duration::from_micros(1));
+    assert!(matches!(
+        l.check(&api, "t", 1).await.unwrap(),
+        Decision::Allowed { .. }
+    ));
 }

@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod breaker;
+mod clock;
 pub mod counters;
 pub mod headers;
 #[cfg(feature = "tower")]
@@ -28,6 +29,7 @@ pub mod store {
     pub use leasehold_store::{EmbeddedStore, Store};
 }
 
+pub use clock::ManualClock;
 pub use limiter::{
     Admission, BuildError, Check, CheckError, Decision, Health, Limiter, LimiterBuilder,
     LimiterConfig, RuleRef,

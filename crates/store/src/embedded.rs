@@ -81,7 +81,8 @@ impl Buckets {
 
 type Shard = Mutex<Buckets>;
 
-/// The reference model of every bucket, in memory, with the wall clock as server time.
+/// The reference model of every bucket, in memory, with the wall clock (or a clock tests
+/// move, [`EmbeddedStore::with_time`]) as server time.
 /// Expired buckets are dropped as the model says Redis would drop them.
 #[derive(Clone, Debug)]
 pub struct EmbeddedStore {
@@ -93,6 +94,18 @@ pub struct EmbeddedStore {
     batches: Arc<[Mutex<Expiring<String, BatchLog>>]>,
     /// The seats of rules' local shares, by rule.
     seats: Arc<Mutex<HashMap<String, Seats>>>,
+    /// The clock, when not the system's.
+    time: Option<TimeSource>,
+}
+
+/// A clock read in µs since the epoch.
+#[derive(Clone)]
+struct TimeSource(Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl std::fmt::Debug for TimeSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TimeSource({} µs)", (self.0)())
+    }
 }
 
 impl Default for EmbeddedStore {
@@ -111,6 +124,26 @@ impl EmbeddedStore {
             offline: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             batches: (0..SHARDS).map(|_| Mutex::default()).collect(),
             seats: Arc::new(Mutex::new(HashMap::new())),
+            time: None,
+        }
+    }
+
+    /// An empty store whose clock is `now_us` (µs since the epoch) instead of the
+    /// system's: tests move it by hand (see `leasehold_agent::ManualClock`).
+    pub fn with_time(now_us: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        Self {
+            time: Some(TimeSource(Arc::new(now_us))),
+            ..Self::new()
+        }
+    }
+
+    /// The store's clock, µs since the epoch (Redis's `TIME`).
+    fn now_us(&self) -> u64 {
+        match &self.time {
+            Some(now) => (now.0)(),
+            None => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
         }
     }
 
@@ -131,9 +164,7 @@ impl EmbeddedStore {
         if self.offline.load(Ordering::Acquire) {
             return Err(StoreError::Offline);
         }
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
+        let now_us = self.now_us();
         let mut shard = self.shards[(self.hasher.hash_one(key) as usize) % SHARDS].lock();
         self.calls.fetch_add(1, Ordering::Relaxed);
         Ok(shard.bucket(key, now_us).apply(params, now_us, req)?)
@@ -151,9 +182,7 @@ impl EmbeddedStore {
         if self.offline.load(Ordering::Acquire) {
             return Err(StoreError::Offline);
         }
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
+        let now_us = self.now_us();
         self.calls.fetch_add(1, Ordering::Relaxed);
         let dedup = crate::wire::batch_key(items[0].key, agent, seq);
         let mut logs = self.batches[(self.hasher.hash_one(&dedup) as usize) % SHARDS].lock();
@@ -189,9 +218,7 @@ impl EmbeddedStore {
             return Err(StoreError::Offline);
         }
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let now_us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros() as u64);
+        let now_us = self.now_us();
         let mut all = self.seats.lock();
         let s = all.entry(rule.to_owned()).or_default();
         if leave {

@@ -16,6 +16,7 @@ use super::Inner;
 use super::Limiter;
 use super::background::background;
 use super::table::RuleTable;
+use crate::ManualClock;
 use crate::breaker::BreakerConfig;
 use crate::counters::ErrorCounts;
 use crate::redis_store::{RedisStore, StoreConfig};
@@ -175,6 +176,7 @@ pub struct LimiterBuilder {
     prometheus: Option<std::net::TcpListener>,
     agent: Option<u64>,
     degraded: bool,
+    clock: Option<quanta::Clock>,
 }
 
 impl LimiterBuilder {
@@ -251,6 +253,13 @@ impl LimiterBuilder {
         self
     }
 
+    /// Decides on `clock` instead of the machine's, on an embedded store that reads the
+    /// same clock (tests: see [`ManualClock`]).
+    pub fn clock(mut self, clock: &ManualClock) -> Self {
+        self.clock = Some(clock.quanta());
+        self.store(Store::Embedded(clock.store()))
+    }
+
     /// Connects, loads the rules and starts the background task.
     pub async fn build(self) -> Result<Limiter, BuildError> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
@@ -323,7 +332,7 @@ impl LimiterBuilder {
         }
         crate::telemetry::describe();
         let (tx, rx) = mpsc::channel(4096);
-        let clock = quanta::Clock::new();
+        let clock = self.clock.unwrap_or_default();
         let inner = Arc::new(Inner {
             // Id 0 is the store's reservation in the parts of a split bucket.
             agent: AgentId(self.agent.unwrap_or_else(rand::random).max(1)),

@@ -209,7 +209,7 @@ fn main() {
                 };
                 // Decisions answered without the store (the breaker open: fail-open,
                 // emergency or 503) are not a figure of the store path: say so.
-                let degraded = |st: &leasehold::agent::counters::RuleStats| {
+                let degraded = |st: &leasehold::agent::RuleStats| {
                     st.admitted_fail_open + st.admitted_emergency + st.unavailable
                 };
                 let without_store = degraded(&after) - degraded(&before);

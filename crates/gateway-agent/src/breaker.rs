@@ -191,7 +191,7 @@ impl<Q> Breaker<Q> {
     }
 }
 
-pub use leasehold_store::ShardRange;
+pub(crate) use leasehold_store::ShardRange;
 
 #[derive(Debug)]
 struct Topology<Q> {

@@ -14,7 +14,7 @@ use crossbeam_utils::CachePadded;
 use crate::redis_store::ErrorKind;
 
 /// Threads with a slot of their own.
-pub const SLOTS: usize = 64;
+pub(crate) const SLOTS: usize = 64;
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 static FREE: Mutex<Vec<usize>> = Mutex::new(Vec::new());
@@ -45,7 +45,7 @@ thread_local! {
 /// What is counted per rule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(usize)]
-pub enum Counter {
+pub(crate) enum Counter {
     /// Admitted from a local lease, without a network call.
     AdmittedLease,
     /// Admitted by an exact per-request call.
@@ -86,7 +86,7 @@ const KINDS: usize = 17;
 
 /// The counters of one rule.
 #[derive(Debug)]
-pub struct RuleCounters {
+pub(crate) struct RuleCounters {
     slots: Box<[CachePadded<[AtomicU64; KINDS]>]>,
 }
 
@@ -103,7 +103,7 @@ impl Default for RuleCounters {
 impl RuleCounters {
     /// Adds `n` to `counter`.
     #[inline]
-    pub fn add(&self, counter: Counter, n: u64) {
+    pub(crate) fn add(&self, counter: Counter, n: u64) {
         let slot = SLOT.try_with(|s| s.0).unwrap_or(SLOTS);
         let c = &self.slots[slot][counter as usize];
         if slot < SLOTS {
@@ -116,12 +116,12 @@ impl RuleCounters {
 
     /// Adds one to `counter`.
     #[inline]
-    pub fn incr(&self, counter: Counter) {
+    pub(crate) fn incr(&self, counter: Counter) {
         self.add(counter, 1);
     }
 
     /// The total of `counter`.
-    pub fn get(&self, counter: Counter) -> u64 {
+    pub(crate) fn get(&self, counter: Counter) -> u64 {
         self.slots
             .iter()
             .map(|s| s[counter as usize].load(Ordering::Relaxed))
@@ -129,7 +129,7 @@ impl RuleCounters {
     }
 
     /// A snapshot.
-    pub fn stats(&self) -> RuleStats {
+    pub(crate) fn stats(&self) -> RuleStats {
         use Counter::*;
         RuleStats {
             admitted_lease: self.get(AdmittedLease),
@@ -153,7 +153,7 @@ impl RuleCounters {
     }
 
     /// Publishes the totals to the installed `metrics` recorder, labelled by rule.
-    pub fn publish(&self, rule: &str) {
+    pub(crate) fn publish(&self, rule: &str) {
         let s = self.stats();
         let rule = rule.to_owned();
         for (outcome, v) in [
@@ -196,21 +196,21 @@ impl RuleCounters {
 
 /// Store errors by kind, for the whole agent (errors are rare: a plain `fetch_add`).
 #[derive(Debug, Default)]
-pub struct ErrorCounts([AtomicU64; ErrorKind::ALL.len()]);
+pub(crate) struct ErrorCounts([AtomicU64; ErrorKind::ALL.len()]);
 
 impl ErrorCounts {
     /// Adds one error of `kind`.
-    pub fn incr(&self, kind: ErrorKind) {
+    pub(crate) fn incr(&self, kind: ErrorKind) {
         self.0[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Errors of `kind` so far.
-    pub fn get(&self, kind: ErrorKind) -> u64 {
+    pub(crate) fn get(&self, kind: ErrorKind) -> u64 {
         self.0[kind as usize].load(Ordering::Relaxed)
     }
 
     /// Publishes `leasehold_store_errors_by_kind_total{kind}`.
-    pub fn publish(&self) {
+    pub(crate) fn publish(&self) {
         for kind in ErrorKind::ALL {
             metrics::counter!("leasehold_store_errors_by_kind_total", "kind" => kind.as_str())
                 .absolute(self.get(kind));

@@ -90,7 +90,7 @@ fn once_per(slot: &AtomicU64, now_ns: u64, every_ns: u64) -> bool {
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
 
 /// One decision in this many (per thread) is timed for `leasehold_decision_seconds`.
-pub const SAMPLE_EVERY: u64 = 64;
+pub(crate) const SAMPLE_EVERY: u64 = 64;
 
 thread_local! {
     static SAMPLE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };

@@ -82,7 +82,13 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         .watch_rules(Duration::from_secs(1))
         .start_degraded(true);
     builder = match args.store.address()? {
-        None => builder.embedded(),
+        None => {
+            tracing::warn!(
+                "no --redis: limits are kept in this process only (the embedded store); \
+                 gateways do not share them"
+            );
+            builder.embedded()
+        }
         Some(a) if a == "embedded" => builder.embedded(),
         Some(address) => builder.redis(address).config({
             let mut c = leasehold::agent::LimiterConfig::default();

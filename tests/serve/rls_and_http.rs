@@ -206,7 +206,11 @@ impl Serving {
 fn envoy_rls_and_http_check_on_redis() {
     let server = support::server();
     support::runtime().block_on(async {
-        let serving = Serving::start(&server, CONFIG, Default::default(), true).await;
+        // Beside the YAML's, a rule of the TOML kind for the HTTP API's checks form: B = 2
+        // and a slow refill, so no token comes back while a loaded machine runs the test.
+        let http = "[rules.http]\ncapacity = 2\nrate = \"60/d\"\nleasing = \"exact\"\n";
+        let serving =
+            Serving::start_with(&server, CONFIG, Default::default(), true, Some(http)).await;
         let (http_addr, limiter) = (serving.http, serving.decider.limiter().clone());
         let mut c = serving.client().await;
 
@@ -404,16 +408,25 @@ fn envoy_rls_and_http_check_on_redis() {
             (Code::Ok as i32, 0)
         );
 
-        // The HTTP check API: rules by the names the YAML limits got.
+        // The HTTP check API names rules and subjects; a rule a YAML limit became is
+        // refused by name (its buckets are keyed by descriptors: a subject given here
+        // would be another bucket of the same limit).
         let rule = leasehold_serve::config::rule_name("messaging.tenant");
         let body = format!(r#"{{"checks":[{{"rule":"{rule}","subject":"http-1","cost":1}}]}}"#);
-        let (status, head, json) = post(http_addr, "/v1/check", &body).await;
+        let (status, _, json) = post(http_addr, "/v1/check", &body).await;
+        assert_eq!(status, 400, "{json}");
+        assert!(
+            json.contains(&rule) && json.contains("descriptors"),
+            "{json}"
+        );
+        let body = r#"{"checks":[{"rule":"http","subject":"http-1","cost":1}]}"#;
+        let (status, head, json) = post(http_addr, "/v1/check", body).await;
         assert_eq!(status, 200, "{json}");
         assert!(head.contains("ratelimit-policy:"), "{head}");
         assert!(json.contains("\"allowed\":true"), "{json}");
-        let (status, _, _) = post(http_addr, "/v1/check", &body).await;
+        let (status, _, _) = post(http_addr, "/v1/check", body).await;
         assert_eq!(status, 200);
-        let (status, head, json) = post(http_addr, "/v1/check", &body).await;
+        let (status, head, json) = post(http_addr, "/v1/check", body).await;
         assert_eq!(status, 429, "{json}");
         assert!(head.contains("retry-after:"), "{head}");
         let (status, _, json) = post(
@@ -450,10 +463,10 @@ fn envoy_rls_and_http_check_on_redis() {
         assert_eq!(status, 400);
         assert!(json.contains("neither a rate limit request"), "{json}");
         // The nginx auth_request form: 204 or 403.
-        let path = format!("/v1/auth?rule={rule}&subject=nginx-1");
-        assert_eq!(support::http_get(http_addr, &path).await.0, 204);
-        assert_eq!(support::http_get(http_addr, &path).await.0, 204);
-        assert_eq!(support::http_get(http_addr, &path).await.0, 403);
+        let path = "/v1/auth?rule=http&subject=nginx-1";
+        assert_eq!(support::http_get(http_addr, path).await.0, 204);
+        assert_eq!(support::http_get(http_addr, path).await.0, 204);
+        assert_eq!(support::http_get(http_addr, path).await.0, 403);
         let (status, body) = support::http_get(http_addr, "/health").await;
         assert_eq!((status, body.as_str()), (200, "ready\n"));
         let (status, body) = support::http_get(http_addr, "/ready").await;
@@ -840,17 +853,18 @@ fn nginx_auth_request_recipe_from_the_readme() {
         for _ in 0..3 {
             let r = through(nginx.port, Some("odd key &cost=0")).await;
             assert!(r.starts_with("http/1.1 200"), "{r}");
+            // The rule the YAML limit became, described as the tower layer describes one.
             assert!(
-                r.contains("ratelimit-policy: \"messaging\";q=3;w=86400"),
+                r.contains("ratelimit-policy: \"messaging.api_key\";q=3;w=86400"),
                 "{r}"
             );
-            assert!(r.contains("ratelimit: \"messaging\";r="), "{r}");
+            assert!(r.contains("ratelimit: \"messaging.api_key\";r="), "{r}");
             assert!(r.ends_with("backend\n"), "{r}");
         }
         let r = through(nginx.port, Some("odd key &cost=0")).await;
         assert!(r.starts_with("http/1.1 429"), "{r}");
         assert!(r.contains("retry-after: "), "{r}");
-        assert!(r.contains("ratelimit: \"messaging\";r=0;"), "{r}");
+        assert!(r.contains("ratelimit: \"messaging.api_key\";r=0;"), "{r}");
         // Another key has its own bucket.
         let r = through(nginx.port, Some("another")).await;
         assert!(r.starts_with("http/1.1 200"), "{r}");
@@ -871,7 +885,8 @@ fn rate_limit_headers_agree_between_the_tower_layer_and_serve() {
     let server = support::server();
     support::runtime().block_on(async {
         let shared = "[rules.shared]\ncapacity = 100\nrate = \"10/s\"\n\
-                      local_percent = 50\nlocal_agents = 2\nleasing = \"exact\"\n";
+                      local_percent = 50\nlocal_agents = 2\nleasing = \"exact\"\n\
+                      [rules.other]\ncapacity = 5\nrate = \"1/s\"\nleasing = \"exact\"\n";
         let serving =
             Serving::start_with(&server, CONFIG, Default::default(), false, Some(shared)).await;
         let limiter = serving.decider.limiter().clone();
@@ -911,6 +926,32 @@ fn rate_limit_headers_agree_between_the_tower_layer_and_serve() {
         let left = r.headers()["ratelimit"].to_str().unwrap().to_owned();
         assert!(left.starts_with("\"shared\";r="), "{left}");
         assert!(line("ratelimit").starts_with("\"shared\";r="), "{head}");
+
+        // Several checks: one item per check, as the tower layer gives one per rule.
+        let body =
+            r#"{"checks":[{"rule":"shared","subject":"t3"},{"rule":"other","subject":"t3"}]}"#;
+        let (status, head, _) = post(serving.http, "/v1/check", body).await;
+        assert_eq!(status, 200, "{head}");
+        let policy = |head: &str| {
+            head.lines()
+                .find_map(|l| l.strip_prefix("ratelimit-policy: "))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(policy(&head), "\"shared\";q=100;w=10, \"other\";q=5;w=5");
+
+        // The YAML's limits through the RLS JSON form: named by their rule, q = the
+        // bucket's capacity (`leasehold.capacity` where it replaces requests_per_unit:
+        // 2 tokens at 60 a day fill in 2 880 s), one item per descriptor.
+        let body = r#"{"domain":"messaging","descriptors":[
+            {"entries":[{"key":"tenant","value":"t9"}]},
+            {"entries":[{"key":"to_number","value":"555"}]}]}"#;
+        let (status, head, json) = post(serving.http, "/v1/check", body).await;
+        assert_eq!(status, 200, "{json}");
+        assert_eq!(
+            policy(&head),
+            "\"messaging.tenant\";q=2;w=2880, \"messaging.to_number\";q=100;w=86400"
+        );
         serving.stop().await;
     });
 }

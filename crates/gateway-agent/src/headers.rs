@@ -52,9 +52,9 @@ impl Policy {
         )
     }
 
-    /// This rule's `RateLimit` item after `d`; `None` for an admission the store's count
-    /// did not decide (fail open, the emergency limit, shadow): nothing honest to say of
-    /// what is left.
+    /// This rule's `RateLimit` item after `d`; `None` when the store's count did not
+    /// decide (an admission by fail open, the emergency limit or shadow mode, a refusal
+    /// because the store is unreachable): nothing honest to say of what is left.
     pub fn limit_item(&self, d: Decision) -> Option<String> {
         let (remaining, t) = self.left(d)?;
         Some(limit_item(&self.name, remaining, t))
@@ -70,9 +70,8 @@ impl Policy {
                 let missing = self.capacity - remaining;
                 Some((remaining, leasehold_core::refill_secs(missing, self.rate)))
             }
-            Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-                Some((0, retry_secs(retry_after)))
-            }
+            Decision::Denied { retry_after } => Some((0, retry_secs(retry_after))),
+            Decision::Unavailable { .. } => None,
         }
     }
 }
@@ -111,6 +110,14 @@ mod tests {
             retry_after: Duration::from_millis(1_200),
         };
         assert_eq!(p.limit_item(denied).as_deref(), Some("\"api\";r=0;t=2"));
+        let unavailable = Decision::Unavailable {
+            retry_after: Duration::from_secs(1),
+        };
+        assert_eq!(
+            p.limit_item(unavailable),
+            None,
+            "the bucket's level is not known"
+        );
         assert_eq!(retry_secs(Duration::from_micros(1)), 1);
     }
 }

@@ -579,6 +579,12 @@ impl Domains {
         Rules::from_rules(self.rules.iter().cloned())
     }
 
+    /// Whether `name` is the rule of a descriptor's limit (its subject is the descriptor's
+    /// entries, not a caller's string).
+    pub fn has_rule(&self, name: &str) -> bool {
+        self.rules.iter().any(|r| r.name().as_str() == name)
+    }
+
     /// The domains, sorted.
     pub fn domain_names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.domains.keys().map(String::as_str).collect();

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef, headers};
+use leasehold_agent::headers::{self, Policy};
+use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef};
 use leasehold_core::rule::{Rule, RuleSpec};
 use leasehold_store::{Rules, RulesError};
 
@@ -46,6 +47,12 @@ pub struct Status {
     /// When the tokens asked for exist again (over the limit; `None` when they never
     /// will: more hits than the bucket holds), or when the bucket is full again (OK).
     pub reset: Option<Duration>,
+    /// The rule that decided it, as clients see it (`None` for no rule: unlimited, deny
+    /// all, no match).
+    pub policy: Option<Policy>,
+    /// `remaining` is the store's count (not an admission by fail open, the emergency
+    /// limit or shadow mode, nor a refusal because the store is unreachable).
+    pub metered: bool,
 }
 
 /// The answer for a request.
@@ -206,6 +213,8 @@ impl Decider {
                 limit: None,
                 remaining: 0,
                 reset: None,
+                policy: None,
+                metered: true,
             };
             return Ok(Verdict {
                 over_limit: false,
@@ -253,6 +262,8 @@ impl Decider {
                     _ => 0,
                 },
                 reset: None,
+                policy: None,
+                metered: true,
             })
             .collect();
         // Over the limit without taking: in shadow mode only counted.
@@ -260,6 +271,8 @@ impl Decider {
             if shadow {
                 metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
                     .increment(1);
+                // Let through: what it reports is not the store's count.
+                s.metered = false;
             } else {
                 s.over_limit = true;
                 s.remaining = 0;
@@ -287,6 +300,7 @@ impl Decider {
                 Action::Rule(rule) => rule,
             };
             let subject = m.subject.as_bytes();
+            statuses[i].policy = limiter.policy(rule, subject).ok();
             let Ok(p) = limiter.bucket_params_for(rule, subject) else {
                 // The rule went with a reload meanwhile: the limiter says so.
                 takes.push(Take {
@@ -313,13 +327,15 @@ impl Decider {
             // A check that takes nothing: is there a token now?
             let s = &mut statuses[i];
             match limiter.peek(rule, subject, 1).await? {
-                Decision::Allowed { remaining, .. } => {
+                Decision::Allowed { remaining, via } => {
+                    s.metered = via.is_metered();
                     s.remaining = clip(remaining);
                     s.reset = Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
                 }
                 Decision::Denied { retry_after } => over(s, shadow, Some(retry_after)),
                 Decision::Unavailable { retry_after } => {
                     unavailable = true;
+                    s.metered = false;
                     over(s, shadow, Some(retry_after));
                 }
             }
@@ -360,8 +376,9 @@ impl Decider {
             let (d, at) = limiter.check_all_each(&list, &mut each).await?;
             if let Decision::Allowed { .. } = d {
                 for (t, d) in takes.iter().zip(&each) {
-                    if let Some(Decision::Allowed { remaining, .. }) = *d {
+                    if let Some(Decision::Allowed { remaining, via }) = *d {
                         let s = &mut statuses[t.i];
+                        s.metered = via.is_metered();
                         s.remaining = clip(remaining);
                         s.reset = limiter
                             .bucket_params_for(t.rule, t.subject)
@@ -379,6 +396,7 @@ impl Decider {
                 s.reset = Some(retry_after);
             }
             unavailable |= matches!(d, Decision::Unavailable { .. });
+            s.metered = !matches!(d, Decision::Unavailable { .. });
             if !quota(i) {
                 break;
             }
@@ -475,8 +493,11 @@ impl Decider {
         })
     }
 
-    /// `retry-after` when refused (unless no wait helps), and the tightest limit: the
-    /// refusing one (not in quota mode), else the one with the least left.
+    /// `retry-after` when refused (unless no wait helps), and the limits: by default the
+    /// IETF draft's `RateLimit-Policy` and `RateLimit`, one item per descriptor that has a
+    /// limit, as the tower layer and the HTTP API describe a rule ([`headers`]); with
+    /// `limit_headers`, ratelimit's three headers for the tightest limit (the refusing
+    /// one, not in quota mode, else the one with the least left).
     fn headers(
         &self,
         domain: &str,
@@ -484,36 +505,59 @@ impl Decider {
         over_limit: bool,
         quota: &dyn Fn(usize) -> bool,
     ) -> Vec<(String, String)> {
-        let mut headers = Vec::new();
-        let tightest = statuses
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.limit.is_some())
-            .min_by_key(|(i, s)| (!s.over_limit || quota(*i), s.remaining))
-            .map(|(_, s)| s);
-        let Some(s) = tightest else {
-            return headers;
-        };
-        let Some((rpu, unit, name)) = &s.limit else {
-            return headers;
-        };
-        let reset = s.reset.map_or(0, secs);
+        let mut out = Vec::new();
         match &self.options.limit_headers {
             Some([limit, remaining, reset_name]) => {
-                headers.push((limit.clone(), rpu.to_string()));
-                headers.push((remaining.clone(), s.remaining.to_string()));
-                headers.push((reset_name.clone(), reset.to_string()));
+                let tightest = statuses
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.limit.is_some())
+                    .min_by_key(|(i, s)| (!s.over_limit || quota(*i), s.remaining))
+                    .map(|(_, s)| s);
+                if let Some(
+                    s @ Status {
+                        limit: Some((rpu, _, _)),
+                        ..
+                    },
+                ) = tightest
+                {
+                    out.push((limit.clone(), rpu.to_string()));
+                    out.push((remaining.clone(), s.remaining.to_string()));
+                    out.push((reset_name.clone(), s.reset.map_or(0, secs).to_string()));
+                }
             }
             None => {
-                let label = name.as_deref().unwrap_or(domain);
-                headers.push((
-                    "ratelimit-policy".into(),
-                    headers::policy_item(label, u64::from(*rpu), unit.seconds()),
-                ));
-                headers.push((
-                    "ratelimit".into(),
-                    headers::limit_item(label, u64::from(s.remaining), reset),
-                ));
+                let (mut policies, mut left) = (Vec::new(), Vec::new());
+                for s in statuses {
+                    let Some((rpu, unit, name)) = &s.limit else {
+                        continue;
+                    };
+                    let Some(p) = &s.policy else {
+                        // No bucket (requests_per_unit 0: every request is over).
+                        let label = name.as_deref().unwrap_or(domain);
+                        policies.push(headers::policy_item(label, u64::from(*rpu), unit.seconds()));
+                        left.push(headers::limit_item(label, 0, 0));
+                        continue;
+                    };
+                    policies.push(p.item());
+                    let d = match (s.over_limit, s.reset) {
+                        (_, _) if !s.metered => continue,
+                        // More hits than the bucket holds: no wait helps, no time to say.
+                        (true, None) => continue,
+                        (true, Some(retry_after)) => Decision::Denied { retry_after },
+                        (false, _) => Decision::Allowed {
+                            remaining: u64::from(s.remaining),
+                            via: leasehold_agent::Admission::Exact,
+                        },
+                    };
+                    left.extend(p.limit_item(d));
+                }
+                if !policies.is_empty() {
+                    out.push(("ratelimit-policy".into(), policies.join(", ")));
+                }
+                if !left.is_empty() {
+                    out.push(("ratelimit".into(), left.join(", ")));
+                }
             }
         }
         if over_limit
@@ -522,9 +566,9 @@ impl Decider {
                 .filter(|s| s.over_limit)
                 .find_map(|s| s.reset)
         {
-            headers.push(("retry-after".into(), headers::retry_secs(wait).to_string()));
+            out.push(("retry-after".into(), headers::retry_secs(wait).to_string()));
         }
-        headers
+        out
     }
 }
 

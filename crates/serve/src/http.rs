@@ -41,7 +41,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef};
+use leasehold_agent::{Check, Decision, Limiter, RuleRef};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 
@@ -298,28 +298,53 @@ async fn decided(
     Ok((verdict, status, headers))
 }
 
-/// `RateLimit-Policy` and `RateLimit` for the check that decided (see
+/// `RateLimit-Policy` and `RateLimit`, one item per check decided (see
 /// [`leasehold_agent::headers`]: the same items as the tower layer's).
-fn limit_headers(h: &mut HeaderMap, limiter: &Limiter, rule: &str, subject: &str, d: Decision) {
-    let Ok(p) = limiter.policy(&RuleRef::from(rule.to_owned()), subject) else {
-        return;
-    };
-    set(h, "ratelimit-policy", p.item());
-    if let Some(item) = p.limit_item(d) {
-        set(h, "ratelimit", item);
+fn limit_headers<'a>(
+    h: &mut HeaderMap,
+    limiter: &Limiter,
+    decided: impl IntoIterator<Item = (&'a OneCheck, Decision)>,
+) {
+    let (mut policies, mut left) = (Vec::new(), Vec::new());
+    for (c, d) in decided {
+        let Ok(p) = limiter.policy(&RuleRef::from(c.rule.clone()), &c.subject) else {
+            continue;
+        };
+        policies.push(p.item());
+        left.extend(p.limit_item(d));
+    }
+    if !policies.is_empty() {
+        set(h, "ratelimit-policy", policies.join(", "));
+    }
+    if !left.is_empty() {
+        set(h, "ratelimit", left.join(", "));
     }
 }
 
+/// Decides `checks` all or nothing; a rule of a descriptor's limit (YAML) is refused by
+/// name: its buckets are keyed by descriptors, which only the descriptors form names (a
+/// subject given here would be another bucket of the same limit).
 async fn decide_rules(
-    limiter: &Limiter,
+    api: &Api,
     checks: &[OneCheck],
-) -> Result<(Decision, usize, Vec<Option<Decision>>), CheckError> {
+) -> Result<(Decision, usize, Vec<Option<Decision>>), String> {
+    let domains = api.decider.domains();
+    if let Some(c) = checks.iter().find(|c| domains.has_rule(&c.rule)) {
+        return Err(format!(
+            "rule {:?} is the limit of a YAML descriptor: send its domain and descriptors \
+             (the RLS JSON form, or GET /v1/auth?domain=...&descriptor=...)",
+            c.rule.chars().take(80).collect::<String>()
+        ));
+    }
     let list: Vec<Check> = checks
         .iter()
         .map(|c| Check::new(&RuleRef::from(c.rule.clone()), &c.subject, c.cost))
         .collect();
     let mut each = Vec::new();
-    let (d, at) = limiter.check_all_each(&list, &mut each).await?;
+    let (d, at) = (api.limiter())
+        .check_all_each(&list, &mut each)
+        .await
+        .map_err(|e| e.to_string())?;
     Ok((d, at, each))
 }
 
@@ -335,13 +360,14 @@ async fn check_rules(api: &Api, body: RulesBody) -> Response {
             body.checks.len()
         ));
     }
-    let (decision, at, each) = match decide_rules(api.limiter(), &body.checks).await {
+    let (decision, at, each) = match decide_rules(api, &body.checks).await {
         Ok(x) => x,
-        Err(e) => return bad(e.to_string()),
+        Err(e) => return bad(e),
     };
     let c = &body.checks[at];
     let mut headers = HeaderMap::new();
-    limit_headers(&mut headers, api.limiter(), &c.rule, &c.subject, decision);
+    let decided = (body.checks.iter().zip(&each)).filter_map(|(c, d)| Some((c, (*d)?)));
+    limit_headers(&mut headers, api.limiter(), decided);
     let (status, json) = match decision {
         Decision::Allowed { .. } => {
             let results: Vec<serde_json::Value> = body
@@ -444,12 +470,12 @@ async fn auth(
         subject: subject.to_owned(),
         cost,
     }];
-    let (decision, _, _) = match decide_rules(api.limiter(), &one).await {
+    let (decision, _, _) = match decide_rules(&api, &one).await {
         Ok(x) => x,
-        Err(e) => return bad(e.to_string()),
+        Err(e) => return bad(e),
     };
     let mut headers = HeaderMap::new();
-    limit_headers(&mut headers, api.limiter(), rule, subject, decision);
+    limit_headers(&mut headers, api.limiter(), [(&one[0], decision)]);
     match decision {
         Decision::Allowed { .. } => (StatusCode::NO_CONTENT, headers).into_response(),
         Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {

@@ -118,13 +118,7 @@ impl Limiter {
     ) -> Option<Decision> {
         let mut around = AgentAround { limiter: self, ks };
         match cell.decide(&ks.refill, cost, now, &mut around) {
-            Verdict::Lease { left } => {
-                counters.incr(Counter::AdmittedLease);
-                Some(Decision::Allowed {
-                    remaining: left,
-                    via: Admission::Lease,
-                })
-            }
+            Verdict::Lease { left } => Some(leased(counters, left)),
             Verdict::Seat { left } => Some(self.seat_admitted(ks, cost, left)),
             Verdict::Denied { wait_ns, .. } => Some(if cell.shadow() {
                 counters.incr(Counter::ShadowDenied);
@@ -250,11 +244,7 @@ impl Limiter {
         let Verdict::Lease { left } = cell.spend(cost, now, &ks.refill, &mut around)? else {
             return None;
         };
-        counters.incr(Counter::AdmittedLease);
-        Some(Decision::Allowed {
-            remaining: left,
-            via: Admission::Lease,
-        })
+        Some(leased(counters, left))
     }
 
     /// What a caller finds on the store path once it holds the key's lock, or before
@@ -268,13 +258,7 @@ impl Limiter {
     ) -> Option<Decision> {
         let mut around = AgentAround { limiter: self, ks };
         match ks.hot().recheck(&ks.refill, cost, now, &mut around)? {
-            Verdict::Lease { left } => {
-                entry.counters.incr(Counter::AdmittedLease);
-                Some(Decision::Allowed {
-                    remaining: left,
-                    via: Admission::Lease,
-                })
-            }
+            Verdict::Lease { left } => Some(leased(&entry.counters, left)),
             Verdict::Denied { wait_ns, .. } => {
                 entry.counters.incr(entry.denied);
                 Some(denied(wait_ns))
@@ -395,5 +379,15 @@ impl Limiter {
             Leasing::Exact => false,
             Leasing::Auto => ks.hot().leases(),
         }
+    }
+}
+
+/// An admission from the lease, which holds `left` after, counted.
+#[inline(always)]
+fn leased(counters: &RuleCounters, left: u64) -> Decision {
+    counters.incr(Counter::AdmittedLease);
+    Decision::Allowed {
+        remaining: left,
+        via: Admission::Lease,
     }
 }

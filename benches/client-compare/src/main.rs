@@ -1,4 +1,5 @@
-//! A batched cold path's call (`FCALL lh_exact_many`, the batch's decimal form), through
+//! A batched cold path's call (`FCALL lh_exact_batch`, as agents send it: its numbers
+//! packed as little-endian 64-bit integers), through
 //! redis-rs's multiplexed connection and through fred's client, in one run, against one
 //! redis-server (which must be one you can write to: it loads the function library and
 //! makes bucket keys `lh:{cmp|...}`). Tasks call flat out, each call on fresh keys; it reports decisions/s
@@ -11,20 +12,22 @@ use std::time::{Duration, Instant};
 
 const AGENT: &str = "00000000000000000000000000abcdef";
 
-/// The args of one batch of `n` keys, one cost each, from key number `base`.
-fn batch(seq: u64, base: u64, n: u64) -> (Vec<String>, Vec<String>) {
+/// The args of one batch of `n` keys, one cost each, from key number `base`: the agent,
+/// then seq, one rule (capacity, rate tokens, rate period µs, grace µs, strict) and per
+/// key its rule, count and cost, packed.
+fn batch(seq: u64, base: u64, n: u64) -> (Vec<String>, Vec<Vec<u8>>) {
     let mut keys = Vec::new();
     let first = format!("lh:{{cmp|t{base}}}");
     keys.push(format!("{first}:b:{AGENT}:{seq}"));
     for i in 0..n {
         keys.push(format!("lh:{{cmp|t{}}}", base + i));
     }
-    let mut args = vec![AGENT.to_string(), seq.to_string(), "1".into()];
-    args.extend(["1000000", "1000000", "1000000", "1000000", "0"].map(String::from));
+    let mut numbers = vec![seq, 1, 1_000_000, 1_000_000, 1_000_000, 1_000_000, 0];
     for _ in 0..n {
-        args.extend(["1", "1", "1"].map(String::from));
+        numbers.extend([1, 1, 1]);
     }
-    (keys, args)
+    let packed: Vec<u8> = numbers.iter().flat_map(|v| v.to_le_bytes()).collect();
+    (keys, vec![AGENT.as_bytes().to_vec(), packed])
 }
 
 struct Run {
@@ -41,7 +44,7 @@ fn cpu_secs() -> f64 {
 
 async fn drive<F, Fut>(tasks: usize, n: u64, dur: Duration, call: F) -> Run
 where
-    F: Fn(Vec<String>, Vec<String>) -> Fut + Send + Sync + 'static,
+    F: Fn(Vec<String>, Vec<Vec<u8>>) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
     static SEQ: AtomicU64 = AtomicU64::new(1);
@@ -117,7 +120,7 @@ async fn main() {
                         let mut c = c.clone();
                         async move {
                             let _: redis::Value = redis::cmd("FCALL")
-                                .arg("lh_exact_many")
+                                .arg("lh_exact_batch")
                                 .arg(k.len())
                                 .arg(&k)
                                 .arg(&a)
@@ -133,7 +136,7 @@ async fn main() {
                         let f = f.clone();
                         async move {
                             let _: fred::types::Value =
-                                f.fcall("lh_exact_many", k, a).await.unwrap();
+                                f.fcall("lh_exact_batch", k, a).await.unwrap();
                         }
                     })
                     .await

@@ -12,6 +12,8 @@
 //! - [`lease`]: the local lease an agent spends from (I3, I4).
 //! - [`cell`]: a key's cell and the local decision (lease, cached denial, refill
 //!   denial, seat, store), the one sequence the agent and the fleet tests run.
+//! - [`rate_lease`]: rate leases: a share of a bucket's rate and a burst, for a term (the
+//!   model; the bound B + r·W with committed rates and bursts).
 //! - [`local`]: the local share, seats of every key's budget spent without the store.
 //! - [`sizing`]: the agent's lease policy: sizing from demand and share, reported demand,
 //!   reclaim.
@@ -29,6 +31,7 @@ pub mod local;
 pub mod model;
 pub mod policy;
 pub mod rate;
+pub mod rate_lease;
 pub mod rule;
 pub mod schema;
 pub mod sizing;

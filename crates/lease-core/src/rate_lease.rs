@@ -18,8 +18,10 @@
 //! little slower than granted ([`RATE_MARGIN_PPM`]) so that its clock running fast by as
 //! much cannot make it spend more than `q_i` by the store's clock.
 //!
-//! A local bucket holds at most its burst, so a grant with no burst (the level was empty)
-//! spends nothing until a renewal finds tokens for one.
+//! A local bucket holds at most its burst, so a share comes with a burst of one token at
+//! least: when the level is empty, a bucket of capacity 1 that starts empty and fills
+//! from the share (the level's cap falls by it). The live bursts never exceed `B`: at most
+//! `B` agents hold a share of one key at once.
 //!
 //! **Shares.** Every record keeps the agent's demand. A grant is the agent's demand with
 //! headroom while the live demands fit in `r`; under contention, the agent's proportional
@@ -47,8 +49,11 @@ const HEADROOM_PERCENT: u64 = 25;
 pub struct RateGrant {
     /// The agent's share of the bucket's rate, parts per million.
     pub share_ppm: u64,
-    /// Tokens the agent may spend at once, on top of its share (taken from the level).
+    /// Tokens the agent's local bucket may hold: what it may spend at once.
     pub burst: u64,
+    /// Tokens of it this grant took from the level, which the agent adds to its local
+    /// bucket (the rest fills from its share).
+    pub paid: u64,
     /// The term, µs from the store's time of the grant.
     pub ttl_us: u64,
 }
@@ -68,7 +73,7 @@ struct Record {
 /// `1 / (period_us × PPM)` tokens), the committed shares and each agent's record.
 #[derive(Clone, Debug)]
 pub struct RateBucket {
-    units: u128,
+    units: i128,
     ts_us: u64,
     committed_ppm: u64,
     /// The live leases' bursts: the level refills to `B` minus these.
@@ -80,7 +85,7 @@ impl RateBucket {
     /// A full bucket at `now_us`.
     pub fn new(p: &BucketParams, now_us: u64) -> Self {
         Self {
-            units: u128::from(p.capacity) * denominator(p),
+            units: i128::from(p.capacity) * denominator(p),
             ts_us: now_us,
             committed_ppm: 0,
             bursts: 0,
@@ -90,7 +95,7 @@ impl RateBucket {
 
     /// Whole tokens in the level.
     pub fn level(&self, p: &BucketParams) -> u64 {
-        (self.units / denominator(p)) as u64
+        u64::try_from(self.units / denominator(p)).unwrap_or(0)
     }
 
     /// The sum of the live shares, parts per million.
@@ -130,10 +135,11 @@ impl RateBucket {
     }
 
     fn refill(&mut self, p: &BucketParams, until_us: u64) {
-        let dt = u128::from(until_us - self.ts_us);
-        let free = u128::from(PPM - self.committed_ppm);
-        let cap = u128::from(p.capacity.saturating_sub(self.bursts)) * denominator(p);
-        let refilled = self.units + u128::from(p.rate.tokens()) * free * dt;
+        let dt = i128::from(until_us - self.ts_us);
+        let free = i128::from(PPM - self.committed_ppm);
+        // Below 0 while the live bursts exceed B (bursts granted on credit).
+        let cap = (i128::from(p.capacity) - i128::from(self.bursts)) * denominator(p);
+        let refilled = self.units + i128::from(p.rate.tokens()) * free * dt;
         // A level above the cap (bursts granted from it) only falls to it.
         self.units = if self.units >= cap {
             self.units
@@ -146,7 +152,7 @@ impl RateBucket {
     /// Takes `cost` tokens from the level (an exact decision beside the rate leases).
     pub fn take(&mut self, p: &BucketParams, now_us: u64, cost: u64) -> bool {
         self.advance(p, now_us);
-        let need = u128::from(cost) * denominator(p);
+        let need = i128::from(cost) * denominator(p);
         if self.units < need {
             return false;
         }
@@ -169,12 +175,17 @@ impl RateBucket {
         term_us: u64,
     ) -> RateGrant {
         self.advance(p, now_us);
+        let now = now_us.max(self.ts_us);
         if let Some(r) = self.records.get(&agent)
             && r.seq == seq
         {
-            return r.reply;
+            // A replay: what is left of the term, so the agent's deadline, measured from
+            // this retry, still falls before the record's expiry.
+            return RateGrant {
+                ttl_us: r.expires_us.saturating_sub(now),
+                ..r.reply
+            };
         }
-        let now = now_us.max(self.ts_us);
         let own = self.records.get(&agent);
         let (own_ppm, own_burst) = own.map_or((0, 0), |r| (r.share_ppm, r.burst));
         let others_demand: u64 = (self.records.iter())
@@ -195,18 +206,23 @@ impl RateBucket {
         } as u64;
         let available = PPM - (self.committed_ppm - own_ppm);
         let share_ppm = share.min(available);
-        // The burst: what it holds stays; more comes out of the level if it is there.
+        // The burst: what it holds stays; more comes out of the level if it is there. A
+        // share needs a local bucket of one token at least to be spent at all: with the
+        // level empty, one of capacity 1 that starts empty and fills from the share, while
+        // the live bursts leave room under B (the level's cap falls by it).
         let want_burst = want_burst.min(p.capacity);
-        let burst = if want_burst > own_burst {
-            let extra = (want_burst - own_burst).min(self.level(p));
-            self.units -= u128::from(extra) * denominator(p);
-            own_burst + extra
-        } else {
-            own_burst
-        };
+        let paid = want_burst.saturating_sub(own_burst).min(self.level(p));
+        self.units -= i128::from(paid) * denominator(p);
+        let mut burst = own_burst + paid;
+        if burst == 0 && share_ppm > 0 && want_burst > 0 && self.bursts < p.capacity {
+            burst = 1;
+            let cap = (i128::from(p.capacity) - i128::from(self.bursts + 1)) * denominator(p);
+            self.units = self.units.min(cap);
+        }
         let reply = RateGrant {
             share_ppm,
             burst,
+            paid,
             ttl_us: term_us,
         };
         self.committed_ppm = self.committed_ppm - own_ppm + share_ppm;
@@ -234,8 +250,8 @@ impl RateBucket {
 }
 
 /// Units of the level per token: the refill adds `tokens × free_ppm × dt_us` of them.
-fn denominator(p: &BucketParams) -> u128 {
-    u128::from(p.rate.period_us().max(1)) * u128::from(PPM)
+fn denominator(p: &BucketParams) -> i128 {
+    i128::from(p.rate.period_us().max(1)) * i128::from(PPM)
 }
 
 /// An agent's side: a local bucket of its burst, refilled at its share (a little below:
@@ -256,17 +272,16 @@ pub struct LocalRate {
 impl LocalRate {
     /// Installs `g`, the reply to a request sent at `sent_ns` (agent clock), for a bucket
     /// of rate `p.rate`; `margin_ns` is taken off the term. What the local bucket holds
-    /// carries over a renewal; a larger burst adds what the store took for it.
+    /// carries over a renewal, plus what the store took from the level for it.
     pub fn grant(&mut self, p: &BucketParams, g: &RateGrant, sent_ns: u64, margin_ns: u64) {
         let now = sent_ns.max(self.at_ns);
         self.settle(now);
         let unit = u128::from(p.rate.period_us().max(1)) * 1_000 * u128::from(PPM);
         let effective =
             u128::from(g.share_ppm) * u128::from(PPM - RATE_MARGIN_PPM) / u128::from(PPM);
-        let added = g.burst.saturating_sub(self.burst);
         self.unit = unit;
         self.per_ns = u128::from(p.rate.tokens()) * effective;
-        self.units = (self.units + u128::from(added) * unit).min(u128::from(g.burst) * unit);
+        self.units = (self.units + u128::from(g.paid) * unit).min(u128::from(g.burst) * unit);
         self.burst = g.burst;
         self.deadline_ns = sent_ns + (g.ttl_us * 1_000).saturating_sub(margin_ns);
     }

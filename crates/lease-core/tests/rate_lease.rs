@@ -283,11 +283,14 @@ fn shares_stay_within_the_rate_and_come_back_when_released() {
     let mut b = RateBucket::new(&p, T0_US);
     // Uncontended: demand plus headroom (400/s wanted: 500 with 25%).
     let g = b.lease(&p, T0_US, AgentId(1), 1, 400_000, 10, 1_000_000);
-    assert_eq!((g.share_ppm, g.burst), (500_000, 10));
+    assert_eq!((g.share_ppm, g.burst, g.paid), (500_000, 10, 10));
     assert_eq!(
         b.lease(&p, T0_US + 5, AgentId(1), 1, 999_999, 99, 1_000_000),
-        g,
-        "a replay"
+        RateGrant {
+            ttl_us: 999_995,
+            ..g
+        },
+        "a replay: what is left of the term"
     );
     // Contended: each its proportional part, never more than the others leave.
     let g2 = b.lease(&p, T0_US, AgentId(2), 1, 1_200_000, 10, 1_000_000);

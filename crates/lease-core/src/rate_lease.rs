@@ -56,6 +56,9 @@ pub struct RateGrant {
     pub paid: u64,
     /// The term, µs from the store's time of the grant.
     pub ttl_us: u64,
+    /// The share is less than the agent's part because other agents' shares still hold
+    /// the rest: asking again soon gets more, as they renew to their parts.
+    pub limited: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -206,6 +209,7 @@ impl RateBucket {
         } as u64;
         let available = PPM - (self.committed_ppm - own_ppm);
         let share_ppm = share.min(available);
+        let limited = share_ppm < share;
         // The burst: what it holds stays; more comes out of the level if it is there. A
         // share needs a local bucket of one token at least to be spent at all: with the
         // level empty, one of capacity 1 that starts empty and fills from the share, while
@@ -224,6 +228,7 @@ impl RateBucket {
             burst,
             paid,
             ttl_us: term_us,
+            limited,
         };
         self.committed_ppm = self.committed_ppm - own_ppm + share_ppm;
         self.bursts = self.bursts - own_burst + burst;
@@ -311,5 +316,124 @@ impl LocalRate {
         }
         self.units -= need;
         true
+    }
+}
+
+/// How long an agent measures its demand over, and the least time between two of its
+/// calls for a key (ns).
+pub const DEMAND_WINDOW_NS: u64 = 100_000_000;
+
+/// The slots of the demand window.
+const SLOTS: usize = 10;
+
+/// An agent's renewal policy for one key: it measures the demand it is offered (over the
+/// last [`DEMAND_WINDOW_NS`]) and calls the store when the term is three quarters over, or
+/// sooner — a window after its last call at the earliest — when its demand doubled or
+/// halved since the demand it last reported, or its last grant was limited by other
+/// agents' shares (which they give up as they renew). Its calls follow changes of demand,
+/// not its volume.
+#[derive(Clone, Debug, Default)]
+pub struct RatePolicy {
+    /// Tokens offered per slot of the window, and the slot of each (agent ns / slot).
+    slots: [(u64, u64); SLOTS],
+    reported_milli: u64,
+    limited: bool,
+    last_call_ns: u64,
+    renew_at_ns: u64,
+}
+
+impl RatePolicy {
+    /// `tokens` offered at `now_ns` (admitted or not).
+    pub fn offered(&mut self, now_ns: u64, tokens: u64) {
+        let slot = now_ns / (DEMAND_WINDOW_NS / SLOTS as u64);
+        let cell = &mut self.slots[(slot % SLOTS as u64) as usize];
+        if cell.1 != slot {
+            *cell = (0, slot);
+        }
+        cell.0 += tokens;
+    }
+
+    /// The demand offered over the last window, thousandths of a token per second.
+    pub fn demand_milli(&self, now_ns: u64) -> u64 {
+        let slot = now_ns / (DEMAND_WINDOW_NS / SLOTS as u64);
+        let tokens: u64 = (self.slots.iter())
+            .filter(|(_, s)| slot.saturating_sub(*s) < SLOTS as u64)
+            .map(|(n, _)| n)
+            .sum();
+        tokens.saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
+    }
+
+    /// Whether to call the store at `now_ns`.
+    pub fn due(&self, now_ns: u64) -> bool {
+        if now_ns >= self.renew_at_ns {
+            return true;
+        }
+        if now_ns.saturating_sub(self.last_call_ns) < DEMAND_WINDOW_NS {
+            return false;
+        }
+        let d = self.demand_milli(now_ns);
+        self.limited || d > 2 * self.reported_milli.max(1) || d * 2 < self.reported_milli
+    }
+
+    /// A call sent at `now_ns` reports this demand.
+    pub fn calling(&mut self, now_ns: u64) -> u64 {
+        self.last_call_ns = now_ns;
+        self.reported_milli = self.demand_milli(now_ns);
+        self.reported_milli
+    }
+
+    /// The reply to the call sent at `sent_ns` came.
+    pub fn granted(&mut self, sent_ns: u64, g: &RateGrant) {
+        self.limited = g.limited;
+        self.renew_at_ns = sent_ns + g.ttl_us * 750;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn the_policy_calls_at_three_quarters_of_the_term_or_when_demand_changes() {
+        let mut p = RatePolicy::default();
+        // 10 tokens a slot of 10 ms: 1 000 tokens/s.
+        for slot in 0..10 {
+            p.offered(1_000 * MS + slot * 10 * MS, 10);
+        }
+        assert_eq!(p.demand_milli(1_095 * MS), 1_000_000);
+        assert!(p.due(1_095 * MS), "never called");
+        assert_eq!(p.calling(1_095 * MS), 1_000_000);
+        let g = RateGrant {
+            share_ppm: 50_000,
+            burst: 10,
+            paid: 10,
+            ttl_us: 4_000_000,
+            limited: false,
+        };
+        p.granted(1_095 * MS, &g);
+        // Steady: not before three quarters of the term.
+        for at in (1_100..4_095).step_by(10) {
+            p.offered(at * MS, 10);
+            assert!(!p.due(at * MS), "at {at} ms");
+        }
+        assert!(p.due(4_095 * MS));
+        // Demand doubling: due, but not within a window of the last call.
+        p.calling(4_095 * MS);
+        p.granted(4_095 * MS, &g);
+        for at in (4_100..4_200).step_by(10) {
+            p.offered(at * MS, 25);
+        }
+        assert!(!p.due(4_190 * MS), "a window since the last call");
+        assert!(p.due(4_200 * MS), "2 500/s against 1 000 reported");
+        // A limited grant: asked again after a window.
+        p.calling(4_200 * MS);
+        p.granted(4_200 * MS, &RateGrant { limited: true, ..g });
+        for at in (4_210..4_300).step_by(10) {
+            p.offered(at * MS, 25);
+        }
+        assert!(!p.due(4_290 * MS));
+        assert!(p.due(4_300 * MS));
     }
 }

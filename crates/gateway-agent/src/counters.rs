@@ -218,42 +218,42 @@ impl ErrorCounts {
     }
 }
 
-/// A snapshot of a rule's counters; see [`Counter`] for each field.
+/// A snapshot of a rule's counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RuleStats {
-    /// [`Counter::AdmittedLease`].
+    /// Admitted from a local lease, without a network call.
     pub admitted_lease: u64,
-    /// [`Counter::AdmittedExact`].
+    /// Admitted by an exact per-request call.
     pub admitted_exact: u64,
-    /// [`Counter::AdmittedFailOpen`].
+    /// Admitted because the store was unreachable and the rule fails open.
     pub admitted_fail_open: u64,
-    /// [`Counter::AdmittedEmergency`].
+    /// Admitted by the local emergency limit while the store was unreachable.
     pub admitted_emergency: u64,
-    /// [`Counter::Denied`].
+    /// Denied (429): the bucket is empty.
     pub denied: u64,
-    /// [`Counter::Unavailable`].
+    /// Refused because the store was unreachable and the rule fails closed (503).
     pub unavailable: u64,
-    /// [`Counter::StoreErrors`].
+    /// Store calls that failed or timed out.
     pub store_errors: u64,
-    /// [`Counter::EmergencyActivations`].
+    /// Times a key switched to its local emergency limit.
     pub emergency_activations: u64,
-    /// [`Counter::StoreCalls`].
+    /// Store calls made (acquire, release, exact).
     pub store_calls: u64,
-    /// [`Counter::LeaseTokensGranted`].
+    /// Tokens granted to this agent in leases.
     pub lease_tokens_granted: u64,
-    /// [`Counter::LeaseTokensReturned`].
+    /// Tokens this agent returned.
     pub lease_tokens_returned: u64,
-    /// [`Counter::LeaseGrants`].
+    /// Acquires that granted something.
     pub lease_grants: u64,
-    /// [`Counter::LeaseReturns`].
+    /// Releases sent.
     pub lease_returns: u64,
-    /// [`Counter::Reclaims`].
+    /// Releases of tokens the agent was not spending, or held beyond its share.
     pub reclaims: u64,
-    /// [`Counter::ShadowDenied`].
+    /// Would have been denied (429), admitted because the rule is in shadow mode.
     pub shadow_denied: u64,
-    /// [`Counter::ShadowUnavailable`].
+    /// Would have been refused as unavailable (503), admitted in shadow mode.
     pub shadow_unavailable: u64,
-    /// [`Counter::AdmittedLocal`].
+    /// Admitted from the agent's seat of the rule's local share, without the store.
     pub admitted_local: u64,
 }
 

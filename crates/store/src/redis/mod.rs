@@ -143,7 +143,7 @@ impl RedisStore {
     }
 
     /// Whether the Sentinels are failing the service over now: calls wait for the new
-    /// primary (see [`crate::sentinel`]).
+    /// primary.
     pub fn failing_over(&self) -> bool {
         matches!(self.link.conn.get(), Some(Conn::Sentinel(s)) if s.fenced())
     }

@@ -83,7 +83,20 @@ pub fn policy_item(name: &str, quota: u64, window_secs: u64) -> String {
 
 /// A `RateLimit` item: `"NAME";r=REMAINING;t=SECONDS`.
 pub fn limit_item(name: &str, remaining: u64, reset_secs: u64) -> String {
-    format!("\"{name}\";r={remaining};t={reset_secs}")
+    let mut v = Vec::with_capacity(name.len() + 32);
+    // Writing to a Vec cannot fail.
+    let _ = write_limit_item(&mut v, name, remaining, reset_secs);
+    String::from_utf8(v).unwrap_or_default()
+}
+
+/// [`limit_item`] written to `w` (a response's buffer, without an allocation).
+pub fn write_limit_item(
+    w: &mut impl std::io::Write,
+    name: &str,
+    remaining: u64,
+    reset_secs: u64,
+) -> std::io::Result<()> {
+    write!(w, "\"{name}\";r={remaining};t={reset_secs}")
 }
 
 /// `Retry-After` in whole seconds: rounded up, at least 1.

@@ -465,18 +465,21 @@ fn add_limit_headers(headers: &mut HeaderMap, limits: &[(Decision, Arc<RuleEntry
     let mut buf = [0u8; 512];
     let len = buf.len();
     let mut w = &mut buf[..];
-    let mut items = 0;
+    // What the whole items written so far take (an item that does not fit is dropped).
+    let (mut items, mut used) = (0, 0);
     for (d, e) in limits {
         let Some((remaining, t)) = e.policy.left(*d) else {
             continue;
         };
-        let sep = if items > 0 { ", " } else { "" };
-        if write!(w, "{sep}\"{}\";r={remaining};t={t}", e.policy.name()).is_err() {
+        let sep = if items > 0 { &b", "[..] } else { b"" };
+        if w.write_all(sep).is_err()
+            || crate::headers::write_limit_item(&mut w, e.policy.name(), remaining, t).is_err()
+        {
             break;
         }
         items += 1;
+        used = len - w.len();
     }
-    let used = len - w.len();
     if items > 0
         && let Ok(v) = HeaderValue::from_bytes(&buf[..used])
     {

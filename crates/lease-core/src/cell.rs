@@ -254,7 +254,7 @@ impl Cell {
         if let Some(v) = self.spend(cost, now_ns, refill, around) {
             return v;
         }
-        if let Some(v) = self.deny_cached(cost, now_ns, around) {
+        if let Some(v) = self.deny_cached(cost, now_ns, around, true) {
             return v;
         }
         self.decide_cold(refill, cost, now_ns, around)
@@ -282,11 +282,18 @@ impl Cell {
         Some(Verdict::Lease { left })
     }
 
-    /// The cached denial covers `cost` (the seat first, when the rule has a local share).
+    /// The cached denial covers `cost` (with `seat`, the seat first when the rule has a
+    /// local share).
     #[inline(always)]
-    fn deny_cached(&self, cost: u64, now_ns: u64, around: &mut impl Around) -> Option<Verdict> {
+    fn deny_cached(
+        &self,
+        cost: u64,
+        now_ns: u64,
+        around: &mut impl Around,
+        seat: bool,
+    ) -> Option<Verdict> {
         let (until, covered) = self.denied_until(cost, now_ns)?;
-        let seat_wait = if self.local.load(Ordering::Relaxed) {
+        let seat_wait = if seat && self.local.load(Ordering::Relaxed) {
             match around.seat(cost, now_ns) {
                 Ok(left) => return Some(Verdict::Seat { left }),
                 Err(wait) => wait,
@@ -363,17 +370,8 @@ impl Cell {
         now_ns: u64,
         around: &mut impl Around,
     ) -> Option<Verdict> {
-        if let Some(v) = self.spend(cost, now_ns, refill, around) {
-            return Some(v);
-        }
-        let wait = self.cached_wait(cost, now_ns, around.rate())?;
-        if self.leases.load(Ordering::Relaxed) {
-            self.count_denied(cost);
-        }
-        Some(Verdict::Denied {
-            wait_ns: wait.max(1),
-            why: DenialKind::Cached,
-        })
+        self.spend(cost, now_ns, refill, around)
+            .or_else(|| self.deny_cached(cost, now_ns, around, false))
     }
 }
 

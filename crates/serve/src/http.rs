@@ -41,7 +41,7 @@ use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use leasehold_agent::{Check, Decision, Limiter, RuleRef};
+use leasehold_agent::{Check, Decision, Limiter, RuleRef, headers};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 
@@ -145,11 +145,6 @@ fn bad(message: impl Into<String>) -> Response {
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let body = serde_json::json!({ "error": message.into() });
     (status, Json(body)).into_response()
-}
-
-/// Seconds for `Retry-After`: rounded up, at least 1 (as the tower layer's).
-fn secs(d: std::time::Duration) -> u64 {
-    leasehold_core::retry_after_secs(d.as_micros().min(u128::from(u64::MAX)) as u64).max(1)
 }
 
 fn set(h: &mut HeaderMap, name: &str, value: String) {
@@ -391,7 +386,11 @@ async fn check_rules(api: &Api, body: RulesBody) -> Response {
             )
         }
         Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-            set(&mut headers, "retry-after", secs(retry_after).to_string());
+            set(
+                &mut headers,
+                "retry-after",
+                headers::retry_secs(retry_after).to_string(),
+            );
             let (status, outcome) = if matches!(decision, Decision::Denied { .. }) {
                 (StatusCode::TOO_MANY_REQUESTS, "limited")
             } else {
@@ -479,7 +478,11 @@ async fn auth(
     match decision {
         Decision::Allowed { .. } => (StatusCode::NO_CONTENT, headers).into_response(),
         Decision::Denied { retry_after } | Decision::Unavailable { retry_after } => {
-            set(&mut headers, "retry-after", secs(retry_after).to_string());
+            set(
+                &mut headers,
+                "retry-after",
+                headers::retry_secs(retry_after).to_string(),
+            );
             let outcome = if matches!(decision, Decision::Denied { .. }) {
                 "limited"
             } else {

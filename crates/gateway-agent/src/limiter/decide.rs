@@ -66,18 +66,11 @@ impl Limiter {
     pub(super) fn with_quota(&self, ks: &KeyState, d: Decision) -> Decision {
         match d {
             Decision::Allowed {
-                via: Admission::Lease,
+                via: via @ (Admission::Lease | Admission::Local),
                 ..
             } => Decision::Allowed {
                 remaining: ks.quota_left(self.now_ns()),
-                via: Admission::Lease,
-            },
-            Decision::Allowed {
-                via: Admission::Local,
-                ..
-            } => Decision::Allowed {
-                remaining: ks.quota_left(self.now_ns()),
-                via: Admission::Local,
+                via,
             },
             d => d,
         }

@@ -19,6 +19,7 @@
 --       floor_burst, 0, 0, all 0 for no floor), then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
 --   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us, rate_milli
+--   lh_rate: held, want, demand
 --   Agents send every one of these as lh_call (at the end of this file), its numbers
 --   packed; the decimal functions are the same operations in a form tests and redis-cli
 --   can type.
@@ -179,6 +180,23 @@ local function refill(s, p, cap, dt)
   refill_at(s, p.n, p.per, cap, dt)
 end
 
+-- Level::refill_milli: at milli thousandths of a token per `per` µs (what rate leases
+-- leave of the rate), the carry still in 1/per units, rounded down.
+local function refill_milli(s, milli, per, cap, dt)
+  if s.tok >= cap then
+    s.tok, s.car = cap, 0
+    return
+  end
+  if milli == 0 then return end
+  local need = ((cap - s.tok) * per - s.car) * 1000
+  if dt >= ceil_div(need, milli) then
+    s.tok, s.car = cap, 0
+    return
+  end
+  local q, r = divmod(s.car * 1000 + milli * dt, per * 1000)
+  s.tok, s.car = s.tok + q, divmod(r, 1000)
+end
+
 -- Whether a region's bucket is within its term (brought up to date).
 local function in_term(s)
   return s.ts < s.ru
@@ -188,7 +206,12 @@ end
 -- from then it refills at its floor (state.rs, refill_to).
 local function refill_to(s, p, t)
   if not p.region then
-    refill(s, p, cap_of(p, s.out), math.max(t - s.ts, 0))
+    local cap, dt = cap_of(p, s.out), math.max(t - s.ts, 0)
+    if s.sh > 0 then
+      refill_milli(s, p.n * 1000 - s.sh, p.per, cap, dt)
+    else
+      refill(s, p, cap, dt)
+    end
     s.ts = math.max(s.ts, t)
     return
   end
@@ -221,6 +244,13 @@ local REGION_WAIT = 10000
 
 -- BucketState::wait_for: a denial's retry time.
 local function wait_for(s, p, k)
+  if not p.region and s.sh > 0 then
+    -- At the rate the leases leave; with none left, from the next record drop on.
+    if s.tok >= k then return 0 end
+    local milli = p.n * 1000 - s.sh
+    if milli == 0 then return math.max(s.nexp - s.ts, 0) + time_until(s, k, p) end
+    return ceil_div(((k - s.tok) * p.per - s.car) * 1000, milli)
+  end
   if not p.region then return time_until(s, k, p) end
   if s.tok >= k then return 0 end
   if p.fn and not in_term(s) and k <= p.fb then
@@ -283,7 +313,7 @@ end
 -- demand, split or term.
 local function level_state(tok, car, per, ts)
   return {tok = tok, car = car, p = per, ts = ts, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
-          dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, split = NO_SPLIT}
+          dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, sh = 0, split = NO_SPLIT}
 end
 
 local function fresh(p, now)
@@ -296,13 +326,16 @@ end
 -- named by the agent's id, each a string of little-endian unsigned 64-bit integers that
 -- struct reads and writes at a fraction of what decimal text costs (an acquire reads
 -- and writes two fields instead of 21 and 15). STATE: tok car p ts out nexp mx ds dx sg
--- ru rq rr, the split in force (parts salt until tokens outstanding drop; parts 0: none)
--- and the part's (pg pu). A record: held x seq demand credit, then the agent's last
--- reply (7 numbers, or 14 while a split is in force). wire.rs, bucket_fields, reads
+-- ru rq rr, the split in force (parts salt until tokens outstanding drop; parts 0: none),
+-- the part's (pg pu) and, while rate leases hold part of the rate, sh (their shares).
+-- A record: held x seq demand credit, q (its rate lease's share) when it has one, then the
+-- agent's last reply (7 numbers, or 14 while a split is in force). wire.rs, bucket_fields, reads
 -- both as the fields of leasehold_core::schema.
 local STATE = 'st'
 local STATE_FORMAT = '<' .. 'I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8'
 local STATE_LEN = 168
+local SHARED_FORMAT = STATE_FORMAT .. 'I8'
+local SHARED_LEN = 176
 -- The reply a record holds before any: none.
 local NO_REPLY = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
@@ -323,11 +356,20 @@ local function check_clock(key, ts, server_now)
 end
 
 local function state_of(key, v)
-  if #v ~= STATE_LEN then bad_bucket(key) end
   local tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
-    sout, drop, pg, pu = struct.unpack(STATE_FORMAT, v)
+    sout, drop, pg, pu, sh
+  if #v == STATE_LEN then
+    tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
+      sout, drop, pg, pu = struct.unpack(STATE_FORMAT, v)
+    sh = 0
+  elseif #v == SHARED_LEN then
+    tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
+      sout, drop, pg, pu, sh = struct.unpack(SHARED_FORMAT, v)
+  else
+    bad_bucket(key)
+  end
   local s = {tok = tok, car = car, p = per, ts = ts, out = out, nexp = nexp, mx = mx, ds = ds,
-    dx = dx, sg = sg, ru = ru, rq = rq, rr = rr, pg = pg, pu = pu, split = NO_SPLIT}
+    dx = dx, sg = sg, ru = ru, rq = rq, rr = rr, pg = pg, pu = pu, sh = sh, split = NO_SPLIT}
   if parts ~= 0 then
     s.split = {parts = parts, salt = salt, gen = sg, untl = untl, tok = stok, out = sout,
                drop = drop}
@@ -337,25 +379,39 @@ end
 
 local function pack_state(s)
   local sp = s.split
+  if s.sh > 0 then
+    return struct.pack(SHARED_FORMAT, s.tok, s.car, s.p, s.ts, s.out, s.nexp, s.mx, s.ds,
+      s.dx, s.sg, s.ru, s.rq, s.rr, sp.parts, sp.salt, sp.untl, sp.tok, sp.out, sp.drop, s.pg,
+      s.pu, s.sh)
+  end
   return struct.pack(STATE_FORMAT, s.tok, s.car, s.p, s.ts, s.out, s.nexp, s.mx, s.ds, s.dx,
     s.sg, s.ru, s.rq, s.rr, sp.parts, sp.salt, sp.untl, sp.tok, sp.out, sp.drop, s.pg, s.pu)
 end
 
 local function record_of(key, v)
   local n = #v / 8
-  if n ~= 12 and n ~= 19 then bad_bucket(key) end
+  if n ~= 12 and n ~= 19 and n ~= 13 and n ~= 20 then bad_bucket(key) end
   -- Into locals, the tables made whole at once (a table grown one field at a time is
   -- rehashed at every power of two).
   local held, x, seq, demand, credit, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13,
-    r14 = struct.unpack(format_of(n), v)
-  if n == 12 then r8, r9, r10, r11, r12, r13, r14 = 0, 0, 0, 0, 0, 0, 0 end
-  return {held = held, x = x, seq = seq, demand = demand, credit = credit,
+    r14, r15 = struct.unpack(format_of(n), v)
+  local q = 0
+  if n == 13 or n == 20 then
+    -- A rate lease's record: its share before the reply.
+    q, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14 =
+      r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15
+  end
+  if n == 12 or n == 13 then r8, r9, r10, r11, r12, r13, r14 = 0, 0, 0, 0, 0, 0, 0 end
+  return {held = held, x = x, seq = seq, demand = demand, credit = credit, q = q,
           reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14}}
 end
 
-local function pack_record(held, x, seq, demand, credit, reply)
+local function pack_record(held, x, seq, demand, credit, q, reply)
   local n = 14
   if reply[8] == 0 then n = 7 end
+  if q > 0 then
+    return struct.pack(format_of(6 + n), held, x, seq, demand, credit, q, unpack(reply, 1, n))
+  end
   return struct.pack(format_of(5 + n), held, x, seq, demand, credit, unpack(reply, 1, n))
 end
 
@@ -438,13 +494,14 @@ local function advance(key, s, p, now, rec)
     -- Demand of agents silent for DEMAND_TTL stops counting in the shares.
     local dx = 0
     for aid, r in pairs(recs) do
-      if r.demand > 0 and r.at + DEMAND_TTL <= now then
+      -- A rate lease's demand counts until its record drops.
+      if r.demand > 0 and r.q == 0 and r.at + DEMAND_TTL <= now then
         s.ds = s.ds - r.demand
         r.demand = 0
-        redis.call('HSET', key, aid, pack_record(r.held, r.x, r.seq, 0, r.credit, r.reply))
+        redis.call('HSET', key, aid, pack_record(r.held, r.x, r.seq, 0, r.credit, 0, r.reply))
         if rec and aid == p.id then rec.demand = 0 end
       end
-      if r.demand > 0 then
+      if r.demand > 0 and r.q == 0 then
         local t = r.at + DEMAND_TTL
         if dx == 0 then dx = t else dx = math.min(dx, t) end
       end
@@ -455,7 +512,7 @@ local function advance(key, s, p, now, rec)
     local expired, nexp, mx = {}, 0, 0
     for aid, r in pairs(recs) do
       if r.x <= now then
-        expired[#expired + 1] = {x = r.x, id = aid, h = r.held, d = r.demand}
+        expired[#expired + 1] = {x = r.x, id = aid, h = r.held, d = r.demand, q = r.q}
       else
         if nexp == 0 then nexp = r.x else nexp = math.min(nexp, r.x) end
         mx = math.max(mx, r.x)
@@ -469,6 +526,7 @@ local function advance(key, s, p, now, rec)
       refill_to(s, p, e.x)
       s.out = s.out - e.h
       s.ds = s.ds - e.d
+      s.sh = s.sh - e.q
       redis.call('HDEL', key, e.id)
       if e.id == p.id then rec = nil end
     end
@@ -488,7 +546,7 @@ local function finish(key, s, p, now, rec, reply)
     local x = rec.x
     if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
     s.mx = math.max(s.mx, x)
-    if rec.demand > 0 then
+    if rec.demand > 0 and rec.q == 0 then
       local t = now + DEMAND_TTL
       if s.dx == 0 then s.dx = t else s.dx = math.min(s.dx, t) end
     end
@@ -499,7 +557,7 @@ local function finish(key, s, p, now, rec, reply)
   end
   if rec then
     redis.call('HSET', key, STATE, pack_state(s), p.id,
-      pack_record(rec.held, rec.x, p.seq, rec.demand, rec.credit, reply))
+      pack_record(rec.held, rec.x, p.seq, rec.demand, rec.credit, rec.q, reply))
   else
     redis.call('HSET', key, STATE, pack_state(s))
   end
@@ -524,7 +582,7 @@ local function seed_part(key, s, p, now, rec)
     s.pg, s.pu = p.pgen, p.puntil
     if p.pout > 0 and p.pdrop > now then
       s.out, s.nexp, s.mx = p.pout, p.pdrop, p.pdrop
-      redis.call('HSET', key, RESERVATION, pack_record(p.pout, p.pdrop, 0, 0, 0, NO_REPLY))
+      redis.call('HSET', key, RESERVATION, pack_record(p.pout, p.pdrop, 0, 0, 0, 0, NO_REPLY))
     end
     s.tok = p.ptok
     clamp(s, p)
@@ -675,8 +733,77 @@ local function acquire(keys, p, held, want, min, demand)
     end
   end
   reply[1], reply[2], reply[6] = g, ttl, scale
+  -- A rate lease's share counts on until this record drops.
   return finish(key, s, p, now,
-    {held = held + g, x = now + ttl + p.grace, demand = demand, credit = credit}, reply)
+    {held = held + g, x = now + ttl + p.grace, demand = demand, credit = credit,
+     q = rec and rec.q or 0}, reply)
+end
+
+-- A bucket may be leased by rate (ops.rs, validate_rate): strict mode, not a region's
+-- bucket or a split's part, and B * per * 1000 within exact integers (refill_milli).
+local function rate_ok(p)
+  if p.maxout ~= 0 then fail('LH_ARG invalid argument max_outstanding = ' .. fmt(p.maxout)) end
+  if p.region then fail('LH_ARG invalid argument region = 1') end
+  if p.pgen ~= 0 then fail('LH_ARG invalid argument part_gen = ' .. fmt(p.pgen)) end
+  if p.cap * p.per * 1000 + p.n * 1000 > MAX then
+    fail('LH_ARG invalid argument capacity = ' .. fmt(p.cap))
+  end
+end
+
+-- Headroom over an agent's demand in its share while the bucket is not contended.
+local RATE_HEADROOM = 1.25
+
+-- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held), asks for a
+-- burst of want and a share of the rate sized by its demand, for the rule's lease term.
+-- Reply: granted = tokens taken from the level for the burst, ttl = the term, scale = the
+-- share (thousandths of a token per rate period), retry = 1 when other shares still hold
+-- part of the agent's part.
+local function rate(keys, p, held, want, demand)
+  rate_ok(p)
+  if held > p.cap then fail('LH_ARG invalid argument held = ' .. fmt(held)) end
+  if want > p.cap then fail('LH_ARG invalid argument want = ' .. fmt(want)) end
+  local key = the_key(keys, p)
+  local s, rec, now, replay = open(key, p)
+  if replay then return replay end
+  local moved = where(s, p, now)
+  -- A lost bucket restarts empty, as for an acquire.
+  if s.created and held > 0 then s.tok, s.car = 0, 0 end
+  s.out = s.out - (rec and rec.held or 0) + held
+  s.ds = s.ds - (rec and rec.demand or 0) + demand
+  s.sh = s.sh - (rec and rec.q or 0)
+  clamp(s, p)
+  local whole = p.n * 1000
+  local part = 0
+  if demand == 0 or moved then
+    part = 0
+  elseif s.ds <= p.n * 1e9 / p.per then
+    part = math.min(demand * p.per / 1e6 * RATE_HEADROOM, whole)
+  else
+    part = whole * demand / s.ds
+  end
+  part = math.floor(part)
+  local share = math.min(part, whole - s.sh)
+  local paid = 0
+  if not moved then paid = math.min(math.max(want - held, 0), s.tok) end
+  s.tok, s.out = s.tok - paid, s.out + paid
+  local burst = held + paid
+  if burst == 0 and share > 0 then
+    -- A share is spent from a local bucket of one token at least: one that starts empty,
+    -- while the bursts leave room under B.
+    if s.out < p.cap then
+      s.out = s.out + 1
+      clamp(s, p)
+      burst = 1
+    else
+      share = 0
+    end
+  end
+  s.sh = s.sh + share
+  local reply = new_reply(now, moved)
+  reply[1], reply[2], reply[6] = paid, p.ttl, share
+  if share < part then reply[4] = 1 end
+  return finish(key, s, p, now, {held = burst, x = now + p.ttl + p.grace, demand = demand,
+    credit = kept_credit(rec, p), q = share}, reply)
 end
 
 local function release(keys, p, returned)
@@ -689,12 +816,15 @@ local function release(keys, p, returned)
   local credit = math.min(returned, prior_held)
   s.out = s.out - prior_held
   s.ds = s.ds - (rec and rec.demand or 0)
+  -- A rate lease's share is given up with it.
+  s.sh = s.sh - (rec and rec.q or 0)
   s.tok = s.tok + credit
   clamp(s, p)
   local reply = new_reply(now, moved)
   reply[1] = credit
   local credit = kept_credit(rec, p)
-  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0, credit = credit}, reply)
+  return finish(key, s, p, now, {held = 0, x = now + p.grace, demand = 0, credit = credit, q = 0},
+    reply)
 end
 
 -- The record of an operation that leaves the agent's holding and demand as they were.
@@ -702,7 +832,8 @@ local function kept(rec, p, now)
   local x = now + p.grace
   if rec and rec.x > x then x = rec.x end
   local credit = kept_credit(rec, p)
-  return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit}
+  return {held = rec and rec.held or 0, x = x, demand = rec and rec.demand or 0, credit = credit,
+          q = rec and rec.q or 0}
 end
 
 -- cost 0 is a read: the level (remaining) and nothing taken, as a check-only request asks.
@@ -738,7 +869,8 @@ local function split(keys, p, parts, salt, untl)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)
-  if s.split.parts == 0 and untl > now then
+  -- A bucket leased by rate is not split: its agents call once a term.
+  if s.split.parts == 0 and untl > now and s.sh == 0 then
     -- Start: the parent's tokens go to the parts, its refill stops.
     local gen = math.max(now, s.sg + 1)
     s.split = {parts = parts, salt = salt, gen = gen, untl = untl, tok = s.tok, out = s.out,
@@ -827,7 +959,13 @@ local function exact_full(key, p, cost, first, count, server_now, s, rt, out)
   for i = 1, count do
     local c = cost[first + i - 1]
     local retry = 0
-    if s.tok >= c then s.tok = s.tok - c else retry = time_until(s, c, p) end
+    if s.tok >= c then
+      s.tok = s.tok - c
+    elseif s.sh > 0 then
+      retry = wait_for(s, p, c)
+    else
+      retry = time_until(s, c, p)
+    end
     rt[i] = retry
   end
   redis.call('HSET', key, STATE, pack_state(s))
@@ -1087,6 +1225,7 @@ local OPS = {
   {exact, {{'cost', MAX}}},
   {split, {{'parts', MAX}, {'salt', MAX}, {'until', MAX}}},
   {deposit, {{'tokens', MAX_HELD}, {'until', MAX}, {'rate_milli', MAX_HELD}}},
+  {rate, {{'held', MAX_HELD}, {'want', MAX}, {'demand', MAX_HELD}}},
 }
 
 -- Refuses any of v[o + 1 ..] above its bound in bounds ({name, bound} each, in order).
@@ -1099,7 +1238,7 @@ end
 
 -- lh_call: any of the operations above, its numbers packed (what agents send). ARGV: the
 -- agent, then one string of little-endian unsigned 64-bit integers: the operation (1
--- acquire, 2 release, 3 exact, 4 split, 5 deposit), the common arguments but the agent
+-- acquire, 2 release, 3 exact, 4 split, 5 deposit, 6 rate), the common arguments but the agent
 -- (capacity .. part_drop), then the operation's own. Reply: the reply's integers, packed
 -- the same way. Lua spends about as long on each decimal argument it checks and each
 -- integer of an array reply as on the rest of an acquire's arithmetic.
@@ -1248,5 +1387,6 @@ redis.register_function('lh_release', decimal(2))
 redis.register_function('lh_exact', decimal(3))
 redis.register_function('lh_split', decimal(4))
 redis.register_function('lh_deposit', decimal(5))
+redis.register_function('lh_rate', decimal(6))
 redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
   flags = {'allow-cross-slot-keys'}}

@@ -222,7 +222,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 let on_part = part.is_some();
                 let p = part.unwrap_or(parent);
                 seqs[i] += 1;
-                let op = agent_op(rng, p.capacity, (!on_part).then_some(last_now));
+                let op = agent_op(rng, &p, on_part, (!on_part).then_some(last_now));
                 (
                     Request {
                         agent: agents[i],
@@ -252,7 +252,10 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 if matches!(req.op, Op::Split { .. }) {
                     splits += 1;
                 } else if reply.granted == 0
-                    && !matches!(req.op, Op::Release { .. } | Op::Exact { cost: 0 })
+                    && !matches!(
+                        req.op,
+                        Op::Release { .. } | Op::Exact { cost: 0 } | Op::Rate { .. }
+                    )
                 {
                     denials += 1;
                     assert!(reply.retry_us > 0, "denial without retry time {ctx}");
@@ -462,6 +465,13 @@ fn differential_lua_matches_model() {
             max_pause_ms: 1100,
         },
         Case {
+            // Rate leases beside token leases and exact decisions: shares and bursts,
+            // their records dropping over pauses past the term.
+            name: "rate-leases",
+            params: vec![params(60, "200/s", "150ms", "30ms", None)],
+            max_pause_ms: 250,
+        },
+        Case {
             name: "rule-changes",
             params: vec![
                 params(30, "10/s", "80ms", "20ms", None),
@@ -478,10 +488,20 @@ fn differential_lua_matches_model() {
     });
 }
 
-/// A random operation of an agent on a bucket of capacity `cap`; a split (the
-/// coordinator's) only when `split_from` gives the time its term is counted from.
-fn agent_op(rng: &mut StdRng, cap: u64, split_from: Option<u64>) -> Op {
-    match rng.random_range(0..10) {
+/// A random operation of an agent on a bucket of parameters `p`; a split (the
+/// coordinator's) only when `split_from` gives the time its term is counted from; a rate
+/// lease where one may be (strict mode, not on a part).
+fn agent_op(rng: &mut StdRng, p: &BucketParams, on_part: bool, split_from: Option<u64>) -> Op {
+    let cap = p.capacity;
+    let by_rate =
+        !on_part && p.region.is_none() && matches!(p.mode, leasehold_core::rule::Mode::Strict);
+    match rng.random_range(0..12) {
+        10.. if by_rate => Op::Rate {
+            held: rng.random_range(0..=cap / 2),
+            want: rng.random_range(0..=cap),
+            // Up to about twice the rate, in thousandths of a token per second.
+            demand: rng.random_range(0..=2 * p.rate.tokens() * 1_000_000_000 / p.rate.period_us()),
+        },
         0..5 => {
             let want = rng.random_range(1..=cap);
             Op::Acquire {
@@ -666,7 +686,7 @@ fn differential_region_bucket_matches_model() {
                     prev
                 } else {
                     seqs[i] += 1;
-                    let op = agent_op(&mut rng, cap, None);
+                    let op = agent_op(&mut rng, &p, false, None);
                     let req = Request { agent: agents[i], seq: seqs[i], op };
                     last[i] = Some((req, p));
                     req
@@ -1194,7 +1214,7 @@ fn lh_call_refuses_bad_calls_and_writes_nothing() {
     // agent, and numbers that are not whole 8-byte integers; each with its refusal.
     let ops: &[(u64, &[u64], &str)] = &[
         (0, &[1], "operation = 0"),
-        (6, &[1], "operation = 6"),
+        (7, &[1], "operation = 7"),
         (3, &[], "numbers: 13 integers, 14"),
         (3, &[1, 1], "numbers: 15 integers, 14"),
         (1, &[1 << 41, 5, 1, 0], "held"),

@@ -61,6 +61,45 @@ impl Level {
         need.div_ceil(rate.tokens())
     }
 
+    /// The level after `dt_us` of refill at `milli` thousandths of a token per `period_us`
+    /// (a bucket whose rate is partly leased out: [`crate::model`]'s rate leases), never
+    /// above `cap`; the carry stays in `1 / period_us` units, rounded down (less than a
+    /// thousandth of a unit per refill: never more than the rate brings). Exact while
+    /// `cap * period_us * 1000` stays below [`crate::MAX_EXACT`], which a rule with rate
+    /// leases is validated to keep.
+    #[must_use]
+    pub fn refill_milli(self, cap: u64, milli: u64, period_us: u64, dt_us: u64) -> Self {
+        if self.tokens >= cap {
+            return Self::full(cap);
+        }
+        if milli == 0 {
+            return self;
+        }
+        let need = ((cap - self.tokens) * period_us - self.carry) * 1000;
+        if dt_us >= need.div_ceil(milli) {
+            return Self::full(cap);
+        }
+        let unit = period_us * 1000;
+        let units = self.carry * 1000 + milli * dt_us;
+        Self {
+            tokens: self.tokens + units / unit,
+            carry: units % unit / 1000,
+        }
+    }
+
+    /// [`Level::time_until`] at `milli` thousandths of a token per `period_us` (at least
+    /// one); `None` at no refill.
+    pub fn time_until_milli(self, k: u64, milli: u64, period_us: u64) -> Option<u64> {
+        if self.tokens >= k {
+            return Some(0);
+        }
+        if milli == 0 {
+            return None;
+        }
+        let need = ((k - self.tokens) * period_us - self.carry) * 1000;
+        Some(need.div_ceil(milli))
+    }
+
     /// Removes `k <= tokens` whole tokens.
     #[must_use]
     pub fn take(self, k: u64) -> Self {

@@ -1,54 +1,51 @@
 //! Rate leases: an agent is granted a share of a bucket's *rate*, and a burst, for a term,
-//! and spends them locally (a GCRA per key); it calls the store once a term whatever its
-//! demand, instead of once per batch of tokens. This is the model both sides follow (the
-//! function library's twin comes with the agent's use of it).
+//! and spends them locally (a token bucket per key); it calls the store once a term, or
+//! when its demand changes, whatever its volume, instead of once per batch of tokens.
+//! The store's side is [`crate::model`]'s `Op::Rate` (the Lua's twin); this module is the
+//! agent's: its local bucket ([`LocalRate`]) and when it calls ([`RatePolicy`]).
 //!
-//! **The bound.** The bucket refills at `r × (1 − S)`, where `S` is the sum of the live
-//! leases' shares (parts per million of `r`, so `S ≤ 1` holds exactly), up to `B − Σ b_i`,
-//! the live leases' bursts counting as outstanding (as a strict bucket counts leased
-//! tokens: I1). A grant's burst is taken from the level; the agent's local bucket holds at
-//! most its burst and refills at its share. So the tokens that exist — the level plus every
-//! local bucket — never exceed `B`, and flow in at `r` at most (`r(1 − S)` to the level,
-//! `q_i` to each local bucket): in any window `W` at most `B + r·W` are admitted, by the
-//! rate leases and by everything else the level serves (exact decisions, token leases)
-//! together. A share counts in `S` until its record's expiry, which
-//! the agent's own deadline precedes (as I4: the deadline is measured from the moment the
-//! request was sent, minus a margin); a share given up early is released at once, its
-//! burst is not given back (the agent may have spent it). The agent spends its share a
-//! little slower than granted ([`RATE_MARGIN_PPM`]) so that its clock running fast by as
-//! much cannot make it spend more than `q_i` by the store's clock.
+//! **The bound (I1 for rate leases).** The bucket refills at `r − S`, `S` the sum of the
+//! live leases' shares (thousandths of a token per rate period, so `S ≤ r` holds
+//! exactly), up to `B` minus what is outstanding, each lease's burst counting as
+//! outstanding (as leased tokens do). A burst grows only by tokens taken from the level;
+//! the agent's local bucket holds at most its burst and refills at its share. So the tokens
+//! that exist — the level plus every local bucket — never exceed `B`, and flow in at `r`
+//! at most (`r − S` to the level, `q_i` to each local bucket): in any window `W` at most
+//! `B + r·W` are admitted, by the rate leases and by everything else the level serves
+//! (exact decisions, token leases) together. A share counts in `S` until its record drops
+//! (the term and a grace after the grant), which the agent's own deadline precedes (as
+//! I4: measured from the moment the request was sent, less a margin); a share given up
+//! early (a release) is dropped at once, what the local bucket held coming back. The agent
+//! spends its share a little slower than granted ([`RATE_MARGIN_PPM`]) so that its clock
+//! running fast by as much cannot make it spend more than `q_i` by the store's clock.
 //!
 //! A local bucket holds at most its burst, so a share comes with a burst of one token at
-//! least: when the level is empty, a bucket of capacity 1 that starts empty and fills
-//! from the share (the level's cap falls by it). The live bursts never exceed `B`: at most
-//! `B` agents hold a share of one key at once.
+//! least: when the level is empty, a bucket of capacity 1 that starts empty and fills from
+//! the share (the level's cap falls by it). The bursts never exceed `B`: at most `B`
+//! agents hold a share of one key at once.
 //!
-//! **Shares.** Every record keeps the agent's demand. A grant is the agent's demand with
-//! headroom while the live demands fit in `r`; under contention, the agent's proportional
-//! part of `r`; never more than what the other live shares leave. An agent whose demand
-//! grows gets its part within one term: every other agent renews within a term, to its
-//! own part of the new total.
+//! **Shares.** Every record keeps the agent's demand (a rate lease's counts until its
+//! record drops). A grant is the agent's demand with a quarter of headroom while the live
+//! demands fit in `r`; under contention, the agent's proportional part of `r`; never more
+//! than the other live shares leave (the reply says so, and the agent asks again a window
+//! later). An agent whose demand grows gets its part within one term: every other agent
+//! renews within a term, to its own part of the new total.
 
-use std::collections::BTreeMap;
-
-use crate::model::AgentId;
+use crate::model::Reply;
 use crate::rule::BucketParams;
 
-/// Parts per million: shares are counted in these, of the bucket's rate.
+/// Parts per million.
 pub const PPM: u64 = 1_000_000;
 
 /// The rate an agent spends below its share, parts per million: covers its clock running
 /// faster than the store's by up to this much.
 pub const RATE_MARGIN_PPM: u64 = 1_000;
 
-/// Headroom over an agent's measured demand, when the bucket is not contended (percent).
-const HEADROOM_PERCENT: u64 = 25;
-
-/// What the store grants for a term.
+/// What the store granted for a term: the reply to `Op::Rate`, read as what it carries.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RateGrant {
-    /// The agent's share of the bucket's rate, parts per million.
-    pub share_ppm: u64,
+    /// The agent's share of the bucket's rate, thousandths of a token per rate period.
+    pub share: u64,
     /// Tokens the agent's local bucket may hold: what it may spend at once.
     pub burst: u64,
     /// Tokens of it this grant took from the level, which the agent adds to its local
@@ -61,207 +58,28 @@ pub struct RateGrant {
     pub limited: bool,
 }
 
-#[derive(Clone, Debug)]
-struct Record {
-    share_ppm: u64,
-    burst: u64,
-    /// Demand, thousandths of a token per second.
-    demand_milli: u64,
-    expires_us: u64,
-    seq: u64,
-    reply: RateGrant,
-}
-
-/// The bucket's side of rate leases: its level (exact: in units of
-/// `1 / (period_us × PPM)` tokens), the committed shares and each agent's record.
-#[derive(Clone, Debug)]
-pub struct RateBucket {
-    units: i128,
-    ts_us: u64,
-    committed_ppm: u64,
-    /// The live leases' bursts: the level refills to `B` minus these.
-    bursts: u64,
-    records: BTreeMap<AgentId, Record>,
-}
-
-impl RateBucket {
-    /// A full bucket at `now_us`.
-    pub fn new(p: &BucketParams, now_us: u64) -> Self {
+impl RateGrant {
+    /// The grant a reply to a rate lease carries, for a request that declared `held`.
+    pub fn of(reply: &Reply, held: u64) -> Self {
+        let share = if reply.moved { 0 } else { reply.scale_ppm };
+        let paid = reply.granted;
         Self {
-            units: i128::from(p.capacity) * denominator(p),
-            ts_us: now_us,
-            committed_ppm: 0,
-            bursts: 0,
-            records: BTreeMap::new(),
-        }
-    }
-
-    /// Whole tokens in the level.
-    pub fn level(&self, p: &BucketParams) -> u64 {
-        u64::try_from(self.units / denominator(p)).unwrap_or(0)
-    }
-
-    /// The sum of the live shares, parts per million.
-    pub fn committed_ppm(&self) -> u64 {
-        self.committed_ppm
-    }
-
-    /// Refills to `now_us` at the rate the live shares leave, dropping each record as its
-    /// expiry passes (the refill before it at the shares then in force).
-    fn advance(&mut self, p: &BucketParams, now_us: u64) {
-        let now = now_us.max(self.ts_us);
-        loop {
-            let next = self
-                .records
-                .values()
-                .filter(|r| r.expires_us <= now)
-                .map(|r| r.expires_us)
-                .min();
-            let until = next.unwrap_or(now).max(self.ts_us);
-            self.refill(p, until);
-            let Some(at) = next else { break };
-            let gone: Vec<AgentId> = (self.records.iter())
-                .filter(|(_, r)| r.expires_us <= at)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in gone {
-                self.drop_record(id);
-            }
-        }
-    }
-
-    fn drop_record(&mut self, id: AgentId) {
-        if let Some(r) = self.records.remove(&id) {
-            self.committed_ppm -= r.share_ppm;
-            self.bursts -= r.burst;
-        }
-    }
-
-    fn refill(&mut self, p: &BucketParams, until_us: u64) {
-        let dt = i128::from(until_us - self.ts_us);
-        let free = i128::from(PPM - self.committed_ppm);
-        // Below 0 while the live bursts exceed B (bursts granted on credit).
-        let cap = (i128::from(p.capacity) - i128::from(self.bursts)) * denominator(p);
-        let refilled = self.units + i128::from(p.rate.tokens()) * free * dt;
-        // A level above the cap (bursts granted from it) only falls to it.
-        self.units = if self.units >= cap {
-            self.units
-        } else {
-            refilled.min(cap)
-        };
-        self.ts_us = until_us;
-    }
-
-    /// Takes `cost` tokens from the level (an exact decision beside the rate leases).
-    pub fn take(&mut self, p: &BucketParams, now_us: u64, cost: u64) -> bool {
-        self.advance(p, now_us);
-        let need = i128::from(cost) * denominator(p);
-        if self.units < need {
-            return false;
-        }
-        self.units -= need;
-        true
-    }
-
-    /// A rate lease for `agent` (new, or a renewal), request `seq`: its measured demand
-    /// (thousandths of a token per second), the burst it wants and the term. A retry of the
-    /// last `seq` replays its grant and changes nothing (I2).
-    #[allow(clippy::too_many_arguments)] // one call per term, all of it needed
-    pub fn lease(
-        &mut self,
-        p: &BucketParams,
-        now_us: u64,
-        agent: AgentId,
-        seq: u64,
-        demand_milli: u64,
-        want_burst: u64,
-        term_us: u64,
-    ) -> RateGrant {
-        self.advance(p, now_us);
-        let now = now_us.max(self.ts_us);
-        if let Some(r) = self.records.get(&agent)
-            && r.seq == seq
-        {
-            // A replay: what is left of the term, so the agent's deadline, measured from
-            // this retry, still falls before the record's expiry.
-            return RateGrant {
-                ttl_us: r.expires_us.saturating_sub(now),
-                ..r.reply
-            };
-        }
-        let own = self.records.get(&agent);
-        let (own_ppm, own_burst) = own.map_or((0, 0), |r| (r.share_ppm, r.burst));
-        let others_demand: u64 = (self.records.iter())
-            .filter(|(id, _)| **id != agent)
-            .map(|(_, r)| r.demand_milli)
-            .sum();
-        let rate_milli =
-            u128::from(p.rate.tokens()) * 1_000_000_000 / u128::from(p.rate.period_us().max(1));
-        let total = u128::from(others_demand) + u128::from(demand_milli);
-        let wanted = u128::from(demand_milli) * u128::from(100 + HEADROOM_PERCENT) / 100;
-        let ppm_of =
-            |milli: u128| (milli * u128::from(PPM) / rate_milli.max(1)).min(u128::from(PPM));
-        let share = if total <= rate_milli {
-            ppm_of(wanted)
-        } else {
-            // Contended: the agent's proportional part of the rate.
-            u128::from(demand_milli) * u128::from(PPM) / total.max(1)
-        } as u64;
-        let available = PPM - (self.committed_ppm - own_ppm);
-        let share_ppm = share.min(available);
-        let limited = share_ppm < share;
-        // The burst: what it holds stays; more comes out of the level if it is there. A
-        // share needs a local bucket of one token at least to be spent at all: with the
-        // level empty, one of capacity 1 that starts empty and fills from the share, while
-        // the live bursts leave room under B (the level's cap falls by it).
-        let want_burst = want_burst.min(p.capacity);
-        let paid = want_burst.saturating_sub(own_burst).min(self.level(p));
-        self.units -= i128::from(paid) * denominator(p);
-        let mut burst = own_burst + paid;
-        if burst == 0 && share_ppm > 0 && want_burst > 0 && self.bursts < p.capacity {
-            burst = 1;
-            let cap = (i128::from(p.capacity) - i128::from(self.bursts + 1)) * denominator(p);
-            self.units = self.units.min(cap);
-        }
-        let reply = RateGrant {
-            share_ppm,
-            burst,
-            paid,
-            ttl_us: term_us,
-            limited,
-        };
-        self.committed_ppm = self.committed_ppm - own_ppm + share_ppm;
-        self.bursts = self.bursts - own_burst + burst;
-        self.records.insert(
-            agent,
-            Record {
-                share_ppm,
-                burst,
-                demand_milli,
-                expires_us: now + term_us,
-                seq,
-                reply,
+            share,
+            burst: if held + paid == 0 && share > 0 {
+                1
+            } else {
+                held + paid
             },
-        );
-        reply
+            paid,
+            ttl_us: reply.ttl_us,
+            limited: reply.retry_us != 0,
+        }
     }
-
-    /// `agent` gives its lease up (it went idle, and stopped spending it before asking):
-    /// its share and its burst count no more from now.
-    pub fn release(&mut self, p: &BucketParams, now_us: u64, agent: AgentId) {
-        self.advance(p, now_us);
-        self.drop_record(agent);
-    }
-}
-
-/// Units of the level per token: the refill adds `tokens × free_ppm × dt_us` of them.
-fn denominator(p: &BucketParams) -> i128 {
-    i128::from(p.rate.period_us().max(1)) * i128::from(PPM)
 }
 
 /// An agent's side: a local bucket of its burst, refilled at its share (a little below:
 /// [`RATE_MARGIN_PPM`]), spent until its deadline (agent clock, ns). Exact: the level is
-/// counted in `1 / (period_us × 1000 × PPM)` tokens.
+/// counted in `1 / (period_us × 10^6 × PPM)` tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LocalRate {
     units: u128,
@@ -272,36 +90,81 @@ pub struct LocalRate {
     unit: u128,
     burst: u64,
     deadline_ns: u64,
+    /// The share refills the bucket: not while a call is in flight (the store may be
+    /// lowering it), nor past the deadline.
+    accrue: bool,
 }
 
 impl LocalRate {
-    /// Installs `g`, the reply to a request sent at `sent_ns` (agent clock), for a bucket
-    /// of rate `p.rate`; `margin_ns` is taken off the term. What the local bucket holds
-    /// carries over a renewal, plus what the store took from the level for it.
-    pub fn grant(&mut self, p: &BucketParams, g: &RateGrant, sent_ns: u64, margin_ns: u64) {
-        let now = sent_ns.max(self.at_ns);
-        self.settle(now);
-        let unit = u128::from(p.rate.period_us().max(1)) * 1_000 * u128::from(PPM);
-        let effective =
-            u128::from(g.share_ppm) * u128::from(PPM - RATE_MARGIN_PPM) / u128::from(PPM);
+    /// Before a call at `now_ns` that asks for a burst of `want`: the burst to declare
+    /// (`held`). A burst larger than `want` shrinks to it (what it held above is dropped).
+    /// Until the reply, the share refills nothing: the store may lower it as it receives
+    /// the call, and the agent learns the new one only with the reply.
+    pub fn renewing(&mut self, now_ns: u64, want: u64) -> u64 {
+        self.settle(now_ns);
+        self.accrue = false;
+        self.burst = self.burst.min(want);
+        self.units = self.units.min(u128::from(self.burst) * self.unit);
+        self.burst
+    }
+
+    /// Installs `g`, the reply (received at `now_ns`, agent clock) to a request sent at
+    /// `sent_ns`, for a bucket of rate `p.rate`: the share refills from now, the term runs
+    /// from `sent_ns`, less `margin_ns`. What the local bucket holds carries over a
+    /// renewal, plus what the store took from the level for it.
+    pub fn grant(
+        &mut self,
+        p: &BucketParams,
+        g: &RateGrant,
+        sent_ns: u64,
+        now_ns: u64,
+        margin_ns: u64,
+    ) {
+        self.settle(now_ns);
+        self.accrue = true;
+        let unit = u128::from(p.rate.period_us().max(1)) * 1_000_000 * u128::from(PPM);
+        // Rescaled when the rule's rate changed: what is held stays in tokens.
+        if self.unit != 0 && self.unit != unit {
+            self.units = self.units / self.unit * unit;
+        }
         self.unit = unit;
-        self.per_ns = u128::from(p.rate.tokens()) * effective;
+        self.per_ns = u128::from(g.share) * u128::from(PPM - RATE_MARGIN_PPM);
         self.units = (self.units + u128::from(g.paid) * unit).min(u128::from(g.burst) * unit);
         self.burst = g.burst;
         self.deadline_ns = sent_ns + (g.ttl_us * 1_000).saturating_sub(margin_ns);
     }
 
-    /// Stops spending (before giving the lease up, or when the store refused it).
-    pub fn stop(&mut self) {
+    /// Stops spending (before giving the lease up, or when the store refused it); returns
+    /// the whole tokens it held, which a release gives back.
+    pub fn stop(&mut self, now_ns: u64) -> u64 {
+        self.settle(now_ns);
         self.deadline_ns = 0;
+        let whole = self.units.checked_div(self.unit).unwrap_or(0);
+        self.units = 0;
+        self.burst = 0;
+        u64::try_from(whole).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the grant still runs at `now_ns`.
+    pub fn running(&self, now_ns: u64) -> bool {
+        now_ns < self.deadline_ns
+    }
+
+    /// The burst: the local bucket's capacity.
+    pub fn burst(&self) -> u64 {
+        self.burst
     }
 
     fn settle(&mut self, now_ns: u64) {
-        if now_ns > self.at_ns {
-            let dt = u128::from(now_ns - self.at_ns);
-            self.units = (self.units + self.per_ns * dt).min(u128::from(self.burst) * self.unit);
-            self.at_ns = now_ns;
+        if now_ns <= self.at_ns {
+            return;
         }
+        let until = now_ns.min(self.deadline_ns);
+        if self.accrue && until > self.at_ns {
+            let dt = u128::from(until - self.at_ns);
+            self.units = (self.units + self.per_ns * dt).min(u128::from(self.burst) * self.unit);
+        }
+        self.at_ns = now_ns;
     }
 
     /// Spends `cost` at `now_ns` if the grant covers it.
@@ -406,7 +269,7 @@ mod tests {
         assert!(p.due(1_095 * MS), "never called");
         assert_eq!(p.calling(1_095 * MS), 1_000_000);
         let g = RateGrant {
-            share_ppm: 50_000,
+            share: 1_000_000,
             burst: 10,
             paid: 10,
             ttl_us: 4_000_000,

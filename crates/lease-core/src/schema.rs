@@ -38,6 +38,10 @@ pub const DEPOSIT_SEQ: &str = "rq";
 /// On a region's bucket: the rate the region gets (milli-tokens/s), by its last deposit.
 pub const REGION_RATE: &str = "rr";
 
+/// The rate leases' shares, thousandths of a token per rate period (absent when none): the
+/// bucket refills at the rest of its rate.
+pub const SHARED: &str = "sh";
+
 /// Per agent (`ID` = 16 hex digits), what it holds from this bucket.
 pub const AGENT_HELD: &str = ":h";
 /// Per agent: when its record drops (lease expiry plus grace).
@@ -51,6 +55,10 @@ pub const AGENT_REPLY: &str = ":r";
 pub const AGENT_DEMAND: &str = ":d";
 /// Per agent: the lease credit it has earned at its share (thousandths of a token).
 pub const AGENT_CREDIT: &str = ":c";
+
+/// Per agent: its rate lease's share (thousandths of a token per rate period; absent when
+/// it has none); its held is then its burst.
+pub const AGENT_SHARE: &str = ":q";
 
 /// Every field, with its meaning: `(name, meaning)`; per-agent fields are written
 /// `ID:h` and so on.
@@ -88,7 +96,11 @@ pub const FIELDS: &[(&str, &str)] = &[
         REGION_RATE,
         "on a region's bucket: the rate it gets (milli-tokens/s)",
     ),
-    (AGENT_HELD, "per agent: tokens it holds"),
+    (SHARED, "rate leases' shares (milli-tokens per rate period)"),
+    (
+        AGENT_HELD,
+        "per agent: tokens it holds (a rate lease: its burst)",
+    ),
     (AGENT_DROP, "per agent: when its record drops"),
     (AGENT_SEQ, "per agent: sequence number of its last request"),
     (AGENT_REPLY, "per agent: the reply to it (for replays)"),
@@ -96,6 +108,10 @@ pub const FIELDS: &[(&str, &str)] = &[
     (
         AGENT_CREDIT,
         "per agent: lease credit earned at its share (milli-tokens)",
+    ),
+    (
+        AGENT_SHARE,
+        "per agent: its rate lease's share (milli-tokens per rate period)",
     ),
 ];
 

@@ -1,16 +1,86 @@
-//! Rate leases on a virtual clock: agents that spend every token their grant allows, as
-//! fast as it allows (the worst case for the bound), renewing every half term through a
-//! store that answers a round trip later; replies lost (the retry replays), agents
+//! Rate leases on a virtual clock, against the store's model (`Op::Rate` on a
+//! `GlobalBucket`, the function library's twin): agents that spend every token their
+//! grant allows, as fast as it allows (the worst case for the bound), renewing every half
+//! term through a store that answers a round trip later; replies lost (the retry replays), agents
 //! crashing (their records expire), agents' clocks offset and running fast or slow; and a
 //! taker of the bucket's level beside them, taking whatever is there every step. Every
 //! window of every length must stay within `B + r·W`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use leasehold_core::model::AgentId;
-use leasehold_core::rate_lease::{LocalRate, RateBucket, RateGrant, RatePolicy};
+use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
+use leasehold_core::rate_lease::{LocalRate, RateGrant, RatePolicy};
 use leasehold_core::rule::{BucketParams, Rule};
 
 const T0_US: u64 = 1_700_000_000_000_000;
+
+/// A rule of `capacity` and `rate` whose leases run `term_us`, records dropping a tenth of
+/// a term later.
+fn params(capacity: u64, rate: &str, term_us: u64) -> (Rule, BucketParams) {
+    let rule = Rule::new("rl", capacity, rate).unwrap();
+    let mut p = rule.bucket_params();
+    p.lease_ttl_us = term_us;
+    p.grace_us = term_us / 10;
+    (rule, p)
+}
+
+/// The store's bucket and a taker of its level beside the agents.
+struct Store {
+    bucket: GlobalBucket,
+    taker_seq: u64,
+}
+
+impl Store {
+    fn new() -> Self {
+        Self {
+            bucket: GlobalBucket::new(),
+            taker_seq: 0,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn lease(
+        &mut self,
+        p: &BucketParams,
+        now: u64,
+        agent: AgentId,
+        seq: u64,
+        held: u64,
+        want: u64,
+        demand: u64,
+    ) -> Reply {
+        let op = Op::Rate { held, want, demand };
+        let req = Request { agent, seq, op };
+        self.bucket.apply(p, now, &req).unwrap()
+    }
+
+    fn release(&mut self, p: &BucketParams, now: u64, agent: AgentId, seq: u64, returned: u64) {
+        let req = Request {
+            agent,
+            seq,
+            op: Op::Release { returned },
+        };
+        self.bucket.apply(p, now, &req).unwrap();
+    }
+
+    fn level(&self, p: &BucketParams, now: u64) -> u64 {
+        self.bucket.view_at(p, now).level.tokens
+    }
+
+    fn shared(&self, p: &BucketParams, now: u64) -> u64 {
+        self.bucket.view_at(p, now).shared
+    }
+
+    /// Takes `cost` from the level, as an exact decision does.
+    fn take(&mut self, p: &BucketParams, now: u64, cost: u64) -> bool {
+        self.taker_seq += 1;
+        let req = Request {
+            agent: AgentId(u64::MAX),
+            seq: self.taker_seq,
+            op: Op::Exact { cost },
+        };
+        self.bucket.apply(p, now, &req).unwrap().granted == cost
+    }
+}
 
 /// A small deterministic generator (xorshift64*).
 struct Rng(u64);
@@ -35,9 +105,11 @@ struct Agent {
     offset_ns: i64,
     ppm: i64,
     next_call_us: u64,
-    /// A request in flight: sent at (agent ns), its grant, due at (store µs); `None`
-    /// grant: the reply is lost.
-    inflight: Option<(u64, Option<RateGrant>, u64)>,
+    /// A request in flight: sent at (agent ns), the burst it declared, its reply, due at
+    /// (store µs); `None` reply: it is lost.
+    inflight: Option<(u64, u64, Option<Reply>, u64)>,
+    /// The burst the last request declared (a retry declares it again).
+    held: u64,
     /// Down until then (store µs): a crashed process; it comes back with a new id.
     down_until_us: u64,
     /// The last request's reply was lost: the next call sends it again.
@@ -75,10 +147,9 @@ struct Setup {
 /// Runs `s`; returns the largest excess of any window over `B + r·W` (tokens; ≤ 0 keeps
 /// the bound), the utilisation of `r` over the run, and how many tokens the taker got.
 fn run(s: &Setup) -> (f64, f64, u64) {
-    let rule = Rule::new("rl", s.capacity, s.rate).unwrap();
-    let p: BucketParams = rule.bucket_params();
+    let (rule, p) = params(s.capacity, s.rate, s.term_us);
     let mut rng = Rng(s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let mut bucket = RateBucket::new(&p, T0_US);
+    let mut store = Store::new();
     let rate_per_sec = rule.rate().per_sec_f64();
     let mut restarts = 0u64;
     let mut agents: Vec<Agent> = (0..s.agents)
@@ -90,6 +161,7 @@ fn run(s: &Setup) -> (f64, f64, u64) {
             ppm: (rng.next() % 1_001) as i64 - 500,
             next_call_us: rng.next() % s.term_us.max(1),
             inflight: None,
+            held: 0,
             down_until_us: 0,
             retry: false,
             // Reported demand: together about twice the rate (contended: the shares sum to
@@ -123,16 +195,20 @@ fn run(s: &Setup) -> (f64, f64, u64) {
                 a.local = LocalRate::default();
                 a.seq = 0;
                 a.inflight = None;
+                a.held = 0;
                 a.down_until_us = 0;
                 a.retry = false;
             }
             // A reply due now.
-            if let Some((sent_ns, grant, due)) = a.inflight
+            if let Some((sent_ns, held, reply, due)) = a.inflight
                 && due <= t
             {
                 a.inflight = None;
-                match grant {
-                    Some(g) => a.local.grant(&p, &g, sent_ns, margin_ns),
+                match reply {
+                    Some(r) => {
+                        let g = RateGrant::of(&r, held);
+                        a.local.grant(&p, &g, sent_ns, a.clock_ns(t), margin_ns);
+                    }
                     // Lost: the next call retries the same request.
                     None => {
                         a.next_call_us = t;
@@ -142,21 +218,24 @@ fn run(s: &Setup) -> (f64, f64, u64) {
             }
             // A call due now: the store applies it half a round trip after it is sent.
             if a.inflight.is_none() && a.next_call_us <= t {
+                let sent_ns = a.clock_ns(t);
                 if !std::mem::take(&mut a.retry) {
                     a.seq += 1;
+                    a.held = a.local.renewing(sent_ns, a.want_burst);
+                } else {
+                    a.local.renewing(sent_ns, a.held);
                 }
-                let sent_ns = a.clock_ns(t);
-                let g = bucket.lease(
+                let r = store.lease(
                     &p,
                     now + s.rtt_us / 2,
                     a.id,
                     a.seq,
-                    a.demand_milli,
+                    a.held,
                     a.want_burst,
-                    s.term_us,
+                    a.demand_milli,
                 );
                 let lost = rng.unit() < s.lose;
-                a.inflight = Some((sent_ns, (!lost).then_some(g), t + s.rtt_us));
+                a.inflight = Some((sent_ns, a.held, (!lost).then_some(r), t + s.rtt_us));
                 a.next_call_us = t + s.term_us / 2 + rng.next() % (s.term_us / 4).max(1);
             }
             if rng.unit() < s.crash {
@@ -173,8 +252,8 @@ fn run(s: &Setup) -> (f64, f64, u64) {
             }
         }
         // The level's taker: everything there.
-        let level = bucket.level(&p);
-        if t >= s.quiet_us && level > 0 && bucket.take(&p, now, level) {
+        let level = store.level(&p, now);
+        if t >= s.quiet_us && level > 0 && store.take(&p, now, level) {
             *slot += level;
             taken += level;
         }
@@ -278,36 +357,61 @@ fn a_fast_clock_does_not_spend_more_than_the_share() {
 /// given up or expired comes back to the level's refill.
 #[test]
 fn shares_stay_within_the_rate_and_come_back_when_released() {
-    let rule = Rule::new("rl", 100, "1000/s").unwrap();
-    let p = rule.bucket_params();
-    let mut b = RateBucket::new(&p, T0_US);
-    // Uncontended: demand plus headroom (400/s wanted: 500 with 25%).
-    let g = b.lease(&p, T0_US, AgentId(1), 1, 400_000, 10, 1_000_000);
-    assert_eq!((g.share_ppm, g.burst, g.paid), (500_000, 10, 10));
+    let (_, p) = params(100, "1000/s", 1_000_000);
+    let mut st = Store::new();
+    let (a1, a2) = (AgentId(1), AgentId(2));
+    // Uncontended: demand plus headroom (400/s wanted: 500/s with 25%). Shares are in
+    // thousandths of a token per rate period: 1 000/s is 1 token per ms, so 500/s is 500.
+    assert_eq!(p.rate.period_us(), 1_000);
+    let r = st.lease(&p, T0_US, a1, 1, 0, 10, 400_000);
+    let g = RateGrant::of(&r, 0);
+    assert_eq!((g.share, g.burst, g.paid, g.limited), (500, 10, 10, false));
     assert_eq!(
-        b.lease(&p, T0_US + 5, AgentId(1), 1, 999_999, 99, 1_000_000),
-        RateGrant {
-            ttl_us: 999_995,
-            ..g
-        },
-        "a replay: what is left of the term"
+        st.lease(&p, T0_US + 5, a1, 1, 0, 99, 999_999),
+        r,
+        "a retry replays its reply"
     );
     // Contended: each its proportional part, never more than the others leave.
-    let g2 = b.lease(&p, T0_US, AgentId(2), 1, 1_200_000, 10, 1_000_000);
-    assert_eq!(g2.share_ppm, 500_000, "what agent 1 leaves");
-    let g1 = b.lease(&p, T0_US + 10, AgentId(1), 2, 400_000, 10, 1_000_000);
-    assert_eq!(g1.share_ppm, 250_000, "its part of 1 600/s");
-    assert!(b.committed_ppm() <= 1_000_000);
-    // Level: 100 - 20 of bursts; the refill is only the uncommitted quarter, to B - 20.
-    b.release(&p, T0_US + 10, AgentId(2));
-    assert_eq!(b.committed_ppm(), 250_000);
-    assert!(b.take(&p, T0_US + 10, 80), "the level after the bursts");
-    assert!(!b.take(&p, T0_US + 10, 1));
-    // 10 ms at 750/s: 7 tokens.
-    assert!(b.take(&p, T0_US + 10_010, 7));
-    assert!(!b.take(&p, T0_US + 10_010, 1));
-    // Agent 1's record expires: the whole rate refills the level, up to B.
-    assert!(b.take(&p, T0_US + 2_000_000, 90));
+    let g2 = RateGrant::of(&st.lease(&p, T0_US, a2, 1, 0, 10, 1_200_000), 0);
+    assert_eq!((g2.share, g2.limited), (500, true), "what agent 1 leaves");
+    let g1 = RateGrant::of(&st.lease(&p, T0_US + 10, a1, 2, 10, 10, 400_000), 10);
+    assert_eq!(
+        (g1.share, g1.burst, g1.paid),
+        (250, 10, 0),
+        "its part of 1 600/s"
+    );
+    assert_eq!(st.shared(&p, T0_US + 10), 750);
+    // Level: 100 - 20 of bursts; agent 2 gives its lease up and its 10 tokens back.
+    st.release(&p, T0_US + 10, a2, 2, 10);
+    assert_eq!(st.shared(&p, T0_US + 10), 250);
+    assert!(
+        st.take(&p, T0_US + 10, 90),
+        "the level, less agent 1's burst"
+    );
+    assert!(!st.take(&p, T0_US + 10, 1));
+    // 10 ms at the 750/s agent 1 leaves: 7 tokens.
+    assert!(st.take(&p, T0_US + 10_010, 7));
+    assert!(!st.take(&p, T0_US + 10_010, 1));
+    // Agent 1's record drops (term and grace): the whole rate refills the level, to B.
+    assert_eq!(st.shared(&p, T0_US + 2_000_000), 0);
+    assert!(st.take(&p, T0_US + 2_000_000, 100));
+}
+
+/// With the level empty and no burst, a share comes with a local bucket of one token that
+/// starts empty; with the bursts at B already, no share (it could not be spent).
+#[test]
+fn a_share_needs_room_for_a_burst() {
+    let (_, p) = params(2, "1000/s", 1_000_000);
+    let mut st = Store::new();
+    assert!(st.take(&p, T0_US, 2));
+    let g = RateGrant::of(&st.lease(&p, T0_US, AgentId(1), 1, 0, 1, 100_000), 0);
+    assert_eq!((g.share, g.burst, g.paid), (125, 1, 0));
+    let g = RateGrant::of(&st.lease(&p, T0_US, AgentId(2), 1, 0, 1, 100_000), 0);
+    assert_eq!((g.share, g.burst, g.paid), (125, 1, 0));
+    let g = RateGrant::of(&st.lease(&p, T0_US, AgentId(3), 1, 0, 1, 100_000), 0);
+    assert_eq!((g.share, g.burst), (0, 0), "the bursts already fill B");
+    // The level's cap is B less the bursts: nothing refills into it.
+    assert_eq!(st.level(&p, T0_US + 500_000), 0);
 }
 
 /// Demand moving between agents every term: 16 agents, 1.2x the rate offered by four of
@@ -317,10 +421,9 @@ fn shares_stay_within_the_rate_and_come_back_when_released() {
 /// admits of the same arrivals) and the calls per agent per second.
 fn shifting(term_us: u64, seed: u64) -> (f64, f64) {
     use leasehold_core::Level;
-    let rule = Rule::new("rl", 20_000, "20000/s").unwrap();
-    let p = rule.bucket_params();
+    let (_, p) = params(20_000, "20000/s", term_us);
     let mut rng = Rng(seed | 1);
-    let mut bucket = RateBucket::new(&p, T0_US);
+    let mut store = Store::new();
     let n = 16usize;
     let mut local = vec![LocalRate::default(); n];
     let mut policy = vec![RatePolicy::default(); n];
@@ -347,16 +450,18 @@ fn shifting(term_us: u64, seed: u64) -> (f64, f64) {
                 let demand = policy[i].calling(now_ns);
                 seq[i] += 1;
                 calls += 1;
-                let g = bucket.lease(
+                let held = local[i].renewing(now_ns, 1_000);
+                let r = store.lease(
                     &p,
                     T0_US + t,
                     AgentId(i as u64 + 1),
                     seq[i],
-                    demand,
+                    held,
                     1_000,
-                    term_us,
+                    demand,
                 );
-                local[i].grant(&p, &g, now_ns, term_us * 10);
+                let g = RateGrant::of(&r, held);
+                local[i].grant(&p, &g, now_ns, now_ns, term_us * 10);
                 policy[i].granted(now_ns, &g);
             }
             for _ in 0..k {

@@ -49,6 +49,7 @@ pub fn op_number(op: &Op) -> u64 {
         Op::Exact { .. } => 3,
         Op::Split { .. } => 4,
         Op::Deposit { .. } => 5,
+        Op::Rate { .. } => 6,
     }
 }
 
@@ -124,6 +125,7 @@ pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
             until_us,
             rate_milli,
         } => rest.extend([tokens, until_us, rate_milli]),
+        Op::Rate { held, want, demand } => rest.extend([held, want, demand]),
     }
     (common, rest)
 }
@@ -273,6 +275,9 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     if s.region_rate_milli != 0 {
         f.insert(h::REGION_RATE.to_owned(), s.region_rate_milli.to_string());
     }
+    if s.shared != 0 {
+        f.insert(h::SHARED.to_owned(), s.shared.to_string());
+    }
     for (id, r) in &s.agents {
         f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());
         f.insert(format!("{id}{}", h::AGENT_DROP), r.drop_us.to_string());
@@ -283,6 +288,9 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
             format!("{id}{}", h::AGENT_CREDIT),
             r.credit_milli.to_string(),
         );
+        if r.share != 0 {
+            f.insert(format!("{id}{}", h::AGENT_SHARE), r.share.to_string());
+        }
     }
     f
 }
@@ -290,8 +298,10 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
 /// The field of a bucket's hash that holds its state, packed: tok, car, p, ts, out, nexp,
 /// mx, ds, dx, sg, ru, rq, rr, the split in force (parts, salt, until, tokens,
 /// outstanding, drop; parts 0 when none) and the part's (generation, until), as 21
-/// little-endian unsigned 64-bit integers. Each agent's record is the field named by its
-/// id: held, x, seq, demand, credit, then its last reply (7 integers, 14 with a split).
+/// little-endian unsigned 64-bit integers, and a 22nd, the rate leases' shares, while
+/// there are any. Each agent's record is the field named by its id: held, x, seq, demand,
+/// credit, its rate lease's share if it has one, then its last reply (7 integers, 14 with
+/// a split).
 /// `leasehold.lua` reads and writes two fields a call so, instead of one decimal field
 /// per number; [`bucket_fields`] reads them as the fields [`hash_fields`] renders.
 pub const STATE: &str = "st";
@@ -304,7 +314,10 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
     for (name, value) in pairs {
         let name = std::str::from_utf8(name).ok()?;
         if name == STATE {
-            let v: [u64; 21] = unpack_numbers(value)?.try_into().ok()?;
+            let v = unpack_numbers(value)?;
+            if v.len() != 21 && v.len() != 22 {
+                return None;
+            }
             for (k, n) in [
                 (h::TOKENS, v[0]),
                 (h::CARRY, v[1]),
@@ -334,13 +347,21 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
             if v[19] != 0 {
                 f.insert(h::PART.to_owned(), join(&v[19..21]));
             }
+            if let Some(&sh) = v.get(21) {
+                f.insert(h::SHARED.to_owned(), sh.to_string());
+            }
         } else if !name.is_empty()
             && name.len() <= 32
             && name.bytes().all(|b| b.is_ascii_hexdigit())
         {
-            let v = unpack_numbers(value)?;
-            if v.len() != 12 && v.len() != 19 {
+            let mut v = unpack_numbers(value)?;
+            if ![12, 13, 19, 20].contains(&v.len()) {
                 return None;
+            }
+            if v.len() == 13 || v.len() == 20 {
+                // A rate lease's record: its share before the reply.
+                let share = v.remove(5);
+                f.insert(format!("{name}{}", h::AGENT_SHARE), share.to_string());
             }
             for (suffix, n) in [
                 (h::AGENT_HELD, v[0]),

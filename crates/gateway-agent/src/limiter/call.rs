@@ -159,6 +159,7 @@ impl Limiter {
                 Op::Exact { .. } => "exact",
                 Op::Split { .. } => "split",
                 Op::Deposit { .. } => "deposit",
+                Op::Rate { .. } => "rate",
             },
             started: first,
         };

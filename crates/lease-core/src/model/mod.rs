@@ -84,6 +84,23 @@ pub enum Op {
         /// The agent's recent demand for this bucket, thousandths of a token per second.
         demand: u64,
     },
+    /// A rate lease (see [`crate::rate_lease`]): declare the burst the agent's local bucket
+    /// holds room for (`held`, state-based as for `Acquire`), ask for a burst of `want`
+    /// and a share of the bucket's rate sized by `demand`, for the rule's lease term. The
+    /// reply: `granted`, tokens taken from the level for the burst (the local bucket starts
+    /// with them; the burst is `held + granted`, or 1 starting empty when both are 0 and
+    /// the share is not); `scale_ppm`, the share in thousandths of a token per rate
+    /// period; `retry_us`, non-zero when other agents' shares still hold part of the
+    /// agent's part (asking again within the term gets more, as they renew); `ttl_us`, the
+    /// term. A release gives the share up.
+    Rate {
+        /// The burst the agent holds room for: its local bucket's capacity as it sends.
+        held: u64,
+        /// The burst wanted (at most the capacity).
+        want: u64,
+        /// The agent's demand for this bucket, thousandths of a token per second.
+        demand: u64,
+    },
     /// Give back unspent tokens; the agent holds nothing afterwards.
     Release {
         /// Tokens returned.
@@ -224,6 +241,7 @@ impl GlobalBucket {
                 min,
                 demand,
             } => ops::acquire(&mut call, p, held, want, min, demand),
+            Op::Rate { held, want, demand } => ops::rate(&mut call, p, held, want, demand),
             Op::Release { returned } => ops::release(&mut call, p, returned),
             Op::Exact { cost } => ops::exact(&mut call, p, cost),
             Op::Split {
@@ -271,12 +289,14 @@ impl GlobalBucket {
                     level: s.level,
                     outstanding: s.outstanding,
                     agents: s.agents.len(),
+                    shared: s.shared,
                 }
             }
             _ => View {
                 level: Level::full(p.capacity),
                 outstanding: 0,
                 agents: 0,
+                shared: 0,
             },
         }
     }

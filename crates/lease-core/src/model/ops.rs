@@ -69,6 +69,17 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
                 });
             }
         }
+        Op::Rate { held, want, demand } => {
+            validate_rate(p)?;
+            check("held", held, p.capacity)?;
+            check("demand", demand, MAX_HELD)?;
+            if want > p.capacity {
+                return Err(ProtocolError::InvalidArgument {
+                    what: "want",
+                    value: want,
+                });
+            }
+        }
         Op::Release { returned } => check("returned", returned, MAX_HELD)?,
         // Cost 0 is a read: the level, nothing taken.
         Op::Exact { cost: 0 } => {}
@@ -106,6 +117,27 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
             check("salt", salt, MAX_EXACT)?;
             check("until", until_us, MAX_EXACT)?;
         }
+    }
+    Ok(())
+}
+
+/// Whether a bucket may be leased by rate: strict mode (its bursts count as outstanding), not
+/// a region's bucket or a split's part, and its refill at part of its rate exact
+/// (`B × period_us × 1000` below [`MAX_EXACT`]: [`Level::refill_milli`]).
+pub(super) fn validate_rate(p: &BucketParams) -> Result<(), ProtocolError> {
+    let refuse = |what, value| Err(ProtocolError::InvalidArgument { what, value });
+    if let Mode::Relaxed { max_outstanding } = p.mode {
+        return refuse("max_outstanding", max_outstanding.get());
+    }
+    if p.region.is_some() {
+        return refuse("region", 1);
+    }
+    if let Some(seed) = &p.part {
+        return refuse("part_gen", seed.gen_us);
+    }
+    let (n, per) = (u128::from(p.rate.tokens()), u128::from(p.rate.period_us()));
+    if u128::from(p.capacity) * per * 1000 + n * 1000 > u128::from(MAX_EXACT) {
+        return refuse("capacity", p.capacity);
     }
     Ok(())
 }
@@ -209,7 +241,12 @@ impl Call {
             reply: Reply::default(),
             demand: self.prior_demand(),
             credit_milli: self.kept_credit(p),
+            share: self.prior_share(),
         }
+    }
+
+    fn prior_share(&self) -> u64 {
+        self.prior.as_ref().map_or(0, |r| r.share)
     }
 
     fn reply(&self) -> Reply {
@@ -249,7 +286,7 @@ impl Call {
                 s.next_drop_us.min(x)
             };
             s.last_drop_us = s.last_drop_us.max(x);
-            if record.demand > 0 {
+            if record.demand > 0 && record.share == 0 {
                 let stale = now + DEMAND_TTL_US;
                 s.next_stale_us = if s.next_stale_us == 0 {
                     stale
@@ -369,6 +406,89 @@ pub(super) fn acquire(
         reply: Reply::default(),
         demand,
         credit_milli: share.map_or_else(|| full_credit(p), |a| a.credit as u64),
+        // A rate lease's share counts on until this record drops.
+        share: c.prior_share(),
+    };
+    (record, reply)
+}
+
+/// Headroom over an agent's demand in its rate lease's share while the bucket is not
+/// contended: a fifth more (as a multiplier, the same operation in the Lua).
+const RATE_HEADROOM: f64 = 1.25;
+
+/// A rate lease: the agent declares its burst (`held`), asks for `want`, and gets a share of
+/// the rate sized by its demand — its demand with headroom while the live demands fit in
+/// the rate, its proportional part under contention — never more than the other shares
+/// leave, and its burst topped up from the level (see [`crate::rate_lease`] for the bound).
+pub(super) fn rate(
+    c: &mut Call,
+    p: &BucketParams,
+    held: u64,
+    want: u64,
+    demand: u64,
+) -> (AgentRecord, Reply) {
+    let now = c.now;
+    let moved = c.s.moved(now);
+    let (prior_held, prior_demand, prior_share) =
+        (c.prior_held(), c.prior_demand(), c.prior_share());
+    let s = &mut c.s;
+    // A lost bucket restarts empty, as for an acquire (an agent's first call reports
+    // demand, but no burst).
+    if c.created && held > 0 {
+        s.level = Level::default();
+    }
+    s.outstanding = s.outstanding - prior_held + held;
+    s.demand_sum = s.demand_sum - prior_demand + demand;
+    s.shared -= prior_share;
+    s.clamp(p);
+    let (n, per) = (p.rate.tokens(), p.rate.period_us());
+    let whole = n * 1000;
+    // Floating point, the same operations as the Lua, so both round alike.
+    let part = if demand == 0 || moved {
+        0.0
+    } else if (s.demand_sum as f64) <= n as f64 * 1e9 / per as f64 {
+        (demand as f64 * per as f64 / 1e6 * RATE_HEADROOM).min(whole as f64)
+    } else {
+        whole as f64 * demand as f64 / s.demand_sum as f64
+    };
+    let part = part.floor() as u64;
+    let mut share = part.min(whole - s.shared);
+    let paid = if moved {
+        0
+    } else {
+        want.saturating_sub(held).min(s.level.tokens)
+    };
+    s.level = s.level.take(paid);
+    s.outstanding += paid;
+    if held + paid == 0 && share > 0 {
+        // A share is spent from a local bucket of one token at least: one that starts
+        // empty, while the bursts leave room under B (the level's cap falls by it).
+        if s.outstanding < p.capacity {
+            s.outstanding += 1;
+            s.clamp(p);
+        } else {
+            share = 0;
+        }
+    }
+    let burst = if held + paid == 0 && share > 0 {
+        1
+    } else {
+        held + paid
+    };
+    s.shared += share;
+    let mut reply = c.reply();
+    reply.granted = paid;
+    reply.ttl_us = p.lease_ttl_us;
+    reply.scale_ppm = share;
+    reply.retry_us = u64::from(share < part);
+    let record = AgentRecord {
+        held: burst,
+        drop_us: now + p.lease_ttl_us + p.grace_us,
+        seq: 0,
+        reply: Reply::default(),
+        demand,
+        credit_milli: c.kept_credit(p),
+        share,
     };
     (record, reply)
 }
@@ -381,6 +501,8 @@ pub(super) fn release(c: &mut Call, p: &BucketParams, returned: u64) -> (AgentRe
     let s = &mut c.s;
     s.outstanding -= prior_held;
     s.demand_sum -= c.prior.as_ref().map_or(0, |r| r.demand);
+    // A rate lease's share is given up with it.
+    s.shared -= c.prior.as_ref().map_or(0, |r| r.share);
     s.level.tokens += credit;
     s.clamp(p);
     let mut reply = c.reply();
@@ -392,6 +514,7 @@ pub(super) fn release(c: &mut Call, p: &BucketParams, returned: u64) -> (AgentRe
         reply: Reply::default(),
         demand: 0,
         credit_milli: c.kept_credit(p),
+        share: 0,
     };
     (record, reply)
 }
@@ -430,7 +553,8 @@ pub(super) fn split(
     let now = c.now;
     let s = &mut c.s;
     match &mut s.split {
-        None if until_us > now => {
+        // A bucket leased by rate is not split: its agents call once a term.
+        None if until_us > now && s.shared == 0 => {
             // Start: the parent's tokens go to the parts, its refill stops.
             let gen_us = now.max(s.last_split_us + 1);
             s.split = Some(Split {

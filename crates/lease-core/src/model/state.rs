@@ -23,6 +23,9 @@ pub struct AgentRecord {
     pub demand: u64,
     /// What it may still lease while the key is contended, thousandths of a token.
     pub credit_milli: u64,
+    /// Its rate lease's share of the bucket's rate, thousandths of a token per rate period
+    /// (0: none); `held` is then its local bucket's capacity, its burst.
+    pub share: u64,
 }
 
 /// The state of a bucket key.
@@ -64,6 +67,9 @@ pub struct BucketState {
     /// On a region's bucket: the rate the region gets, by its last deposit (thousandths
     /// of a token per second; 0: unknown), which its agents' shares divide.
     pub region_rate_milli: u64,
+    /// The sum of the records' shares (rate leases), thousandths of a token per rate
+    /// period: the bucket refills at what they leave.
+    pub shared: u64,
     /// Stored compact, as a string of `tok`, `car`, `ts` and `p` instead of the hash
     /// (`leasehold_store::wire::compact_value`): made so by a batch of exact decisions
     /// for a new key and kept while only batches write the key (such a key has no
@@ -80,6 +86,8 @@ pub struct View {
     pub outstanding: u64,
     /// Agent records still counting.
     pub agents: usize,
+    /// The rate leases' shares still counting, thousandths of a token per rate period.
+    pub shared: u64,
 }
 
 /// The level refill may reach: `B - outstanding` in strict mode (I1), `B` in relaxed.
@@ -128,6 +136,7 @@ impl BucketState {
             term_until_us: 0,
             deposit_seq: 0,
             region_rate_milli: 0,
+            shared: 0,
             compact: false,
         }
     }
@@ -169,6 +178,7 @@ impl BucketState {
                     reply: Reply::default(),
                     demand: 0,
                     credit_milli: 0,
+                    share: 0,
                 },
             );
         }
@@ -183,7 +193,14 @@ impl BucketState {
     fn refill_to(&mut self, p: &BucketParams, t: u64) {
         let Some(region) = p.region else {
             let dt = t.saturating_sub(self.updated_us);
-            self.level = self.level.refill(cap(p, self.outstanding), p.rate, dt);
+            let cap = cap(p, self.outstanding);
+            self.level = if self.shared > 0 {
+                // Rate leases hold part of the rate: the bucket refills at the rest.
+                let (n, per) = (p.rate.tokens(), p.rate.period_us());
+                (self.level).refill_milli(cap, n * 1000 - self.shared, per, dt)
+            } else {
+                self.level.refill(cap, p.rate, dt)
+            };
             self.updated_us = self.updated_us.max(t);
             return;
         };
@@ -228,7 +245,19 @@ impl BucketState {
     /// deposit ([`super::region::REGION_WAIT_US`]); past it, for its floor, but no longer.
     pub(super) fn wait_for(&self, p: &BucketParams, k: u64) -> u64 {
         let Some(region) = p.region else {
-            return self.level.time_until(k, p.rate);
+            if self.shared == 0 {
+                return self.level.time_until(k, p.rate);
+            }
+            // At the rate the leases leave; with none left, from the next record drop on
+            // at the whole rate (a hint: a renewal may hold it longer).
+            let (n, per) = (p.rate.tokens(), p.rate.period_us());
+            return match (self.level).time_until_milli(k, n * 1000 - self.shared, per) {
+                Some(us) => us,
+                None => {
+                    let drop = self.next_drop_us.saturating_sub(self.updated_us);
+                    drop + self.level.time_until(k, p.rate)
+                }
+            };
         };
         let wait = super::region::REGION_WAIT_US;
         match region.floor {
@@ -276,8 +305,10 @@ impl BucketState {
         }
         if self.next_stale_us != 0 && now >= self.next_stale_us {
             // Demand of agents silent for DEMAND_TTL stops counting in the shares.
+            // A rate lease's demand counts until its record drops: the agent calls once a
+            // term, and its share was sized by it.
             for r in self.agents.values_mut() {
-                if r.demand > 0 && r.reply.now_us + DEMAND_TTL_US <= now {
+                if r.demand > 0 && r.share == 0 && r.reply.now_us + DEMAND_TTL_US <= now {
                     self.demand_sum -= r.demand;
                     r.demand = 0;
                 }
@@ -285,7 +316,7 @@ impl BucketState {
             self.next_stale_us = self
                 .agents
                 .values()
-                .filter(|r| r.demand > 0)
+                .filter(|r| r.demand > 0 && r.share == 0)
                 .map(|r| r.reply.now_us + DEMAND_TTL_US)
                 .min()
                 .unwrap_or(0);
@@ -303,6 +334,7 @@ impl BucketState {
                 if let Some(r) = self.agents.remove(&id) {
                     self.outstanding -= r.held;
                     self.demand_sum -= r.demand;
+                    self.shared -= r.share;
                 }
             }
             self.next_drop_us = self.agents.values().map(|r| r.drop_us).min().unwrap_or(0);

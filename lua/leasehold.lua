@@ -19,7 +19,7 @@
 --       floor_burst, 0, 0, all 0 for no floor), then per function:
 --   lh_acquire: held, want, min, demand     lh_release: returned     lh_exact: cost
 --   lh_split: parts, salt, until_us         lh_deposit: tokens, until_us, rate_milli
---   lh_rate: held, want, demand
+--   lh_rate: held, want, tokens, demand
 --   Agents send every one of these as lh_call (at the end of this file), its numbers
 --   packed; the decimal functions are the same operations in a form tests and redis-cli
 --   can type.
@@ -180,21 +180,33 @@ local function refill(s, p, cap, dt)
   refill_at(s, p.n, p.per, cap, dt)
 end
 
--- Level::refill_milli: at milli thousandths of a token per `per` µs (what rate leases
--- leave of the rate), the carry still in 1/per units, rounded down.
-local function refill_milli(s, milli, per, cap, dt)
+-- Level::refill_scaled: at n 1/scale-ths of a token per `per` µs (what rate leases leave
+-- of the rate), the carry still in 1/per units, rounded down.
+local function refill_scaled(s, n, per, scale, cap, dt)
   if s.tok >= cap then
     s.tok, s.car = cap, 0
     return
   end
-  if milli == 0 then return end
-  local need = ((cap - s.tok) * per - s.car) * 1000
-  if dt >= ceil_div(need, milli) then
+  if n == 0 then return end
+  local need = ((cap - s.tok) * per - s.car) * scale
+  if dt >= ceil_div(need, n) then
     s.tok, s.car = cap, 0
     return
   end
-  local q, r = divmod(s.car * 1000 + milli * dt, per * 1000)
-  s.tok, s.car = s.tok + q, divmod(r, 1000)
+  local q, r = divmod(s.car * scale + n * dt, per * scale)
+  s.tok, s.car = s.tok + q, divmod(r, scale)
+end
+
+-- state.rs, rate_scale: rate-lease shares are 1/scale-ths of a token per rate period, the
+-- finest power of ten up to 10^9 keeping the refill exact; 0 below 10^3.
+local function rate_scale(p)
+  local x = p.cap * p.per + p.n
+  local scale = 1000000000
+  while scale >= 1000 do
+    if x <= divmod(MAX, scale) then return scale end
+    scale = scale / 10
+  end
+  return 0
 end
 
 -- Whether a region's bucket is within its term (brought up to date).
@@ -207,8 +219,11 @@ end
 local function refill_to(s, p, t)
   if not p.region then
     local cap, dt = cap_of(p, s.out), math.max(t - s.ts, 0)
-    if s.sh > 0 then
-      refill_milli(s, p.n * 1000 - s.sh, p.per, cap, dt)
+    if s.sn > 0 then
+      local scale = rate_scale(p)
+      if scale ~= 0 then
+        refill_scaled(s, math.max(p.n * scale - s.sh, 0), p.per, scale, cap, dt)
+      end
     else
       refill(s, p, cap, dt)
     end
@@ -244,12 +259,13 @@ local REGION_WAIT = 10000
 
 -- BucketState::wait_for: a denial's retry time.
 local function wait_for(s, p, k)
-  if not p.region and s.sh > 0 then
+  if not p.region and s.sn > 0 then
     -- At the rate the leases leave; with none left, from the next record drop on.
     if s.tok >= k then return 0 end
-    local milli = p.n * 1000 - s.sh
-    if milli == 0 then return math.max(s.nexp - s.ts, 0) + time_until(s, k, p) end
-    return ceil_div(((k - s.tok) * p.per - s.car) * 1000, milli)
+    local scale = rate_scale(p)
+    local n = math.max(p.n * scale - s.sh, 0)
+    if n == 0 or scale == 0 then return math.max(s.nexp - s.ts, 0) + time_until(s, k, p) end
+    return ceil_div(((k - s.tok) * p.per - s.car) * scale, n)
   end
   if not p.region then return time_until(s, k, p) end
   if s.tok >= k then return 0 end
@@ -313,7 +329,8 @@ end
 -- demand, split or term.
 local function level_state(tok, car, per, ts)
   return {tok = tok, car = car, p = per, ts = ts, out = 0, nexp = 0, mx = 0, ds = 0, sg = 0,
-          dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, sh = 0, split = NO_SPLIT}
+          dx = 0, pg = 0, pu = 0, ru = 0, rq = 0, rr = 0, sh = 0, sn = 0, su = 0,
+          split = NO_SPLIT}
 end
 
 local function fresh(p, now)
@@ -327,15 +344,16 @@ end
 -- struct reads and writes at a fraction of what decimal text costs (an acquire reads
 -- and writes two fields instead of 21 and 15). STATE: tok car p ts out nexp mx ds dx sg
 -- ru rq rr, the split in force (parts salt until tokens outstanding drop; parts 0: none),
--- the part's (pg pu) and, while rate leases hold part of the rate, sh (their shares).
+-- the part's (pg pu) and, while rate leases hold part of the rate, sh sn su (their shares,
+-- how many records have one, and the unit they are in).
 -- A record: held x seq demand credit, q (its rate lease's share) when it has one, then the
 -- agent's last reply (7 numbers, or 14 while a split is in force). wire.rs, bucket_fields, reads
 -- both as the fields of leasehold_core::schema.
 local STATE = 'st'
 local STATE_FORMAT = '<' .. 'I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8'
 local STATE_LEN = 168
-local SHARED_FORMAT = STATE_FORMAT .. 'I8'
-local SHARED_LEN = 176
+local SHARED_FORMAT = STATE_FORMAT .. 'I8I8I8'
+local SHARED_LEN = 192
 -- The reply a record holds before any: none.
 local NO_REPLY = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 
@@ -357,19 +375,20 @@ end
 
 local function state_of(key, v)
   local tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
-    sout, drop, pg, pu, sh
+    sout, drop, pg, pu, sh, sn, su
   if #v == STATE_LEN then
     tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
       sout, drop, pg, pu = struct.unpack(STATE_FORMAT, v)
-    sh = 0
+    sh, sn, su = 0, 0, 0
   elseif #v == SHARED_LEN then
     tok, car, per, ts, out, nexp, mx, ds, dx, sg, ru, rq, rr, parts, salt, untl, stok,
-      sout, drop, pg, pu, sh = struct.unpack(SHARED_FORMAT, v)
+      sout, drop, pg, pu, sh, sn, su = struct.unpack(SHARED_FORMAT, v)
   else
     bad_bucket(key)
   end
   local s = {tok = tok, car = car, p = per, ts = ts, out = out, nexp = nexp, mx = mx, ds = ds,
-    dx = dx, sg = sg, ru = ru, rq = rq, rr = rr, pg = pg, pu = pu, sh = sh, split = NO_SPLIT}
+    dx = dx, sg = sg, ru = ru, rq = rq, rr = rr, pg = pg, pu = pu, sh = sh, sn = sn, su = su,
+    split = NO_SPLIT}
   if parts ~= 0 then
     s.split = {parts = parts, salt = salt, gen = sg, untl = untl, tok = stok, out = sout,
                drop = drop}
@@ -379,10 +398,10 @@ end
 
 local function pack_state(s)
   local sp = s.split
-  if s.sh > 0 then
+  if s.sn > 0 then
     return struct.pack(SHARED_FORMAT, s.tok, s.car, s.p, s.ts, s.out, s.nexp, s.mx, s.ds,
       s.dx, s.sg, s.ru, s.rq, s.rr, sp.parts, sp.salt, sp.untl, sp.tok, sp.out, sp.drop, s.pg,
-      s.pu, s.sh)
+      s.pu, s.sh, s.sn, s.su)
   end
   return struct.pack(STATE_FORMAT, s.tok, s.car, s.p, s.ts, s.out, s.nexp, s.mx, s.ds, s.dx,
     s.sg, s.ru, s.rq, s.rr, sp.parts, sp.salt, sp.untl, sp.tok, sp.out, sp.drop, s.pg, s.pu)
@@ -460,9 +479,32 @@ local function begin(key, p, norecord)
   return s, rec, now, nil
 end
 
+-- state.rs, remove_share / add_share: a record's share stops or starts counting.
+local function remove_share(s, q)
+  if q == 0 then return end
+  s.sn = s.sn - 1
+  s.sh = math.max(s.sh - q, 0)
+  if s.sn == 0 then s.sh, s.su = 0, 0 end
+end
+
+local function add_share(s, p, q)
+  if q == 0 then return end
+  s.sn = s.sn + 1
+  s.sh = s.sh + q
+  s.su = p.per * rate_scale(p)
+end
+
 -- Refills to now, dropping expired agent records in time order; returns the agent's
 -- record if it is still there.
 local function advance(key, s, p, now, rec)
+  -- Shares counted in another unit (the rule changed): they hold the whole rate until
+  -- their records drop.
+  if s.sn > 0 then
+    local scale = rate_scale(p)
+    if p.per * scale ~= s.su then
+      s.sh, s.su = p.n * scale, p.per * scale
+    end
+  end
   if s.p ~= carry_period(p) then
     s.car, s.p = 0, carry_period(p)
   end
@@ -526,7 +568,7 @@ local function advance(key, s, p, now, rec)
       refill_to(s, p, e.x)
       s.out = s.out - e.h
       s.ds = s.ds - e.d
-      s.sh = s.sh - e.q
+      remove_share(s, e.q)
       redis.call('HDEL', key, e.id)
       if e.id == p.id then rec = nil end
     end
@@ -542,7 +584,8 @@ local function finish(key, s, p, now, rec, reply)
   reply[8], reply[9], reply[10], reply[11] = s.split.parts, s.split.salt, s.split.gen, s.split.untl
   reply[12], reply[13], reply[14] = s.split.tok, s.split.out, s.split.drop
   if rec then
-    reply[3] = s.tok
+    -- A rate lease's reply says its burst there.
+    reply[3] = rec.says or s.tok
     local x = rec.x
     if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
     s.mx = math.max(s.mx, x)
@@ -740,27 +783,27 @@ local function acquire(keys, p, held, want, min, demand)
 end
 
 -- A bucket may be leased by rate (ops.rs, validate_rate): strict mode, not a region's
--- bucket or a split's part, and B * per * 1000 within exact integers (refill_milli).
+-- bucket or a split's part, and a share scale of 10^3 at least (rate_scale).
 local function rate_ok(p)
   if p.maxout ~= 0 then fail('LH_ARG invalid argument max_outstanding = ' .. fmt(p.maxout)) end
   if p.region then fail('LH_ARG invalid argument region = 1') end
   if p.pgen ~= 0 then fail('LH_ARG invalid argument part_gen = ' .. fmt(p.pgen)) end
-  if p.cap * p.per * 1000 + p.n * 1000 > MAX then
-    fail('LH_ARG invalid argument capacity = ' .. fmt(p.cap))
-  end
+  if rate_scale(p) == 0 then fail('LH_ARG invalid argument capacity = ' .. fmt(p.cap)) end
 end
 
 -- Headroom over an agent's demand in its share while the bucket is not contended.
 local RATE_HEADROOM = 1.25
 
--- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held), asks for a
--- burst of want and a share of the rate sized by its demand, for the rule's lease term.
--- Reply: granted = tokens taken from the level for the burst, ttl = the term, scale = the
--- share (thousandths of a token per rate period), retry = 1 when other shares still hold
--- part of the agent's part.
-local function rate(keys, p, held, want, demand)
+-- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held) and the whole
+-- tokens in it, asks for a burst of want and a share of the rate sized by its demand, for
+-- the rule's lease term. Reply: remaining = the burst, granted = tokens taken from the
+-- level into it, ttl = the term, scale = the
+-- share (1/scale-ths of a token per rate period, rate_scale), retry = 1 when other shares
+-- hold more than an eighth of the agent's part.
+local function rate(keys, p, held, want, tokens, demand)
   rate_ok(p)
   if held > p.cap then fail('LH_ARG invalid argument held = ' .. fmt(held)) end
+  if tokens > held then fail('LH_ARG invalid argument tokens = ' .. fmt(tokens)) end
   if want > p.cap then fail('LH_ARG invalid argument want = ' .. fmt(want)) end
   local key = the_key(keys, p)
   local s, rec, now, replay = open(key, p)
@@ -770,40 +813,42 @@ local function rate(keys, p, held, want, demand)
   if s.created and held > 0 then s.tok, s.car = 0, 0 end
   s.out = s.out - (rec and rec.held or 0) + held
   s.ds = s.ds - (rec and rec.demand or 0) + demand
-  s.sh = s.sh - (rec and rec.q or 0)
+  remove_share(s, rec and rec.q or 0)
   clamp(s, p)
-  local whole = p.n * 1000
+  local scale = rate_scale(p)
+  local whole = p.n * scale
   local part = 0
   if demand == 0 or moved then
     part = 0
   elseif s.ds <= p.n * 1e9 / p.per then
-    part = math.min(demand * p.per / 1e6 * RATE_HEADROOM, whole)
+    local d = demand * p.per * scale / 1e9
+    part = math.min(d * RATE_HEADROOM, whole)
   else
     part = whole * demand / s.ds
   end
   part = math.floor(part)
-  local share = math.min(part, whole - s.sh)
-  local paid = 0
-  if not moved then paid = math.min(math.max(want - held, 0), s.tok) end
-  s.tok, s.out = s.tok - paid, s.out + paid
-  local burst = held + paid
-  if burst == 0 and share > 0 then
-    -- A share is spent from a local bucket of one token at least: one that starts empty,
-    -- while the bursts leave room under B.
-    if s.out < p.cap then
-      s.out = s.out + 1
-      clamp(s, p)
-      burst = 1
-    else
-      share = 0
-    end
+  local share = math.min(part, math.max(whole - s.sh, 0))
+  -- The burst grows towards want while the bursts leave room under B, the room gained
+  -- starting empty; a share needs a burst of one token at least.
+  local grow = 0
+  if not moved and share > 0 then
+    grow = math.min(math.max(want - held, 0), math.max(p.cap - s.out, 0))
   end
-  s.sh = s.sh + share
+  s.out = s.out + grow
+  local burst = held + grow
+  if burst == 0 then share = 0 end
+  -- Tokens from the level fill the burst's empty room; what the level then holds above
+  -- B less the bursts is void.
+  local paid = 0
+  if not moved then paid = math.min(burst - tokens, s.tok) end
+  s.tok = s.tok - paid
+  clamp(s, p)
+  add_share(s, p, share)
   local reply = new_reply(now, moved)
   reply[1], reply[2], reply[6] = paid, p.ttl, share
-  if share < part then reply[4] = 1 end
+  if share < part - divmod(part, 8) then reply[4] = 1 end
   return finish(key, s, p, now, {held = burst, x = now + p.ttl + p.grace, demand = demand,
-    credit = kept_credit(rec, p), q = share}, reply)
+    credit = kept_credit(rec, p), q = share, says = burst}, reply)
 end
 
 local function release(keys, p, returned)
@@ -817,7 +862,7 @@ local function release(keys, p, returned)
   s.out = s.out - prior_held
   s.ds = s.ds - (rec and rec.demand or 0)
   -- A rate lease's share is given up with it.
-  s.sh = s.sh - (rec and rec.q or 0)
+  remove_share(s, rec and rec.q or 0)
   s.tok = s.tok + credit
   clamp(s, p)
   local reply = new_reply(now, moved)
@@ -870,7 +915,7 @@ local function split(keys, p, parts, salt, untl)
   if replay then return replay end
   local moved = where(s, p, now)
   -- A bucket leased by rate is not split: its agents call once a term.
-  if s.split.parts == 0 and untl > now and s.sh == 0 then
+  if s.split.parts == 0 and untl > now and s.sn == 0 then
     -- Start: the parent's tokens go to the parts, its refill stops.
     local gen = math.max(now, s.sg + 1)
     s.split = {parts = parts, salt = salt, gen = gen, untl = untl, tok = s.tok, out = s.out,
@@ -961,7 +1006,7 @@ local function exact_full(key, p, cost, first, count, server_now, s, rt, out)
     local retry = 0
     if s.tok >= c then
       s.tok = s.tok - c
-    elseif s.sh > 0 then
+    elseif s.sn > 0 then
       retry = wait_for(s, p, c)
     else
       retry = time_until(s, c, p)
@@ -1225,7 +1270,7 @@ local OPS = {
   {exact, {{'cost', MAX}}},
   {split, {{'parts', MAX}, {'salt', MAX}, {'until', MAX}}},
   {deposit, {{'tokens', MAX_HELD}, {'until', MAX}, {'rate_milli', MAX_HELD}}},
-  {rate, {{'held', MAX_HELD}, {'want', MAX}, {'demand', MAX_HELD}}},
+  {rate, {{'held', MAX_HELD}, {'want', MAX}, {'tokens', MAX_HELD}, {'demand', MAX_HELD}}},
 }
 
 -- Refuses any of v[o + 1 ..] above its bound in bounds ({name, bound} each, in order).

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use leasehold::core::rule::{FailurePolicy, Mode};
+use leasehold::core::rule::{FailurePolicy, Leasing, Mode};
 
 #[derive(Parser)]
 #[command(
@@ -337,12 +337,20 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
         }
         FailurePolicy::LocalEmergency { rate: None } => "local_emergency (last share)".to_owned(),
     };
+    // A rate lease's term is its lease ttl.
+    let leasing = match r.leasing() {
+        Leasing::Auto => "auto",
+        Leasing::Lease => "lease",
+        Leasing::Exact => "exact",
+        Leasing::Rate => "rate",
+    };
     println!(
-        "{:<36} {:>10} {:>14.3} {:>9} {:>9} {:>10} {:>6}  {}",
+        "{:<36} {:>10} {:>14.3} {:>9} {:>7} {:>9} {:>10} {:>6}  {}",
         label,
         r.capacity(),
         r.rate().per_sec_f64(),
         r.lease_max(),
+        leasing,
         format!("{:?}", r.lease_ttl()),
         mode,
         if r.shadow() { "yes" } else { "no" },
@@ -381,8 +389,15 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
         );
     }
     println!(
-        "{:<36} {:>10} {:>14} {:>9} {:>9} {:>10} {:>6}  on failure",
-        "rule / override", "capacity", "rate (tok/s)", "lease max", "lease ttl", "mode", "shadow"
+        "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  on failure",
+        "rule / override",
+        "capacity",
+        "rate (tok/s)",
+        "lease max",
+        "leasing",
+        "ttl/term",
+        "mode",
+        "shadow"
     );
     let mut overrides = 0;
     for r in rules.iter() {

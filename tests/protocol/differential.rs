@@ -496,12 +496,17 @@ fn agent_op(rng: &mut StdRng, p: &BucketParams, on_part: bool, split_from: Optio
     let by_rate =
         !on_part && p.region.is_none() && matches!(p.mode, leasehold_core::rule::Mode::Strict);
     match rng.random_range(0..12) {
-        10.. if by_rate => Op::Rate {
-            held: rng.random_range(0..=cap / 2),
-            want: rng.random_range(0..=cap),
-            // Up to about twice the rate, in thousandths of a token per second.
-            demand: rng.random_range(0..=2 * p.rate.tokens() * 1_000_000_000 / p.rate.period_us()),
-        },
+        10.. if by_rate => {
+            let held = rng.random_range(0..=cap / 2);
+            Op::Rate {
+                held,
+                want: rng.random_range(0..=cap),
+                tokens: rng.random_range(0..=held),
+                // Up to about twice the rate, in thousandths of a token per second.
+                demand: rng
+                    .random_range(0..=2 * p.rate.tokens() * 1_000_000_000 / p.rate.period_us()),
+            }
+        }
         0..5 => {
             let want = rng.random_range(1..=cap);
             Op::Acquire {

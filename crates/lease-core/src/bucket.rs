@@ -61,43 +61,43 @@ impl Level {
         need.div_ceil(rate.tokens())
     }
 
-    /// The level after `dt_us` of refill at `milli` thousandths of a token per `period_us`
+    /// The level after `dt_us` of refill at `n` `1/scale`-ths of a token per `period_us`
     /// (a bucket whose rate is partly leased out: [`crate::model`]'s rate leases), never
-    /// above `cap`; the carry stays in `1 / period_us` units, rounded down (less than a
-    /// thousandth of a unit per refill: never more than the rate brings). Exact while
-    /// `cap * period_us * 1000` stays below [`crate::MAX_EXACT`], which a rule with rate
-    /// leases is validated to keep.
+    /// above `cap`; the carry stays in `1 / period_us` units, rounded down (less than one
+    /// unit per refill: never more than the rate brings). Exact while
+    /// `(cap * period_us + n) * scale` stays within [`crate::MAX_EXACT`], which the scale
+    /// of a rate-leased bucket is chosen to keep.
     #[must_use]
-    pub fn refill_milli(self, cap: u64, milli: u64, period_us: u64, dt_us: u64) -> Self {
+    pub fn refill_scaled(self, cap: u64, n: u64, period_us: u64, scale: u64, dt_us: u64) -> Self {
         if self.tokens >= cap {
             return Self::full(cap);
         }
-        if milli == 0 {
+        if n == 0 {
             return self;
         }
-        let need = ((cap - self.tokens) * period_us - self.carry) * 1000;
-        if dt_us >= need.div_ceil(milli) {
+        let need = ((cap - self.tokens) * period_us - self.carry) * scale;
+        if dt_us >= need.div_ceil(n) {
             return Self::full(cap);
         }
-        let unit = period_us * 1000;
-        let units = self.carry * 1000 + milli * dt_us;
+        let unit = period_us * scale;
+        let units = self.carry * scale + n * dt_us;
         Self {
             tokens: self.tokens + units / unit,
-            carry: units % unit / 1000,
+            carry: units % unit / scale,
         }
     }
 
-    /// [`Level::time_until`] at `milli` thousandths of a token per `period_us` (at least
-    /// one); `None` at no refill.
-    pub fn time_until_milli(self, k: u64, milli: u64, period_us: u64) -> Option<u64> {
+    /// [`Level::time_until`] at `n` `1/scale`-ths of a token per `period_us`; `None` at
+    /// no refill.
+    pub fn time_until_scaled(self, k: u64, n: u64, period_us: u64, scale: u64) -> Option<u64> {
         if self.tokens >= k {
             return Some(0);
         }
-        if milli == 0 {
+        if n == 0 {
             return None;
         }
-        let need = ((k - self.tokens) * period_us - self.carry) * 1000;
-        Some(need.div_ceil(milli))
+        let need = ((k - self.tokens) * period_us - self.carry) * scale;
+        Some(need.div_ceil(n))
     }
 
     /// Removes `k <= tokens` whole tokens.

@@ -196,7 +196,8 @@ impl Cell {
         self.low_water.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn set_low_water(&self, low_water: u64) {
+    /// Sets the low-water mark: a spend that leaves less starts a refill.
+    pub fn set_low_water(&self, low_water: u64) {
         self.low_water.store(low_water, Ordering::Relaxed);
     }
 
@@ -395,6 +396,15 @@ impl Refill {
     /// Sets the share (an exact decision promoted the key: the policy's share).
     pub fn set_share_milli(&self, share: u64) {
         self.share_milli.store(share, Ordering::Relaxed);
+    }
+
+    /// Writes what a rate lease's grant decided: a caller the cell does not cover is
+    /// refused until `deny_until_ns` (the grant's deadline), with the time `share_milli`
+    /// (thousandths of a token per second) takes to bring what it lacks.
+    pub fn rate_granted(&self, deny_until_ns: u64, share_milli: u64) {
+        self.share_milli.store(share_milli, Ordering::Relaxed);
+        self.denies_until_ns.store(deny_until_ns, Ordering::Relaxed);
+        self.prefetch_after_ns.store(0, Ordering::Relaxed);
     }
 
     /// Writes what an acquire's reply decided: the policy's refill denial and share, and

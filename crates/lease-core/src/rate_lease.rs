@@ -31,7 +31,8 @@
 //! later). An agent whose demand grows gets its part within one term: every other agent
 //! renews within a term, to its own part of the new total.
 
-use crate::model::Reply;
+use crate::cell::{Cell, Refill};
+use crate::model::{Op, Reply, rate_scale};
 use crate::rule::BucketParams;
 
 /// Parts per million.
@@ -44,7 +45,8 @@ pub const RATE_MARGIN_PPM: u64 = 1_000;
 /// What the store granted for a term: the reply to `Op::Rate`, read as what it carries.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RateGrant {
-    /// The agent's share of the bucket's rate, thousandths of a token per rate period.
+    /// The agent's share of the bucket's rate, `1/scale`-ths of a token per rate period
+    /// ([`rate_scale`]).
     pub share: u64,
     /// Tokens the agent's local bucket may hold: what it may spend at once.
     pub burst: u64,
@@ -65,11 +67,7 @@ impl RateGrant {
         let paid = reply.granted;
         Self {
             share,
-            burst: if held + paid == 0 && share > 0 {
-                1
-            } else {
-                held + paid
-            },
+            burst: if reply.moved { held } else { reply.remaining },
             paid,
             ttl_us: reply.ttl_us,
             limited: reply.retry_us != 0,
@@ -79,7 +77,7 @@ impl RateGrant {
 
 /// An agent's side: a local bucket of its burst, refilled at its share (a little below:
 /// [`RATE_MARGIN_PPM`]), spent until its deadline (agent clock, ns). Exact: the level is
-/// counted in `1 / (period_us × 10^6 × PPM)` tokens.
+/// counted in `1 / (period_us × 1000 × scale × PPM)` tokens ([`rate_scale`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LocalRate {
     units: u128,
@@ -122,7 +120,10 @@ impl LocalRate {
     ) {
         self.settle(now_ns);
         self.accrue = true;
-        let unit = u128::from(p.rate.period_us().max(1)) * 1_000_000 * u128::from(PPM);
+        let unit = u128::from(p.rate.period_us().max(1))
+            * 1_000
+            * u128::from(rate_scale(p).max(1))
+            * u128::from(PPM);
         // Rescaled when the rule's rate changed: what is held stays in tokens.
         if self.unit != 0 && self.unit != unit {
             self.units = self.units / self.unit * unit;
@@ -143,6 +144,40 @@ impl LocalRate {
         self.units = 0;
         self.burst = 0;
         u64::try_from(whole).unwrap_or(u64::MAX)
+    }
+
+    /// Brings the local bucket to `now_ns` for an agent that keeps its whole tokens
+    /// elsewhere (in its key's cell, spent by many threads): `unspent` of the tokens handed
+    /// out at the last sync are still there; returns the whole tokens to hand out now (the
+    /// fraction stays here). The share's accrual since then is counted only up to the room
+    /// the bucket had at the last sync: a bucket that filled meanwhile and was spent after
+    /// lost what it did not have room for, and this never gives more than it would.
+    pub fn sync(&mut self, unspent: u64, now_ns: u64) -> u64 {
+        if self.unit == 0 {
+            return 0;
+        }
+        let before = self.units;
+        let room = (u128::from(self.burst) * self.unit).saturating_sub(before);
+        let until = now_ns.min(self.deadline_ns);
+        let accrued = if self.accrue && until > self.at_ns {
+            self.per_ns * u128::from(until - self.at_ns)
+        } else {
+            0
+        };
+        self.at_ns = self.at_ns.max(now_ns);
+        let held = u128::from(unspent).min(before / self.unit) * self.unit;
+        self.units = held + before % self.unit + accrued.min(room);
+        self.whole()
+    }
+
+    /// Whole tokens in the local bucket.
+    pub fn whole(&self) -> u64 {
+        u64::try_from(self.units.checked_div(self.unit).unwrap_or(0)).unwrap_or(u64::MAX)
+    }
+
+    /// The deadline (agent clock, ns; 0: none).
+    pub fn deadline_ns(&self) -> u64 {
+        self.deadline_ns
     }
 
     /// Whether the grant still runs at `now_ns`.
@@ -182,27 +217,53 @@ impl LocalRate {
     }
 }
 
-/// How long an agent measures its demand over, and the least time between two of its
-/// calls for a key (ns).
+/// The short window an agent watches its demand over, and the least time between two of
+/// its calls for a key (ns).
 pub const DEMAND_WINDOW_NS: u64 = 100_000_000;
 
-/// The slots of the demand window.
+/// The slots of the short window.
 const SLOTS: usize = 10;
 
-/// An agent's renewal policy for one key: it measures the demand it is offered (over the
-/// last [`DEMAND_WINDOW_NS`]) and calls the store when the term is three quarters over, or
-/// sooner — a window after its last call at the earliest — when its demand doubled or
-/// halved since the demand it last reported, or its last grant was limited by other
-/// agents' shares (which they give up as they renew). Its calls follow changes of demand,
-/// not its volume.
+/// Tokens the short window must see before its rate means anything (at 24 tokens a second
+/// a window sees 2.4 on average, and doubling by chance half the time).
+const SIGNIFICANT: u64 = 20;
+
+/// How long the first grants of a key run before the agent calls again: long enough for
+/// every agent of a fleet starting together to have reported its demand, so the ones
+/// that got headroom before the others came give it back within the first term. (The
+/// first call knows no demand yet; the second, a window later, reports it; the third
+/// sees the fleet's.)
+const FIRST_RENEWAL_NS: u64 = 3 * DEMAND_WINDOW_NS;
+
+/// Calls that are followed by a renewal after [`FIRST_RENEWAL_NS`].
+const FIRST_CALLS: u64 = 2;
+
+/// An agent's renewal policy for one key. It reports the demand offered since its last
+/// call (admitted or refused) — a term's worth of it, so a gateway seeing a few requests
+/// a second reports its rate, not the noise of a tenth of a second — and calls the store
+/// when the term is three quarters over, or sooner (a window after its last call at the
+/// earliest) when its demand doubled or halved since it last reported: over the last
+/// window if that saw enough tokens to tell, else over a second or more since the last
+/// call; or when its last grant was limited by other agents' shares, which they give up
+/// as they renew (a quarter window later, backing off). Its calls follow changes of
+/// demand, not its volume.
 #[derive(Clone, Debug, Default)]
 pub struct RatePolicy {
-    /// Tokens offered per slot of the window, and the slot of each (agent ns / slot).
+    /// Tokens offered per slot of the short window, and the slot of each (agent ns /
+    /// slot).
     slots: [(u64, u64); SLOTS],
+    /// Tokens offered since the last call.
+    since_call: u64,
     reported_milli: u64,
-    limited: bool,
+    /// Grants limited by other agents' shares in a row (0: the last was not).
+    limited: u32,
     last_call_ns: u64,
     renew_at_ns: u64,
+    calls: u64,
+}
+
+fn changed(now: u64, reported: u64) -> bool {
+    now > 2 * reported.max(1) || now * 2 < reported
 }
 
 impl RatePolicy {
@@ -214,16 +275,41 @@ impl RatePolicy {
             *cell = (0, slot);
         }
         cell.0 += tokens;
+        self.since_call += tokens;
+    }
+
+    /// Tokens offered over the last window.
+    fn window_tokens(&self, now_ns: u64) -> u64 {
+        let slot = now_ns / (DEMAND_WINDOW_NS / SLOTS as u64);
+        (self.slots.iter())
+            .filter(|(_, s)| slot.saturating_sub(*s) < SLOTS as u64)
+            .map(|(n, _)| n)
+            .sum()
     }
 
     /// The demand offered over the last window, thousandths of a token per second.
+    pub fn window_milli(&self, now_ns: u64) -> u64 {
+        self.window_tokens(now_ns).saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
+    }
+
+    /// The demand offered since the last call (over the last window before the first),
+    /// thousandths of a token per second.
     pub fn demand_milli(&self, now_ns: u64) -> u64 {
-        let slot = now_ns / (DEMAND_WINDOW_NS / SLOTS as u64);
-        let tokens: u64 = (self.slots.iter())
-            .filter(|(_, s)| slot.saturating_sub(*s) < SLOTS as u64)
-            .map(|(n, _)| n)
-            .sum();
-        tokens.saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
+        let since = now_ns.saturating_sub(self.last_call_ns);
+        if self.calls == 0 || since < DEMAND_WINDOW_NS {
+            return self.window_milli(now_ns);
+        }
+        let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
+        u64::try_from(rate).unwrap_or(u64::MAX)
+    }
+
+    /// The last window's rate doubled or halved since the report, with enough tokens in
+    /// it, or expected by the report, to tell.
+    fn window_changed(&self, now_ns: u64) -> bool {
+        let expected =
+            u128::from(self.reported_milli) * u128::from(DEMAND_WINDOW_NS) / 1_000_000_000_000;
+        (self.window_tokens(now_ns) >= SIGNIFICANT || expected >= u128::from(SIGNIFICANT))
+            && changed(self.window_milli(now_ns), self.reported_milli)
     }
 
     /// Whether to call the store at `now_ns`.
@@ -231,24 +317,229 @@ impl RatePolicy {
         if now_ns >= self.renew_at_ns {
             return true;
         }
-        if now_ns.saturating_sub(self.last_call_ns) < DEMAND_WINDOW_NS {
+        let since = now_ns.saturating_sub(self.last_call_ns);
+        // A limited grant is asked again a quarter window later, then twice as long after
+        // each limited one in a row: other agents give their part up as they renew, some
+        // soon (their demand fell), some only at their term.
+        if self.limited > 0 && since >= (DEMAND_WINDOW_NS / 4) << (self.limited - 1).min(6) {
+            return true;
+        }
+        // Demand seen where none was reported (the first call comes with the first
+        // request): a tenth of a window is enough to tell.
+        if self.reported_milli == 0
+            && since >= DEMAND_WINDOW_NS / 10
+            && self.window_tokens(now_ns) >= SIGNIFICANT
+        {
+            return true;
+        }
+        if since < DEMAND_WINDOW_NS {
             return false;
         }
-        let d = self.demand_milli(now_ns);
-        self.limited || d > 2 * self.reported_milli.max(1) || d * 2 < self.reported_milli
+        self.window_changed(now_ns)
+            || (since >= 10 * DEMAND_WINDOW_NS
+                && changed(self.demand_milli(now_ns), self.reported_milli))
     }
 
-    /// A call sent at `now_ns` reports this demand.
+    /// A call sent at `now_ns` reports this demand: the last window's when it changed
+    /// enough to tell, else what was offered since the last call.
     pub fn calling(&mut self, now_ns: u64) -> u64 {
+        self.reported_milli = if self.window_changed(now_ns) {
+            self.window_milli(now_ns)
+        } else {
+            self.demand_milli(now_ns)
+        };
         self.last_call_ns = now_ns;
-        self.reported_milli = self.demand_milli(now_ns);
+        self.since_call = 0;
+        self.calls += 1;
         self.reported_milli
     }
 
     /// The reply to the call sent at `sent_ns` came.
     pub fn granted(&mut self, sent_ns: u64, g: &RateGrant) {
-        self.limited = g.limited;
-        self.renew_at_ns = sent_ns + g.ttl_us * 750;
+        self.limited = if g.limited { self.limited + 1 } else { 0 };
+        self.renew_at_ns = if self.calls <= FIRST_CALLS {
+            sent_ns + FIRST_RENEWAL_NS
+        } else {
+            sent_ns + g.ttl_us * 750
+        };
+    }
+}
+
+/// A key an agent leases by rate, as the agent holds it: its local bucket, its renewal
+/// policy, and the key's [`Cell`], whose lease holds the bucket's whole tokens so the hot
+/// path spends them as any lease (one atomic operation). Sans-io: the agent (and the
+/// fleet harness) sends the [`Op`] it gives and hands back the reply.
+#[derive(Clone, Debug, Default)]
+pub struct RateKey {
+    local: LocalRate,
+    policy: RatePolicy,
+    /// Whole tokens handed to the cell at the last sync.
+    in_cell: u64,
+    /// The cell's denied tokens counted at the last sync.
+    denied_seen: u64,
+    /// The call in flight: sent at (agent ns), the burst it declared.
+    inflight: Option<(u64, u64)>,
+    /// The last grant's share, thousandths of a token per second.
+    share_milli: u64,
+    /// When demand was last offered (agent ns).
+    offered_at_ns: u64,
+    /// Tokens spent from the cell in all, for the coordinator.
+    spent_total: u64,
+    /// The demand last reported, thousandths of a token per second.
+    demand_milli: u64,
+    /// A call was made since the last release: the store may hold a share for it.
+    live: bool,
+}
+
+impl RateKey {
+    /// Brings the local bucket and the cell to `now_ns`: what the cell spent and denied
+    /// since the last sync is the demand offered; what the share brought goes into the
+    /// cell. Returns the tokens added to the cell.
+    pub fn sync(&mut self, cell: &Cell, now_ns: u64) -> u64 {
+        let unspent = cell.lease.take_all();
+        let spent = self.in_cell.saturating_sub(unspent);
+        let denied = cell.denied_tokens();
+        let offered = spent + denied.saturating_sub(self.denied_seen);
+        self.denied_seen = denied;
+        self.spent_total += spent;
+        if offered > 0 {
+            self.policy.offered(now_ns, offered);
+            self.offered_at_ns = now_ns;
+        }
+        let whole = self.local.sync(unspent, now_ns);
+        cell.lease.grant(whole, self.local.deadline_ns());
+        self.in_cell = whole;
+        whole.saturating_sub(unspent)
+    }
+
+    /// Whether to call the store at `now_ns`: no lease yet, or the policy says so. (The
+    /// agent sends one call at a time per key; a call whose reply never came counts as
+    /// sent.)
+    pub fn due(&self, now_ns: u64) -> bool {
+        !self.live || self.policy.due(now_ns)
+    }
+
+    /// Whether the store may hold a share for this key (a call since the last release).
+    pub fn live(&self) -> bool {
+        self.live
+    }
+
+    /// The call to send at `now_ns` (the cell synced first): the burst the cell's bucket
+    /// holds room for, the burst wanted — a second of demand, at least one token, at most
+    /// `B`; one held already is kept until it is more than two seconds of demand — and the
+    /// demand. A call before it whose reply never came is given up.
+    ///
+    /// The bursts are the fleet's share of `B`: a burst comes out of the level once (the
+    /// level refills only at what the shares leave, nothing under contention), and then
+    /// refills from the share; so a burst is kept through small changes of demand rather
+    /// than given up and asked again from a level that may be empty.
+    pub fn call(&mut self, cell: &Cell, p: &BucketParams, now_ns: u64) -> Op {
+        self.sync(cell, now_ns);
+        let demand = self.policy.calling(now_ns);
+        let second = (demand / 1_000).clamp(1, p.capacity);
+        let burst = self.local.burst();
+        let want = if burst <= 2 * second {
+            burst.max(second)
+        } else {
+            second
+        };
+        let held = self.local.renewing(now_ns, want);
+        // What the burst dropped leaves the cell too.
+        let unspent = cell.lease.take_all();
+        let whole = self.local.sync(unspent, now_ns);
+        cell.lease.grant(whole, self.local.deadline_ns());
+        self.in_cell = whole;
+        self.inflight = Some((now_ns, held));
+        self.demand_milli = demand;
+        if !self.live {
+            self.live = true;
+            self.offered_at_ns = self.offered_at_ns.max(now_ns);
+        }
+        Op::Rate {
+            held,
+            want,
+            tokens: whole.min(held),
+            demand,
+        }
+    }
+
+    /// The reply to the call in flight, read at `now_ns`: the grant installed (its term
+    /// from the moment the call was sent, less `margin_ns`) and the cell stocked. The
+    /// refill denial lasts the term: a caller the cell does not cover is refused with the
+    /// time the share takes to bring what it lacks, not sent to the store.
+    pub fn granted(
+        &mut self,
+        cell: &Cell,
+        refill: &Refill,
+        p: &BucketParams,
+        reply: &Reply,
+        now_ns: u64,
+        margin_ns: u64,
+    ) -> RateGrant {
+        let Some((sent_ns, held)) = self.inflight.take() else {
+            return RateGrant::default();
+        };
+        let g = RateGrant::of(reply, held);
+        self.sync(cell, now_ns);
+        self.local.grant(p, &g, sent_ns, now_ns, margin_ns);
+        self.policy.granted(sent_ns, &g);
+        // The tokens paid join what the cell holds (spent meanwhile or not), with the new
+        // deadline.
+        let whole = self.local.whole();
+        cell.lease
+            .grant(whole.saturating_sub(self.in_cell), self.local.deadline_ns());
+        self.in_cell = whole;
+        let unit = u128::from(p.rate.period_us()) * u128::from(rate_scale(p));
+        self.share_milli = (u128::from(g.share) * 1_000_000_000 / unit.max(1)) as u64;
+        refill.rate_granted(self.local.deadline_ns(), self.share_milli);
+        cell.set_low_water(1);
+        cell.clear_denial();
+        g
+    }
+
+    /// The call in flight got no reply: the share stays paused (the store may have
+    /// lowered it) until a later call's reply; the stock is still spent until the
+    /// deadline.
+    pub fn failed(&mut self) {
+        self.inflight = None;
+    }
+
+    /// Gives the lease up at `now_ns` (the key went idle, or the agent stops): the cell
+    /// empties, and the tokens to return with the release (none past the deadline).
+    pub fn release(&mut self, cell: &Cell, refill: &Refill, now_ns: u64) -> u64 {
+        self.sync(cell, now_ns);
+        let running = self.local.running(now_ns);
+        cell.lease.take_all();
+        self.in_cell = 0;
+        let whole = self.local.stop(now_ns);
+        refill.rate_granted(0, 0);
+        *self = Self {
+            spent_total: self.spent_total,
+            denied_seen: self.denied_seen,
+            ..Self::default()
+        };
+        if running { whole } else { 0 }
+    }
+
+    /// Whether a live lease had nothing offered for `idle_ns` at `now_ns`.
+    pub fn idle(&self, now_ns: u64, idle_ns: u64) -> bool {
+        self.live && self.inflight.is_none() && now_ns.saturating_sub(self.offered_at_ns) >= idle_ns
+    }
+
+    /// The last grant's share, thousandths of a token per second.
+    pub fn share_milli(&self) -> u64 {
+        self.share_milli
+    }
+
+    /// The burst: the cell's bucket's capacity.
+    pub fn burst(&self) -> u64 {
+        self.local.burst()
+    }
+
+    /// For the coordinator's report: tokens spent from the cell in all, and the demand
+    /// last reported (thousandths of a token per second).
+    pub fn totals(&self) -> (u64, u64) {
+        (self.spent_total, self.demand_milli)
     }
 }
 
@@ -257,6 +548,16 @@ mod tests {
     use super::*;
 
     const MS: u64 = 1_000_000;
+
+    fn grant(ttl_us: u64, limited: bool) -> RateGrant {
+        RateGrant {
+            share: 1_000_000,
+            burst: 10,
+            paid: 10,
+            ttl_us,
+            limited,
+        }
+    }
 
     #[test]
     fn the_policy_calls_at_three_quarters_of_the_term_or_when_demand_changes() {
@@ -268,35 +569,79 @@ mod tests {
         assert_eq!(p.demand_milli(1_095 * MS), 1_000_000);
         assert!(p.due(1_095 * MS), "never called");
         assert_eq!(p.calling(1_095 * MS), 1_000_000);
-        let g = RateGrant {
-            share: 1_000_000,
-            burst: 10,
-            paid: 10,
-            ttl_us: 4_000_000,
-            limited: false,
-        };
+        let g = grant(4_000_000, false);
         p.granted(1_095 * MS, &g);
-        // Steady: not before three quarters of the term.
-        for at in (1_100..4_095).step_by(10) {
+        // The first grant is renewed soon, once the fleet's demands are known.
+        for at in (1_100..1_395).step_by(10) {
             p.offered(at * MS, 10);
             assert!(!p.due(at * MS), "at {at} ms");
         }
-        assert!(p.due(4_095 * MS));
-        // Demand doubling: due, but not within a window of the last call.
-        p.calling(4_095 * MS);
-        p.granted(4_095 * MS, &g);
-        for at in (4_100..4_200).step_by(10) {
+        assert!(p.due(1_395 * MS));
+        p.calling(1_395 * MS);
+        p.granted(1_395 * MS, &g);
+        // And once more, once the fleet's demand is known.
+        for at in (1_400..1_695).step_by(10) {
+            p.offered(at * MS, 10);
+            assert!(!p.due(at * MS), "at {at} ms");
+        }
+        assert!(p.due(1_695 * MS));
+        p.calling(1_695 * MS);
+        p.granted(1_695 * MS, &g);
+        // Steady: not before three quarters of the term.
+        for at in (1_700..4_695).step_by(10) {
+            p.offered(at * MS, 10);
+            assert!(!p.due(at * MS), "at {at} ms");
+        }
+        assert!(p.due(4_695 * MS));
+        assert_eq!(p.calling(4_695 * MS), 1_000_000, "since the last call");
+        p.granted(4_695 * MS, &g);
+        // Demand doubling over a window that saw enough: due, but not within a window of
+        // the last call.
+        for at in (4_700..4_800).step_by(10) {
             p.offered(at * MS, 25);
         }
-        assert!(!p.due(4_190 * MS), "a window since the last call");
-        assert!(p.due(4_200 * MS), "2 500/s against 1 000 reported");
-        // A limited grant: asked again after a window.
-        p.calling(4_200 * MS);
-        p.granted(4_200 * MS, &RateGrant { limited: true, ..g });
-        for at in (4_210..4_300).step_by(10) {
-            p.offered(at * MS, 25);
+        assert!(!p.due(4_790 * MS), "a window since the last call");
+        assert!(p.due(4_800 * MS), "2 500/s against 1 000 reported");
+        assert_eq!(p.calling(4_800 * MS), 2_250_000, "the last window's");
+        // A limited grant: asked again a quarter window later, then half a window.
+        p.granted(4_800 * MS, &grant(4_000_000, true));
+        p.offered(4_810 * MS, 25);
+        assert!(!p.due(4_820 * MS));
+        assert!(p.due(4_825 * MS));
+        p.calling(4_825 * MS);
+        p.granted(4_825 * MS, &grant(4_000_000, true));
+        assert!(!p.due(4_870 * MS));
+        assert!(p.due(4_875 * MS));
+    }
+
+    /// A few tokens a second: a window is noise (2 tokens, or 5), not a change; what was
+    /// offered since the last call is the rate reported, and a change shows over a second.
+    #[test]
+    fn a_slow_key_reports_its_rate_not_a_window_of_noise() {
+        let mut p = RatePolicy::default();
+        // 20/s, in bunches of 5 every 250 ms.
+        p.offered(0, 5);
+        p.calling(100 * MS);
+        p.granted(100 * MS, &grant(4_000_000, false));
+        p.offered(250 * MS, 5);
+        p.calling(400 * MS);
+        p.granted(400 * MS, &grant(4_000_000, false));
+        p.offered(500 * MS, 5);
+        p.calling(700 * MS);
+        p.granted(700 * MS, &grant(4_000_000, false));
+        for at in (750..3_700).step_by(250) {
+            p.offered(at * MS, 5);
+            assert!(!p.due(at * MS), "at {at} ms");
         }
-        assert!(!p.due(4_290 * MS));
-        assert!(p.due(4_300 * MS));
+        let d = p.calling(3_700 * MS);
+        assert!((18_000..=22_000).contains(&d), "{d}");
+        p.granted(3_700 * MS, &grant(4_000_000, false));
+        // 80/s: not significant in a window (8 tokens), seen after a second.
+        for at in (3_710..4_700).step_by(100) {
+            p.offered(at * MS, 8);
+            assert!(!p.due(at * MS), "at {at} ms");
+        }
+        p.offered(4_710 * MS, 8);
+        assert!(p.due(4_710 * MS));
     }
 }

@@ -80,6 +80,10 @@ pub enum Leasing {
     Lease,
     /// Never lease: one exact call per decision.
     Exact,
+    /// Lease a share of the rate and a burst for a term (see [`crate::rate_lease`]): one
+    /// store call per term, or per change of demand, whatever the key's volume. For a key
+    /// shared by many agents (hundreds of gateways on one tenant).
+    Rate,
 }
 
 /// What an agent decides while the global store is unreachable.
@@ -204,8 +208,11 @@ pub struct RuleSpec {
     pub emergency_rate: Option<String>,
     /// How long a decision may wait for the store (default `"50ms"`).
     pub timeout: Option<String>,
-    /// `"auto"` (default), `"lease"` or `"exact"`.
+    /// `"auto"` (default), `"lease"`, `"exact"` or `"rate"`.
     pub leasing: Option<String>,
+    /// With `leasing = "rate"`: how long a rate lease runs (default `"4s"`); it takes
+    /// `lease_ttl`'s place.
+    pub term: Option<String>,
     /// Wait for this many replicas to acknowledge each call that grants tokens (Redis
     /// `WAIT`) before spending them; a grant not acknowledged in time counts as unknown
     /// (the failure policy decides). Default 0: no wait.
@@ -272,6 +279,8 @@ pub struct OverrideSpec {
     pub timeout: Option<String>,
     /// See [`RuleSpec::leasing`].
     pub leasing: Option<String>,
+    /// See [`RuleSpec::term`].
+    pub term: Option<String>,
     /// See [`RuleSpec::replicas`].
     pub replicas: Option<u64>,
     /// See [`RuleSpec::replica_timeout`].
@@ -307,6 +316,7 @@ impl OverrideSpec {
             emergency_rate: pick(&self.emergency_rate, &base.emergency_rate),
             timeout: pick(&self.timeout, &base.timeout),
             leasing: pick(&self.leasing, &base.leasing),
+            term: pick(&self.term, &base.term),
             replicas: pick(&self.replicas, &base.replicas),
             replica_timeout: pick(&self.replica_timeout, &base.replica_timeout),
             shadow: pick(&self.shadow, &base.shadow),
@@ -655,7 +665,50 @@ impl Rule {
             "auto" => Leasing::Auto,
             "lease" => Leasing::Lease,
             "exact" => Leasing::Exact,
-            other => return Err(choice("leasing", other, "auto, lease, exact")),
+            "rate" => Leasing::Rate,
+            other => return Err(choice("leasing", other, "auto, lease, exact, rate")),
+        };
+        let conflict = |field, value: String, why| RuleError::Conflict {
+            rule: rule(),
+            field,
+            value,
+            why,
+        };
+        let lease_ttl = if leasing == Leasing::Rate {
+            if let Some(t) = &spec.lease_ttl {
+                return Err(conflict(
+                    "lease_ttl",
+                    t.clone(),
+                    "a rate lease runs for its term: set term instead",
+                ));
+            }
+            if let Mode::Relaxed { .. } = mode {
+                return Err(conflict(
+                    "mode",
+                    "relaxed".into(),
+                    "rate leases count their bursts as outstanding: strict mode only",
+                ));
+            }
+            let (n, per) = (u128::from(rate.tokens()), u128::from(rate.period_us()));
+            if u128::from(capacity.get()) * per * 1000 + n * 1000 > u128::from(MAX_EXACT) {
+                return Err(range(
+                    "capacity",
+                    capacity.get(),
+                    "with leasing = \"rate\", capacity times the rate's period in µs must \
+                     stay below 9 000 000 000 000 (exact arithmetic in Redis)"
+                        .to_string(),
+                ));
+            }
+            dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?
+        } else {
+            if let Some(t) = &spec.term {
+                return Err(conflict(
+                    "term",
+                    t.clone(),
+                    "applies only with leasing = \"rate\"",
+                ));
+            }
+            lease_ttl
         };
         if spec.emergency_rate.is_some() && !matches!(failure, FailurePolicy::LocalEmergency { .. })
         {
@@ -711,6 +764,22 @@ impl Rule {
         };
         let scope = Self::scope_of(label, spec, rate)?;
         let local = Self::local_of(label, spec, capacity, rate, &scope)?;
+        if leasing == Leasing::Rate {
+            if let Scope::Global { .. } = scope {
+                return Err(conflict(
+                    "scope",
+                    "global".into(),
+                    "a region's bucket is fed by its broker's deposits, not leased by rate",
+                ));
+            }
+            if let Some(p) = spec.local_percent {
+                return Err(conflict(
+                    "local_percent",
+                    p.to_string(),
+                    "a rate lease is already spent locally: no local share with it",
+                ));
+            }
+        }
         Ok(Self {
             scope,
             local,

@@ -38,9 +38,13 @@ pub const DEPOSIT_SEQ: &str = "rq";
 /// On a region's bucket: the rate the region gets (milli-tokens/s), by its last deposit.
 pub const REGION_RATE: &str = "rr";
 
-/// The rate leases' shares, thousandths of a token per rate period (absent when none): the
-/// bucket refills at the rest of its rate.
+/// The rate leases' shares, `1/scale`-ths of a token per rate period (absent when none):
+/// the bucket refills at the rest of its rate.
 pub const SHARED: &str = "sh";
+/// How many records hold a share (absent when none).
+pub const SHARE_RECORDS: &str = "sn";
+/// The unit the shares are counted in, `period_us × scale` (absent when none).
+pub const SHARE_UNIT: &str = "su";
 
 /// Per agent (`ID` = 16 hex digits), what it holds from this bucket.
 pub const AGENT_HELD: &str = ":h";
@@ -96,7 +100,12 @@ pub const FIELDS: &[(&str, &str)] = &[
         REGION_RATE,
         "on a region's bucket: the rate it gets (milli-tokens/s)",
     ),
-    (SHARED, "rate leases' shares (milli-tokens per rate period)"),
+    (
+        SHARED,
+        "rate leases' shares (1/scale tokens per rate period)",
+    ),
+    (SHARE_RECORDS, "records holding a share"),
+    (SHARE_UNIT, "the shares' unit: rate period (µs) times scale"),
     (
         AGENT_HELD,
         "per agent: tokens it holds (a rate lease: its burst)",
@@ -111,7 +120,7 @@ pub const FIELDS: &[(&str, &str)] = &[
     ),
     (
         AGENT_SHARE,
-        "per agent: its rate lease's share (milli-tokens per rate period)",
+        "per agent: its rate lease's share (1/scale tokens per rate period)",
     ),
 ];
 

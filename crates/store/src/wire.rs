@@ -125,7 +125,12 @@ pub fn args(p: &BucketParams, req: &Request) -> ([u64; 6], Vec<u64>) {
             until_us,
             rate_milli,
         } => rest.extend([tokens, until_us, rate_milli]),
-        Op::Rate { held, want, demand } => rest.extend([held, want, demand]),
+        Op::Rate {
+            held,
+            want,
+            tokens,
+            demand,
+        } => rest.extend([held, want, tokens, demand]),
     }
     (common, rest)
 }
@@ -275,8 +280,10 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
     if s.region_rate_milli != 0 {
         f.insert(h::REGION_RATE.to_owned(), s.region_rate_milli.to_string());
     }
-    if s.shared != 0 {
+    if s.share_records != 0 {
         f.insert(h::SHARED.to_owned(), s.shared.to_string());
+        f.insert(h::SHARE_RECORDS.to_owned(), s.share_records.to_string());
+        f.insert(h::SHARE_UNIT.to_owned(), s.share_unit.to_string());
     }
     for (id, r) in &s.agents {
         f.insert(format!("{id}{}", h::AGENT_HELD), r.held.to_string());
@@ -298,8 +305,8 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
 /// The field of a bucket's hash that holds its state, packed: tok, car, p, ts, out, nexp,
 /// mx, ds, dx, sg, ru, rq, rr, the split in force (parts, salt, until, tokens,
 /// outstanding, drop; parts 0 when none) and the part's (generation, until), as 21
-/// little-endian unsigned 64-bit integers, and a 22nd, the rate leases' shares, while
-/// there are any. Each agent's record is the field named by its id: held, x, seq, demand,
+/// little-endian unsigned 64-bit integers, and three more while rate leases hold shares:
+/// their sum, how many records have one, and the unit they are counted in. Each agent's record is the field named by its id: held, x, seq, demand,
 /// credit, its rate lease's share if it has one, then its last reply (7 integers, 14 with
 /// a split).
 /// `leasehold.lua` reads and writes two fields a call so, instead of one decimal field
@@ -315,7 +322,7 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
         let name = std::str::from_utf8(name).ok()?;
         if name == STATE {
             let v = unpack_numbers(value)?;
-            if v.len() != 21 && v.len() != 22 {
+            if v.len() != 21 && v.len() != 24 {
                 return None;
             }
             for (k, n) in [
@@ -347,8 +354,14 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
             if v[19] != 0 {
                 f.insert(h::PART.to_owned(), join(&v[19..21]));
             }
-            if let Some(&sh) = v.get(21) {
-                f.insert(h::SHARED.to_owned(), sh.to_string());
+            if v.len() == 24 {
+                for (k, n) in [
+                    (h::SHARED, v[21]),
+                    (h::SHARE_RECORDS, v[22]),
+                    (h::SHARE_UNIT, v[23]),
+                ] {
+                    f.insert(k.to_owned(), n.to_string());
+                }
             }
         } else if !name.is_empty()
             && name.len() <= 32

@@ -268,7 +268,13 @@ pub(super) async fn report(limiter: Limiter) {
             .policy
             .admitted_without_store(ks.without_store.swap(0, Ordering::Relaxed));
         let held = ks.hot().lease.held();
-        let t = driver.policy.totals(held);
+        let mut t = driver.policy.totals(held);
+        // A rate lease's cell is spent outside the key's policy.
+        if let Some(rk) = ks.rate.lock().as_ref() {
+            let (spent, demand) = rk.totals();
+            t.admitted += spent;
+            t.demand_milli = demand;
+        }
         if t.calls == 0 && t.admitted == 0 {
             continue;
         }
@@ -294,7 +300,16 @@ pub(super) async fn refill(limiter: Limiter, ks: Arc<KeyState>) {
         let mut driver = ks.driver.lock().await;
         // Checked under the key's lock, which shutdown takes after setting `shut`: a
         // refill queued before a shutdown leases nothing after it.
-        if limiter.is_hot(&ks, entry)
+        if entry.rule.leasing() == Leasing::Rate {
+            let due = ks
+                .rate
+                .lock()
+                .as_ref()
+                .is_none_or(|rk| rk.due(limiter.now_ns()));
+            if limiter.is_hot(&ks, entry) && due {
+                let _ = limiter.rate_call(&ks, &mut driver, entry).await;
+            }
+        } else if limiter.is_hot(&ks, entry)
             && ks.hot().leases()
             && ks.hot().lease.held() < ks.hot().low_water()
         {
@@ -357,6 +372,10 @@ impl Limiter {
             let Ok(mut driver) = ks.driver.clone().try_lock_owned() else {
                 continue;
             };
+            if entry.rule.leasing() == Leasing::Rate {
+                self.rate_sweep(ks, entry, driver);
+                continue;
+            }
             let held = ks.hot().lease.held();
             let action = driver.policy.sweep(
                 &entry.rule,

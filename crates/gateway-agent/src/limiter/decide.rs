@@ -40,6 +40,9 @@ impl Around for AgentAround<'_> {
     }
 
     fn refill(&mut self, now_ns: u64) -> bool {
+        if self.ks.entry.load().rule.leasing() == Leasing::Rate {
+            return self.limiter.rate_refill(self.ks, now_ns);
+        }
         self.limiter.request_prefetch(self.ks, now_ns);
         self.ks.prefetching.load(Ordering::Acquire)
     }
@@ -368,7 +371,7 @@ impl Limiter {
             return false;
         }
         match entry.rule.leasing() {
-            Leasing::Lease => true,
+            Leasing::Lease | Leasing::Rate => true,
             Leasing::Exact => false,
             Leasing::Auto => ks.hot().leases(),
         }

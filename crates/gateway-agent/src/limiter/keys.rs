@@ -145,6 +145,8 @@ pub(super) struct KeyState {
     pub(super) announced: AtomicBool,
     /// The bucket is a region's (`lh:{RULE|SUBJECT|region}`).
     pub(super) region: bool,
+    /// A key of a `leasing = "rate"` rule: its rate lease, from its first call.
+    pub(super) rate: super::rate::RateSlot,
 }
 
 impl KeyState {
@@ -232,7 +234,7 @@ impl KeyState {
             rule: rule.into(),
             cell: cells.take(
                 entry.params.capacity,
-                !transient && entry.rule.leasing() == Leasing::Lease,
+                !transient && matches!(entry.rule.leasing(), Leasing::Lease | Leasing::Rate),
                 entry.shadow,
                 entry.local.is_some() && !transient,
             ),
@@ -257,6 +259,7 @@ impl KeyState {
             announced: AtomicBool::new(false),
             in_sweep: AtomicBool::new(false),
             region,
+            rate: parking_lot::Mutex::new(None),
         }
     }
 }

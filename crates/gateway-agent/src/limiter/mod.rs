@@ -56,6 +56,7 @@ mod degraded;
 mod health;
 mod keymap;
 mod keys;
+mod rate;
 mod route;
 mod seats;
 mod store_path;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use leasehold_core::cell::refill_ns;
 use leasehold_core::model::{Op, Reply};
+use leasehold_core::rule::Leasing;
 use tokio::time::{Instant, timeout_at};
 
 use crate::breaker::Refusal;
@@ -164,6 +165,9 @@ impl Limiter {
         entry: &RuleEntry,
         cost: u64,
     ) -> Result<Decision, CallError> {
+        if entry.rule.leasing() == Leasing::Rate {
+            return self.rate_decide(ks, driver, entry, cost).await;
+        }
         // Two rounds at most: other callers may spend the grant before we do.
         for _ in 0..2 {
             let reply = self.acquire(ks, driver, entry, cost).await?;

@@ -133,7 +133,7 @@ impl GlobalBucket {
                 if s.level.tokens >= cost {
                     s.level = s.level.take(cost);
                     0
-                } else if s.shared > 0 {
+                } else if s.share_records > 0 {
                     // Rate leases hold part of the rate.
                     s.wait_for(p, cost)
                 } else {

@@ -44,7 +44,7 @@ use std::fmt;
 pub use batch::{BatchLog, BatchRecord, ExactOutcome, ExactReply, MAX_BATCH_COSTS, validate_exact};
 pub use ops::validate;
 pub use split::{MAX_PARTS, PartTerm, RESERVATION, Split};
-pub use state::{AgentRecord, BucketState, View};
+pub use state::{AgentRecord, BucketState, View, rate_scale};
 
 use crate::bucket::Level;
 use crate::rule::BucketParams;
@@ -85,19 +85,21 @@ pub enum Op {
         demand: u64,
     },
     /// A rate lease (see [`crate::rate_lease`]): declare the burst the agent's local bucket
-    /// holds room for (`held`, state-based as for `Acquire`), ask for a burst of `want`
-    /// and a share of the bucket's rate sized by `demand`, for the rule's lease term. The
-    /// reply: `granted`, tokens taken from the level for the burst (the local bucket starts
-    /// with them; the burst is `held + granted`, or 1 starting empty when both are 0 and
-    /// the share is not); `scale_ppm`, the share in thousandths of a token per rate
-    /// period; `retry_us`, non-zero when other agents' shares still hold part of the
-    /// agent's part (asking again within the term gets more, as they renew); `ttl_us`, the
-    /// term. A release gives the share up.
+    /// holds room for (`held`, state-based as for `Acquire`) and the whole tokens in it,
+    /// ask for a burst of `want` and a share of the bucket's rate sized by `demand`, for the
+    /// rule's lease term. The reply: `remaining`, the burst (it grows towards `want` while
+    /// the bursts leave room under B, the room it gains starting empty); `granted`, tokens
+    /// taken from the level into it; `scale_ppm`, the share in `1/scale`-ths of a token per
+    /// rate period ([`rate_scale`]); `retry_us`, 1 when other agents' shares hold more
+    /// than an eighth of the agent's part (asking again within the term gets more, as they
+    /// renew); `ttl_us`, the term. A release gives the share up.
     Rate {
         /// The burst the agent holds room for: its local bucket's capacity as it sends.
         held: u64,
         /// The burst wanted (at most the capacity).
         want: u64,
+        /// Whole tokens in the local bucket (at most `held`).
+        tokens: u64,
         /// The agent's demand for this bucket, thousandths of a token per second.
         demand: u64,
     },
@@ -241,7 +243,12 @@ impl GlobalBucket {
                 min,
                 demand,
             } => ops::acquire(&mut call, p, held, want, min, demand),
-            Op::Rate { held, want, demand } => ops::rate(&mut call, p, held, want, demand),
+            Op::Rate {
+                held,
+                want,
+                tokens,
+                demand,
+            } => ops::rate(&mut call, p, held, want, tokens, demand),
             Op::Release { returned } => ops::release(&mut call, p, returned),
             Op::Exact { cost } => ops::exact(&mut call, p, cost),
             Op::Split {

@@ -69,9 +69,15 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
                 });
             }
         }
-        Op::Rate { held, want, demand } => {
+        Op::Rate {
+            held,
+            want,
+            tokens,
+            demand,
+        } => {
             validate_rate(p)?;
             check("held", held, p.capacity)?;
+            check("tokens", tokens, held)?;
             check("demand", demand, MAX_HELD)?;
             if want > p.capacity {
                 return Err(ProtocolError::InvalidArgument {
@@ -123,7 +129,7 @@ pub fn validate(p: &BucketParams, req: &Request) -> Result<(), ProtocolError> {
 
 /// Whether a bucket may be leased by rate: strict mode (its bursts count as outstanding), not
 /// a region's bucket or a split's part, and its refill at part of its rate exact
-/// (`B × period_us × 1000` below [`MAX_EXACT`]: [`Level::refill_milli`]).
+/// (a share scale of 10^3 at least: [`super::rate_scale`]).
 pub(super) fn validate_rate(p: &BucketParams) -> Result<(), ProtocolError> {
     let refuse = |what, value| Err(ProtocolError::InvalidArgument { what, value });
     if let Mode::Relaxed { max_outstanding } = p.mode {
@@ -135,8 +141,7 @@ pub(super) fn validate_rate(p: &BucketParams) -> Result<(), ProtocolError> {
     if let Some(seed) = &p.part {
         return refuse("part_gen", seed.gen_us);
     }
-    let (n, per) = (u128::from(p.rate.tokens()), u128::from(p.rate.period_us()));
-    if u128::from(p.capacity) * per * 1000 + n * 1000 > u128::from(MAX_EXACT) {
+    if super::rate_scale(p) == 0 {
         return refuse("capacity", p.capacity);
     }
     Ok(())
@@ -270,7 +275,8 @@ impl Call {
         let Self { mut s, now, .. } = self;
         s.compact = false;
         reply.split = s.split;
-        if !matches!(req.op, Op::Deposit { .. }) {
+        // A deposit's and a rate lease's say what they carry.
+        if !matches!(req.op, Op::Deposit { .. } | Op::Rate { .. }) {
             reply.remaining = s.level.tokens;
         }
         if let Some(record) = record {
@@ -413,7 +419,7 @@ pub(super) fn acquire(
 }
 
 /// Headroom over an agent's demand in its rate lease's share while the bucket is not
-/// contended: a fifth more (as a multiplier, the same operation in the Lua).
+/// contended: a quarter more (as a multiplier, the same operation in the Lua).
 const RATE_HEADROOM: f64 = 1.25;
 
 /// A rate lease: the agent declares its burst (`held`), asks for `want`, and gets a share of
@@ -425,6 +431,7 @@ pub(super) fn rate(
     p: &BucketParams,
     held: u64,
     want: u64,
+    tokens: u64,
     demand: u64,
 ) -> (AgentRecord, Reply) {
     let now = c.now;
@@ -439,48 +446,51 @@ pub(super) fn rate(
     }
     s.outstanding = s.outstanding - prior_held + held;
     s.demand_sum = s.demand_sum - prior_demand + demand;
-    s.shared -= prior_share;
+    s.remove_share(prior_share);
     s.clamp(p);
-    let (n, per) = (p.rate.tokens(), p.rate.period_us());
-    let whole = n * 1000;
+    let (n, per, scale) = (p.rate.tokens(), p.rate.period_us(), super::rate_scale(p));
+    let whole = n * scale;
     // Floating point, the same operations as the Lua, so both round alike.
     let part = if demand == 0 || moved {
         0.0
     } else if (s.demand_sum as f64) <= n as f64 * 1e9 / per as f64 {
-        (demand as f64 * per as f64 / 1e6 * RATE_HEADROOM).min(whole as f64)
+        let d = demand as f64 * per as f64 * scale as f64 / 1e9;
+        (d * RATE_HEADROOM).min(whole as f64)
     } else {
         whole as f64 * demand as f64 / s.demand_sum as f64
     };
     let part = part.floor() as u64;
-    let mut share = part.min(whole - s.shared);
+    let mut share = part.min(whole.saturating_sub(s.shared));
+    // The burst grows towards `want` while the bursts leave room under B; the room it
+    // gains starts empty (the level's cap falls by it), so the tokens that exist stay
+    // within B. A share needs a burst of one token at least to be spent.
+    let grow = if moved || share == 0 {
+        0
+    } else {
+        (want.saturating_sub(held)).min(p.capacity.saturating_sub(s.outstanding))
+    };
+    s.outstanding += grow;
+    let burst = held + grow;
+    if burst == 0 {
+        share = 0;
+    }
+    // Tokens from the level fill the burst's empty room; what the level then holds above
+    // B less the bursts is void.
     let paid = if moved {
         0
     } else {
-        want.saturating_sub(held).min(s.level.tokens)
+        (burst - tokens).min(s.level.tokens)
     };
     s.level = s.level.take(paid);
-    s.outstanding += paid;
-    if held + paid == 0 && share > 0 {
-        // A share is spent from a local bucket of one token at least: one that starts
-        // empty, while the bursts leave room under B (the level's cap falls by it).
-        if s.outstanding < p.capacity {
-            s.outstanding += 1;
-            s.clamp(p);
-        } else {
-            share = 0;
-        }
-    }
-    let burst = if held + paid == 0 && share > 0 {
-        1
-    } else {
-        held + paid
-    };
-    s.shared += share;
+    s.clamp(p);
+    s.add_share(p, share);
     let mut reply = c.reply();
     reply.granted = paid;
+    reply.remaining = burst;
     reply.ttl_us = p.lease_ttl_us;
     reply.scale_ppm = share;
-    reply.retry_us = u64::from(share < part);
+    // Limited: less than seven eighths of its part (a shortfall worth another call).
+    reply.retry_us = u64::from(share < part - part / 8);
     let record = AgentRecord {
         held: burst,
         drop_us: now + p.lease_ttl_us + p.grace_us,
@@ -502,7 +512,7 @@ pub(super) fn release(c: &mut Call, p: &BucketParams, returned: u64) -> (AgentRe
     s.outstanding -= prior_held;
     s.demand_sum -= c.prior.as_ref().map_or(0, |r| r.demand);
     // A rate lease's share is given up with it.
-    s.shared -= c.prior.as_ref().map_or(0, |r| r.share);
+    s.remove_share(c.prior.as_ref().map_or(0, |r| r.share));
     s.level.tokens += credit;
     s.clamp(p);
     let mut reply = c.reply();
@@ -554,7 +564,7 @@ pub(super) fn split(
     let s = &mut c.s;
     match &mut s.split {
         // A bucket leased by rate is not split: its agents call once a term.
-        None if until_us > now && s.shared == 0 => {
+        None if until_us > now && s.share_records == 0 => {
             // Start: the parent's tokens go to the parts, its refill stops.
             let gen_us = now.max(s.last_split_us + 1);
             s.split = Some(Split {

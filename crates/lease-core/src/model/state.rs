@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use super::split::{PartTerm, RESERVATION, Split};
 use super::{AgentId, DEMAND_TTL_US, Reply};
 use crate::bucket::Level;
+use crate::rate::MAX_EXACT;
 use crate::rule::{BucketParams, Mode};
 
 /// What the store remembers of one agent.
@@ -67,9 +68,15 @@ pub struct BucketState {
     /// On a region's bucket: the rate the region gets, by its last deposit (thousandths
     /// of a token per second; 0: unknown), which its agents' shares divide.
     pub region_rate_milli: u64,
-    /// The sum of the records' shares (rate leases), thousandths of a token per rate
-    /// period: the bucket refills at what they leave.
+    /// The sum of the records' shares (rate leases), in `1/scale`-ths of a token per rate
+    /// period ([`rate_scale`]): the bucket refills at what they leave.
     pub shared: u64,
+    /// The records with a share (0: none; then `shared` is 0).
+    pub share_records: u64,
+    /// The unit the shares are counted in, `period_us × scale` (0 with no share). A rule
+    /// whose change moves it leaves the shares of the old unit counting as the whole rate
+    /// until their records drop: nothing refills the level meanwhile.
+    pub share_unit: u64,
     /// Stored compact, as a string of `tok`, `car`, `ts` and `p` instead of the hash
     /// (`leasehold_store::wire::compact_value`): made so by a batch of exact decisions
     /// for a new key and kept while only batches write the key (such a key has no
@@ -88,6 +95,24 @@ pub struct View {
     pub agents: usize,
     /// The rate leases' shares still counting, thousandths of a token per rate period.
     pub shared: u64,
+}
+
+/// The scale a bucket's rate-lease shares are counted in: they are `1/scale`-ths of a
+/// token per rate period, the finest power of ten up to 10^9 for which the level's refill
+/// at part of the rate stays exact (`(B × period_us + tokens) × scale` within
+/// [`MAX_EXACT`]); 0 when not even 10^3 fits (such a rule is refused rate leases). At
+/// 20 000/s (1 token per 50 µs) and B = 20 000, 10^9: a share of one agent in 1 000 is
+/// counted to a millionth of itself.
+pub fn rate_scale(p: &BucketParams) -> u64 {
+    let x = p.capacity * p.rate.period_us() + p.rate.tokens();
+    let mut scale = 1_000_000_000;
+    while scale >= 1_000 {
+        if x <= MAX_EXACT / scale {
+            return scale;
+        }
+        scale /= 10;
+    }
+    0
 }
 
 /// The level refill may reach: `B - outstanding` in strict mode (I1), `B` in relaxed.
@@ -137,6 +162,8 @@ impl BucketState {
             deposit_seq: 0,
             region_rate_milli: 0,
             shared: 0,
+            share_records: 0,
+            share_unit: 0,
             compact: false,
         }
     }
@@ -194,10 +221,15 @@ impl BucketState {
         let Some(region) = p.region else {
             let dt = t.saturating_sub(self.updated_us);
             let cap = cap(p, self.outstanding);
-            self.level = if self.shared > 0 {
+            self.level = if self.share_records > 0 {
                 // Rate leases hold part of the rate: the bucket refills at the rest.
-                let (n, per) = (p.rate.tokens(), p.rate.period_us());
-                (self.level).refill_milli(cap, n * 1000 - self.shared, per, dt)
+                let (scale, per) = (rate_scale(p), p.rate.period_us());
+                let n = (p.rate.tokens() * scale).saturating_sub(self.shared);
+                if scale == 0 {
+                    self.level
+                } else {
+                    (self.level).refill_scaled(cap, n, per, scale, dt)
+                }
             } else {
                 self.level.refill(cap, p.rate, dt)
             };
@@ -245,13 +277,17 @@ impl BucketState {
     /// deposit ([`super::region::REGION_WAIT_US`]); past it, for its floor, but no longer.
     pub(super) fn wait_for(&self, p: &BucketParams, k: u64) -> u64 {
         let Some(region) = p.region else {
-            if self.shared == 0 {
+            if self.share_records == 0 {
                 return self.level.time_until(k, p.rate);
             }
             // At the rate the leases leave; with none left, from the next record drop on
             // at the whole rate (a hint: a renewal may hold it longer).
-            let (n, per) = (p.rate.tokens(), p.rate.period_us());
-            return match (self.level).time_until_milli(k, n * 1000 - self.shared, per) {
+            let (scale, per) = (rate_scale(p), p.rate.period_us());
+            let n = (p.rate.tokens() * scale).saturating_sub(self.shared);
+            let at = (scale != 0)
+                .then(|| self.level.time_until_scaled(k, n, per, scale))
+                .flatten();
+            return match at {
                 Some(us) => us,
                 None => {
                     let drop = self.next_drop_us.saturating_sub(self.updated_us);
@@ -287,9 +323,40 @@ impl BucketState {
         }
     }
 
+    /// A record's share no longer counts.
+    pub(super) fn remove_share(&mut self, share: u64) {
+        if share == 0 {
+            return;
+        }
+        self.share_records -= 1;
+        self.shared = self.shared.saturating_sub(share);
+        if self.share_records == 0 {
+            (self.shared, self.share_unit) = (0, 0);
+        }
+    }
+
+    /// A record's share counts, in `p`'s unit.
+    pub(super) fn add_share(&mut self, p: &BucketParams, share: u64) {
+        if share == 0 {
+            return;
+        }
+        self.share_records += 1;
+        self.shared += share;
+        self.share_unit = p.rate.period_us() * rate_scale(p);
+    }
+
     /// Refill to `now`, dropping expired records at their drop times on the way, so the
     /// refill between two drops uses the cap in force then.
     pub(super) fn advance(&mut self, p: &BucketParams, now: u64) {
+        // Shares counted in another unit (the rule changed): they hold the whole rate
+        // until their records drop.
+        if self.share_records > 0 {
+            let (scale, per) = (rate_scale(p), p.rate.period_us());
+            if per * scale != self.share_unit {
+                self.shared = p.rate.tokens() * scale;
+                self.share_unit = per * scale;
+            }
+        }
         if self.period_us != carry_period(p) {
             self.level.carry = 0;
             self.period_us = carry_period(p);
@@ -334,7 +401,7 @@ impl BucketState {
                 if let Some(r) = self.agents.remove(&id) {
                     self.outstanding -= r.held;
                     self.demand_sum -= r.demand;
-                    self.shared -= r.share;
+                    self.remove_share(r.share);
                 }
             }
             self.next_drop_us = self.agents.values().map(|r| r.drop_us).min().unwrap_or(0);

@@ -1,0 +1,179 @@
+//! Keys of `leasing = "rate"` rules: the agent holds a share of the bucket's rate and a
+//! burst for a term ([`RateKey`], sans-io in lease-core), stocks the key's cell from
+//! them, and calls the store once a term, or when its demand changes. The hot path is
+//! the lease's, unchanged; a caller the cell does not cover syncs it with the share's
+//! accrual, and is refused with the time the share takes when that is not enough.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use leasehold_core::cell::refill_ns;
+use leasehold_core::model::{Op, Reply};
+use leasehold_core::rate_lease::RateKey;
+
+use crate::counters::Counter;
+
+use super::call::CallError;
+use super::decide::denied;
+use super::keys::{Driver, KeyState};
+use super::route::dest;
+use super::table::RuleEntry;
+use super::{Decision, Limiter};
+
+impl Limiter {
+    /// A caller the cell did not cover ([`leasehold_core::Around::refill`]): the share's
+    /// accrual goes into the cell, and a renewal is queued if one is due. Whether the
+    /// caller must wait: the cell is still empty (a sync by another caller meanwhile may
+    /// have stocked it).
+    pub(super) fn rate_refill(&self, ks: &Arc<KeyState>, now: u64) -> bool {
+        let due = {
+            let mut guard = ks.rate.lock();
+            match guard.as_mut() {
+                Some(rk) => {
+                    rk.sync(ks.hot(), now);
+                    rk.due(now)
+                }
+                None => true,
+            }
+        };
+        if due {
+            self.request_prefetch(ks, now);
+        }
+        ks.hot().lease.held() == 0
+    }
+
+    /// The store path of a rate key's caller the cell did not cover: a renewal if one is
+    /// due (the first grant, a grown demand), else the share's accrual; then the cell, or
+    /// a denial with the time the share takes to bring the cost.
+    pub(super) async fn rate_decide(
+        &self,
+        ks: &Arc<KeyState>,
+        driver: &mut Driver,
+        entry: &RuleEntry,
+        cost: u64,
+    ) -> Result<Decision, CallError> {
+        let now = self.now_ns();
+        let due = ks.rate.lock().as_ref().is_none_or(|rk| rk.due(now));
+        if due {
+            self.rate_call(ks, driver, entry).await?;
+        } else {
+            self.rate_refill(ks, now);
+        }
+        if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
+            return Ok(d);
+        }
+        entry.counters.incr(entry.denied);
+        ks.hot().count_denied(cost);
+        let share = ks.refill.share_milli();
+        let wait = if share == 0 {
+            refill_ns(cost, entry.params.rate)
+        } else {
+            (cost as f64 * 1e12 / share as f64) as u64
+        };
+        Ok(denied(wait))
+    }
+
+    /// A rate lease's call: the burst declared and wanted and the demand, the grant
+    /// installed in the cell.
+    #[tracing::instrument(level = "debug", name = "rate lease", skip_all, fields(key = %ks.bucket.for_logs()))]
+    pub(super) async fn rate_call(
+        &self,
+        ks: &KeyState,
+        driver: &mut Driver,
+        entry: &RuleEntry,
+    ) -> Result<Reply, CallError> {
+        let op = ks.rate.lock().get_or_insert_with(Box::default).call(
+            ks.hot(),
+            &entry.params,
+            self.now_ns(),
+        );
+        tracing::debug!(?op, "rate lease call");
+        let reply = match self.call(ks, driver, entry, op).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                if let Some(rk) = ks.rate.lock().as_mut() {
+                    rk.failed();
+                }
+                return Err(e);
+            }
+        };
+        let now = self.now_ns();
+        let ttl_ns = reply.ttl_us * 1000;
+        let margin = (self.inner.policy.margin.as_nanos() as u64).min(ttl_ns / 4);
+        let g = ks
+            .rate
+            .lock()
+            .as_mut()
+            .map(|rk| rk.granted(ks.hot(), &ks.refill, &entry.params, &reply, now, margin));
+        if !reply.moved {
+            ks.saw_store_left(reply.remaining, now);
+        }
+        tracing::debug!(?g, "rate lease granted");
+        if let Some(g) = g
+            && g.paid > 0
+        {
+            entry.counters.incr(Counter::LeaseGrants);
+            entry.counters.add(Counter::LeaseTokensGranted, g.paid);
+        }
+        Ok(reply)
+    }
+
+    /// The sweep's visit of a rate key: the cell synced; given up when nothing was
+    /// offered for the rule's idle time, renewed when due.
+    pub(super) fn rate_sweep(&self, ks: Arc<KeyState>, entry: Arc<RuleEntry>, driver: Driver2) {
+        let now = self.now_ns();
+        let ttl_ns = entry.rule.lease_ttl().as_nanos() as u64;
+        let idle_ns = (self.inner.policy.idle_after.as_nanos() as u64).min(ttl_ns / 2);
+        let (idle, due) = {
+            let mut guard = ks.rate.lock();
+            let Some(rk) = guard.as_mut().filter(|rk| rk.live()) else {
+                return;
+            };
+            rk.sync(ks.hot(), now);
+            (rk.idle(now, idle_ns), rk.due(now))
+        };
+        if !idle && !due {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut driver = driver;
+            if idle {
+                let _ = this.rate_release(&ks, &mut driver, &entry).await;
+            } else if !this.inner.shut.load(Ordering::Acquire) {
+                let _ = this.rate_call(&ks, &mut driver, &entry).await;
+            }
+        });
+    }
+
+    /// Gives a rate lease up: its share and burst leave the bucket, and what the cell
+    /// held goes back (nothing past the deadline).
+    pub(super) async fn rate_release(
+        &self,
+        ks: &KeyState,
+        driver: &mut Driver,
+        entry: &RuleEntry,
+    ) -> Result<(), CallError> {
+        let now = self.now_ns();
+        let Some(returned) = (ks.rate.lock().as_mut())
+            .filter(|rk| rk.live())
+            .map(|rk| rk.release(ks.hot(), &ks.refill, now))
+        else {
+            return Ok(());
+        };
+        let reply = self
+            .send(dest(ks, driver, entry), entry, &Op::Release { returned })
+            .await?;
+        entry.counters.incr(Counter::LeaseReturns);
+        entry
+            .counters
+            .add(Counter::LeaseTokensReturned, reply.granted);
+        Ok(())
+    }
+}
+
+/// The key's lock as the sweep holds it.
+pub(super) type Driver2 = tokio::sync::OwnedMutexGuard<Driver>;
+
+/// A rate key's state: none until its first call.
+pub(super) type RateSlot = parking_lot::Mutex<Option<Box<RateKey>>>;

@@ -14,6 +14,7 @@ mod eviction;
 mod http_layer;
 mod local_share;
 mod overrides;
+mod rate_leases;
 mod redis;
 mod replication;
 mod shadow;

@@ -20,6 +20,9 @@ pub struct AgentView {
     pub demand_per_sec: f64,
     /// Its fraction of the key's reported demand (live agents; equal when none reported).
     pub share: f64,
+    /// With a rate lease: the rate it was granted, tokens per second (its `held` is then
+    /// its burst).
+    pub leased_per_sec: Option<f64>,
     /// True while the record counts (its lease or grace has not run out).
     pub live: bool,
     /// Milliseconds until the record stops counting (negative: already past).
@@ -44,8 +47,13 @@ pub struct KeyView {
     pub absent: bool,
     /// Tokens in the bucket at its last update.
     pub tokens: u64,
-    /// Tokens leased to agents and not reported spent or returned.
+    /// Tokens leased to agents and not reported spent or returned (with rate leases, their
+    /// bursts too).
     pub outstanding: u64,
+    /// The rate the rate leases hold, tokens per second: the bucket refills at the rest.
+    pub rate_leased_per_sec: f64,
+    /// How many agents hold a rate lease on the key.
+    pub rate_leases: u64,
     /// Server time of the last update, µs.
     pub updated_us: u64,
     /// Milliseconds until Redis drops the key (when it would be full and leaseless).
@@ -84,6 +92,15 @@ impl SplitView {
     }
 }
 
+/// A rate-lease share, counted in `1/unit` tokens per µs, in tokens per second.
+fn per_sec(share: u64, unit: u64) -> f64 {
+    if unit == 0 {
+        0.0
+    } else {
+        share as f64 * 1e6 / unit as f64
+    }
+}
+
 fn num(fields: &HashMap<String, String>, name: &str) -> u64 {
     fields.get(name).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
@@ -109,6 +126,7 @@ pub fn key_view(
             held: 0,
             demand_per_sec: 0.0,
             share: 0.0,
+            leased_per_sec: None,
             live: false,
             drops_in_ms: 0,
             seq: 0,
@@ -118,6 +136,7 @@ pub fn key_view(
             "h" => a.held = v,
             "d" => a.demand_per_sec = v as f64 / 1000.0,
             "s" => a.seq = v,
+            "q" => a.leased_per_sec = Some(per_sec(v, num(fields, schema::SHARE_UNIT))),
             "x" => {
                 a.live = v > now_us;
                 a.drops_in_ms = (v as i64 - now_us as i64) / 1000;
@@ -151,6 +170,8 @@ pub fn key_view(
             num(fields, schema::TOKENS)
         },
         outstanding: num(fields, schema::OUTSTANDING),
+        rate_leased_per_sec: per_sec(num(fields, schema::SHARED), num(fields, schema::SHARE_UNIT)),
+        rate_leases: num(fields, schema::SHARE_RECORDS),
         updated_us: num(fields, schema::UPDATED),
         expires_in_ms: (pttl_ms >= 0).then_some(pttl_ms),
         agents,

@@ -235,6 +235,9 @@ const SIGNIFICANT: u64 = 20;
 /// sees the fleet's.)
 const FIRST_RENEWAL_NS: u64 = 3 * DEMAND_WINDOW_NS;
 
+/// How long demand offered where none was reported is measured before a call reports it.
+const NEW_DEMAND_NS: u64 = DEMAND_WINDOW_NS / 5;
+
 /// Calls that are followed by a renewal after [`FIRST_RENEWAL_NS`].
 const FIRST_CALLS: u64 = 2;
 
@@ -296,7 +299,12 @@ impl RatePolicy {
     /// thousandths of a token per second.
     pub fn demand_milli(&self, now_ns: u64) -> u64 {
         let since = now_ns.saturating_sub(self.last_call_ns);
-        if self.calls == 0 || since < DEMAND_WINDOW_NS {
+        let least = if self.reported_milli == 0 {
+            NEW_DEMAND_NS
+        } else {
+            DEMAND_WINDOW_NS
+        };
+        if self.calls == 0 || since < least {
             return self.window_milli(now_ns);
         }
         let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
@@ -325,11 +333,9 @@ impl RatePolicy {
             return true;
         }
         // Demand seen where none was reported (the first call comes with the first
-        // request): a tenth of a window is enough to tell.
-        if self.reported_milli == 0
-            && since >= DEMAND_WINDOW_NS / 10
-            && self.window_tokens(now_ns) >= SIGNIFICANT
-        {
+        // request, and gets no share): a few tokens are enough to ask for one; the early
+        // renewals correct the rate they report.
+        if self.reported_milli == 0 && since >= NEW_DEMAND_NS && self.since_call >= 2 {
             return true;
         }
         if since < DEMAND_WINDOW_NS {
@@ -343,7 +349,7 @@ impl RatePolicy {
     /// A call sent at `now_ns` reports this demand: the last window's when it changed
     /// enough to tell, else what was offered since the last call.
     pub fn calling(&mut self, now_ns: u64) -> u64 {
-        self.reported_milli = if self.window_changed(now_ns) {
+        self.reported_milli = if self.reported_milli != 0 && self.window_changed(now_ns) {
             self.window_milli(now_ns)
         } else {
             self.demand_milli(now_ns)
@@ -389,6 +395,9 @@ pub struct RateKey {
     demand_milli: u64,
     /// A call was made since the last release: the store may hold a share for it.
     live: bool,
+    /// A grant since the last release answered a call that reported demand: a share of
+    /// 0 then means the other agents hold the whole rate.
+    informed: bool,
 }
 
 impl RateKey {
@@ -410,6 +419,13 @@ impl RateKey {
         cell.lease.grant(whole, self.local.deadline_ns());
         self.in_cell = whole;
         whole.saturating_sub(unspent)
+    }
+
+    /// `tokens` admitted at `now_ns` outside the cell (an exact decision while the key has
+    /// no share): demand offered.
+    pub fn offered(&mut self, now_ns: u64, tokens: u64) {
+        self.policy.offered(now_ns, tokens);
+        self.offered_at_ns = now_ns;
     }
 
     /// Whether to call the store at `now_ns`: no lease yet, or the policy says so. (The
@@ -436,7 +452,7 @@ impl RateKey {
     pub fn call(&mut self, cell: &Cell, p: &BucketParams, now_ns: u64) -> Op {
         self.sync(cell, now_ns);
         let demand = self.policy.calling(now_ns);
-        let second = (demand / 1_000).clamp(1, p.capacity);
+        let second = (demand / 2_000).clamp(1, p.capacity);
         let burst = self.local.burst();
         let want = if burst <= 2 * second {
             burst.max(second)
@@ -491,7 +507,17 @@ impl RateKey {
         self.in_cell = whole;
         let unit = u128::from(p.rate.period_us()) * u128::from(rate_scale(p));
         self.share_milli = (u128::from(g.share) * 1_000_000_000 / unit.max(1)) as u64;
-        refill.rate_granted(self.local.deadline_ns(), self.share_milli);
+        // Until a call has reported demand (the first comes with the first request) a
+        // caller the cell does not cover goes to the store; after, it waits for the share
+        // (a share of 0 then means the others hold the whole rate: exact calls would only
+        // be refused).
+        self.informed |= self.demand_milli > 0;
+        let deny_until = if self.informed {
+            self.local.deadline_ns()
+        } else {
+            0
+        };
+        refill.rate_granted(deny_until, self.share_milli);
         cell.set_low_water(1);
         cell.clear_denial();
         g
@@ -524,6 +550,11 @@ impl RateKey {
     /// Whether a live lease had nothing offered for `idle_ns` at `now_ns`.
     pub fn idle(&self, now_ns: u64, idle_ns: u64) -> bool {
         self.live && self.inflight.is_none() && now_ns.saturating_sub(self.offered_at_ns) >= idle_ns
+    }
+
+    /// Whether a grant since the last release answered a call that reported demand.
+    pub fn informed(&self) -> bool {
+        self.informed
     }
 
     /// The last grant's share, thousandths of a token per second.

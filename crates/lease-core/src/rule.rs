@@ -1252,6 +1252,44 @@ mod tests {
     }
 
     #[test]
+    fn rate_leasing_takes_a_term_and_refuses_what_it_cannot_keep() {
+        let mut r = spec(20_000, "20000/s");
+        r.leasing = Some("rate".into());
+        let rule = Rule::from_spec("r", &r).unwrap();
+        assert_eq!(rule.leasing(), Leasing::Rate);
+        assert_eq!(rule.lease_ttl(), Duration::from_secs(4), "the default term");
+        r.term = Some("2s".into());
+        assert_eq!(
+            Rule::from_spec("r", &r)
+                .unwrap()
+                .bucket_params()
+                .lease_ttl_us,
+            2_000_000
+        );
+        let refused = |s: &RuleSpec, want: &str| {
+            let e = Rule::from_spec("r", s).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        let mut t = r.clone();
+        t.lease_ttl = Some("5s".into());
+        refused(&t, "set term instead");
+        let mut t = r.clone();
+        t.mode = Some("relaxed".into());
+        refused(&t, "strict mode only");
+        let mut t = r.clone();
+        t.local_percent = Some(50);
+        t.local_agents = Some(4);
+        refused(&t, "local_percent");
+        let mut t = spec(10, "1/s");
+        t.term = Some("4s".into());
+        refused(&t, "applies only with leasing = \"rate\"");
+        // A bucket whose refill at part of its rate cannot stay exact in Redis.
+        let mut t = spec(1_000_000_000, "1/h");
+        t.leasing = Some("rate".into());
+        refused(&t, "exact arithmetic");
+    }
+
+    #[test]
     fn scopes_for_regions_are_validated_and_mapped() {
         // No scope: every region sees the rule as it is.
         let plain = Rule::from_spec("a", &spec(100, "10/s")).unwrap();

@@ -7,7 +7,6 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use leasehold_core::cell::refill_ns;
 use leasehold_core::model::{Op, Reply};
 use leasehold_core::rate_lease::RateKey;
 
@@ -43,7 +42,8 @@ impl Limiter {
     }
 
     /// The store path of a rate key's caller the cell did not cover: a renewal if one is
-    /// due (the first grant, a grown demand), else the share's accrual; then the cell, or
+    /// due (the first grant, a grown demand), else the share's accrual; then the cell; then,
+    /// without a share (none yet, or the others hold the whole rate), one exact call, else
     /// a denial with the time the share takes to bring the cost.
     pub(super) async fn rate_decide(
         &self,
@@ -62,15 +62,26 @@ impl Limiter {
         if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
             return Ok(d);
         }
+        let share = ks.refill.share_milli();
+        let informed = ks.rate.lock().as_ref().is_some_and(|rk| rk.informed());
+        if share == 0 && !informed {
+            if let Some(d) = self.recheck(ks, entry, cost, self.now_ns()) {
+                return Ok(d);
+            }
+            let d = self.exact(ks, driver, entry, cost).await?;
+            // Demand the cell did not see (a denial it counts).
+            if let (Decision::Allowed { .. }, Some(rk)) = (&d, ks.rate.lock().as_mut()) {
+                rk.offered(self.now_ns(), cost);
+            }
+            return Ok(d);
+        }
         entry.counters.incr(entry.denied);
         ks.hot().count_denied(cost);
-        let share = ks.refill.share_milli();
-        let wait = if share == 0 {
-            refill_ns(cost, entry.params.rate)
+        Ok(denied(if share == 0 {
+            leasehold_core::cell::refill_ns(cost, entry.params.rate)
         } else {
             (cost as f64 * 1e12 / share as f64) as u64
-        };
-        Ok(denied(wait))
+        }))
     }
 
     /// A rate lease's call: the burst declared and wanted and the demand, the grant

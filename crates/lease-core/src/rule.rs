@@ -1284,7 +1284,7 @@ mod tests {
         t.term = Some("4s".into());
         refused(&t, "applies only with leasing = \"rate\"");
         // A bucket whose refill at part of its rate cannot stay exact in Redis.
-        let mut t = spec(1_000_000_000, "1/h");
+        let mut t = spec(10_000, "1/h");
         t.leasing = Some("rate".into());
         refused(&t, "exact arithmetic");
     }

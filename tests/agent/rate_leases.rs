@@ -9,25 +9,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use leasehold_agent::{Decision, Limiter, LimiterConfig};
+use leasehold_agent::Decision;
 use support::{field, server};
 
 const RULES: &str =
     "[rules.rl]\ncapacity = 1000\nrate = \"2000/s\"\nleasing = \"rate\"\nterm = \"2s\"\n";
-
-async fn limiter(url: &str) -> Limiter {
-    Limiter::builder()
-        .redis(url)
-        .rules(support::rules(RULES))
-        .config({
-            let mut c = LimiterConfig::default();
-            c.store = support::config();
-            c
-        })
-        .build()
-        .await
-        .expect("limiter")
-}
 
 #[test]
 fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
@@ -35,7 +21,7 @@ fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
     support::runtime().block_on(async {
         let mut agents = Vec::new();
         for _ in 0..8 {
-            agents.push(limiter(&server.url()).await);
+            agents.push(support::limiter(&server.url(), RULES).await);
         }
         let admitted = Arc::new(AtomicU64::new(0));
         let decisions = Arc::new(AtomicU64::new(0));

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use leasehold_core::model::{Op, Reply};
+use leasehold_core::model::Reply;
 use leasehold_core::rate_lease::RateKey;
 
 use crate::counters::Counter;
@@ -15,7 +15,6 @@ use crate::counters::Counter;
 use super::call::CallError;
 use super::decide::denied;
 use super::keys::{Driver, KeyState};
-use super::route::dest;
 use super::table::RuleEntry;
 use super::{Decision, Limiter};
 
@@ -172,14 +171,7 @@ impl Limiter {
         else {
             return Ok(());
         };
-        let reply = self
-            .send(dest(ks, driver, entry), entry, &Op::Release { returned })
-            .await?;
-        entry.counters.incr(Counter::LeaseReturns);
-        entry
-            .counters
-            .add(Counter::LeaseTokensReturned, reply.granted);
-        Ok(())
+        self.send_release(ks, driver, entry, returned).await
     }
 }
 

@@ -352,6 +352,18 @@ impl Limiter {
         if returned == 0 && !withdraw {
             return Ok(());
         }
+        self.send_release(ks, driver, entry, returned).await
+    }
+
+    /// Sends a release of `returned` tokens (a token lease's, or a rate lease's with its
+    /// share), counted.
+    pub(super) async fn send_release(
+        &self,
+        ks: &KeyState,
+        driver: &mut Driver,
+        entry: &RuleEntry,
+        returned: u64,
+    ) -> Result<(), CallError> {
         let reply = self
             .send(dest(ks, driver, entry), entry, &Op::Release { returned })
             .await?;

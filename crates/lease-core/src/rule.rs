@@ -308,7 +308,13 @@ impl OverrideSpec {
             rate: self.rate.clone().unwrap_or_else(|| base.rate.clone()),
             lease_min,
             lease_max,
-            lease_ttl: pick(&self.lease_ttl, &base.lease_ttl),
+            // A term belongs to rate leases and a lease ttl to token leases: an override
+            // that switches between them does not inherit the other's.
+            lease_ttl: if self.leasing.as_deref() == Some("rate") {
+                self.lease_ttl.clone()
+            } else {
+                pick(&self.lease_ttl, &base.lease_ttl)
+            },
             grace: pick(&self.grace, &base.grace),
             mode: pick(&self.mode, &base.mode),
             max_outstanding: pick(&self.max_outstanding, &base.max_outstanding),
@@ -316,7 +322,10 @@ impl OverrideSpec {
             emergency_rate: pick(&self.emergency_rate, &base.emergency_rate),
             timeout: pick(&self.timeout, &base.timeout),
             leasing: pick(&self.leasing, &base.leasing),
-            term: pick(&self.term, &base.term),
+            term: match self.leasing.as_deref() {
+                Some(l) if l != "rate" => self.term.clone(),
+                _ => pick(&self.term, &base.term),
+            },
             replicas: pick(&self.replicas, &base.replicas),
             replica_timeout: pick(&self.replica_timeout, &base.replica_timeout),
             shadow: pick(&self.shadow, &base.shadow),
@@ -691,12 +700,16 @@ impl Rule {
             }
             let (n, per) = (u128::from(rate.tokens()), u128::from(rate.period_us()));
             if u128::from(capacity.get()) * per * 1000 + n * 1000 > u128::from(MAX_EXACT) {
+                // (B × period_us + tokens) × 1000 within MAX_EXACT: model::rate_scale.
+                let most = (u128::from(MAX_EXACT) / 1000).saturating_sub(n) / per.max(1);
                 return Err(range(
                     "capacity",
                     capacity.get(),
-                    "with leasing = \"rate\", capacity times the rate's period in µs must \
-                     stay below 9 000 000 000 000 (exact arithmetic in Redis)"
-                        .to_string(),
+                    format!(
+                        "with leasing = \"rate\" and rate {rate}, at most {most} (the \
+                         store counts a share of the rate to a thousandth of a token per \
+                         {per} µs, exactly); lower the capacity, or use leasing = \"lease\""
+                    ),
                 ));
             }
             dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?
@@ -1286,7 +1299,23 @@ mod tests {
         // A bucket whose refill at part of its rate cannot stay exact in Redis.
         let mut t = spec(10_000, "1/h");
         t.leasing = Some("rate".into());
-        refused(&t, "exact arithmetic");
+        refused(&t, "at most 2501");
+        // An override that leases tokens does not inherit the rule's term, and one that
+        // leases by rate does not inherit its lease ttl.
+        let o = OverrideSpec {
+            leasing: Some("lease".into()),
+            ..OverrideSpec::default()
+        };
+        let leased = Rule::from_spec("o", &o.apply(&r)).unwrap();
+        assert_eq!(leased.leasing(), Leasing::Lease);
+        let mut lease = spec(100, "10/s");
+        lease.lease_ttl = Some("2s".into());
+        let o = OverrideSpec {
+            leasing: Some("rate".into()),
+            ..OverrideSpec::default()
+        };
+        let rated = Rule::from_spec("o", &o.apply(&lease)).unwrap();
+        assert_eq!(rated.leasing(), Leasing::Rate);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! agent's: its local bucket ([`LocalRate`]) and when it calls ([`RatePolicy`]).
 //!
 //! **The bound (I1 for rate leases).** The bucket refills at `r − S`, `S` the sum of the
-//! live leases' shares (thousandths of a token per rate period, so `S ≤ r` holds
+//! live leases' shares (`1/scale`-ths of a token per rate period, so `S ≤ r` holds
 //! exactly), up to `B` minus what is outstanding, each lease's burst counting as
 //! outstanding (as leased tokens do). A burst grows only by tokens taken from the level;
 //! the agent's local bucket holds at most its burst and refills at its share. So the tokens

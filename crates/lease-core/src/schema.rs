@@ -60,7 +60,7 @@ pub const AGENT_DEMAND: &str = ":d";
 /// Per agent: the lease credit it has earned at its share (thousandths of a token).
 pub const AGENT_CREDIT: &str = ":c";
 
-/// Per agent: its rate lease's share (thousandths of a token per rate period; absent when
+/// Per agent: its rate lease's share (`1/scale`-ths of a token per rate period; absent when
 /// it has none); its held is then its burst.
 pub const AGENT_SHARE: &str = ":q";
 

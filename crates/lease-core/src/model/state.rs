@@ -24,8 +24,9 @@ pub struct AgentRecord {
     pub demand: u64,
     /// What it may still lease while the key is contended, thousandths of a token.
     pub credit_milli: u64,
-    /// Its rate lease's share of the bucket's rate, thousandths of a token per rate period
-    /// (0: none); `held` is then its local bucket's capacity, its burst.
+    /// Its rate lease's share of the bucket's rate, `1/scale`-ths of a token per rate
+    /// period ([`rate_scale`]; 0: none); `held` is then its local bucket's capacity, its
+    /// burst.
     pub share: u64,
 }
 
@@ -93,7 +94,7 @@ pub struct View {
     pub outstanding: u64,
     /// Agent records still counting.
     pub agents: usize,
-    /// The rate leases' shares still counting, thousandths of a token per rate period.
+    /// The rate leases' shares still counting, `1/scale`-ths of a token per rate period.
     pub shared: u64,
 }
 

@@ -521,7 +521,12 @@ fn the_embedded_store_sweeps_buckets_redis_would_have_expired() {
     use leasehold_core::key::BucketKey;
     use leasehold_core::model::{AgentId, Op, Request};
     use leasehold_core::rule::RuleName;
-    let store = leasehold_agent::EmbeddedStore::new();
+    // The store's clock moves 10 µs a call, whatever this machine's speed: about 1 100
+    // keys are live at any time, so the bound below holds on a fast box and a slow one.
+    let clock = std::sync::atomic::AtomicU64::new(1_700_000_000_000_000);
+    let store = leasehold_agent::EmbeddedStore::with_time(move || {
+        clock.fetch_add(10, std::sync::atomic::Ordering::Relaxed)
+    });
     // A token a millisecond: each key is full again 1 ms after its one debit, and
     // expires a grace (10 ms) later.
     let p = support::params(1, "1000/s", "100ms", "10ms", None);

@@ -170,24 +170,36 @@ impl Limiter {
                 taken.push((ks, cost, Some(epoch)));
                 continue;
             }
+            let before = self
+                .key(rule, subject)
+                .map(|ks| (ks.clone(), ks.hot().lease.epoch()));
             let looked = self.look_up(subject, rule, cost, None);
             match looked {
                 Ok(Local::Decided(d)) => {
-                    let entry = self.key(rule, subject).map(|ks| ks.entry.load_full());
+                    let entry = before.as_ref().map(|(ks, _)| ks.entry.load_full());
                     let entry = match entry {
                         Some(e) => e,
                         None => self.inner.rules.load().get(rule)?.resolve(subject).clone(),
                     };
                     let refused = !matches!(d, Decision::Allowed { .. });
                     let mut d = d;
-                    if let Decision::Allowed {
-                        via: Admission::Local,
-                        ..
-                    } = d
-                        && let Some(ks) = self.key(rule, subject)
-                    {
-                        d = self.with_quota(&ks, d);
-                        taken.push((ks, cost, None));
+                    // Admitted by the lease or the seat: named with the key's quota, and
+                    // given back should a later check refuse.
+                    // (A key made by the look-up has no lease yet.)
+                    if let Decision::Allowed { via, .. } = d {
+                        match (via, &before) {
+                            (Admission::Lease, Some((ks, epoch))) => {
+                                d = self.with_quota(ks, d);
+                                taken.push((ks.clone(), cost, Some(*epoch)));
+                            }
+                            (Admission::Local, _) => {
+                                if let Some(ks) = self.key(rule, subject) {
+                                    d = self.with_quota(&ks, d);
+                                    taken.push((ks, cost, None));
+                                }
+                            }
+                            _ => {}
+                        }
                     }
                     decided.push((d, entry));
                     if refused {

@@ -126,6 +126,10 @@ pub(super) struct KeyState {
     /// clock): with what the lease holds, the quota a leased admission reports.
     pub(super) store_left: AtomicU64,
     pub(super) store_left_at_ns: AtomicU64,
+    /// Odd while a store reply is being installed (the lease, then `store_left`), so
+    /// `quota_left` never adds a new lease to the level from before its grant, or the
+    /// other way round.
+    quota_seq: AtomicU64,
     pub(super) last_io_ns: AtomicU64,
     pub(super) driver: Arc<AsyncMutex<Driver>>,
     pub(super) queue: AsyncMutex<()>,
@@ -176,13 +180,43 @@ impl KeyState {
     /// tokens.)
     pub(super) fn quota_left(&self, now: u64) -> u64 {
         let BucketParams { capacity, rate, .. } = self.entry.load().params;
-        let at = self.store_left_at_ns.load(Ordering::Relaxed);
-        let elapsed_us = now.saturating_sub(at) / 1000;
-        let refilled = u128::from(elapsed_us) * u128::from(rate.tokens())
-            / u128::from(rate.period_us().max(1));
-        let left = u128::from(self.store_left.load(Ordering::Relaxed)) + refilled;
-        let held = u128::from(self.hot().lease.held());
-        (left + held).min(u128::from(capacity)) as u64 + self.seat_level(now)
+        // A reply being installed takes a few instructions; a reader that keeps meeting
+        // one (its writer preempted) takes the figure as it reads it.
+        let mut tries = 0;
+        loop {
+            let seq = self.quota_seq.load(Ordering::Acquire);
+            let at = self.store_left_at_ns.load(Ordering::Relaxed);
+            let left = self.store_left.load(Ordering::Relaxed);
+            let held = self.hot().lease.held();
+            std::sync::atomic::fence(Ordering::Acquire);
+            let settled = seq.is_multiple_of(2) && self.quota_seq.load(Ordering::Relaxed) == seq;
+            if settled || tries == 64 {
+                let elapsed_us = now.saturating_sub(at) / 1000;
+                let refilled = u128::from(elapsed_us) * u128::from(rate.tokens())
+                    / u128::from(rate.period_us().max(1));
+                let left = u128::from(left) + refilled + u128::from(held);
+                return left.min(u128::from(capacity)) as u64 + self.seat_level(now);
+            }
+            tries += 1;
+            std::thread::yield_now();
+        }
+    }
+
+    /// Installs what a store reply changed, as one step for `quota_left`: the lease (by
+    /// `install`) and, when the reply names it, the global bucket's level.
+    pub(super) fn saw_reply<R>(
+        &self,
+        install: impl FnOnce() -> R,
+        left: Option<u64>,
+        now: u64,
+    ) -> R {
+        self.quota_seq.fetch_add(1, Ordering::AcqRel);
+        let r = install();
+        if let Some(left) = left {
+            self.saw_store_left(left, now);
+        }
+        self.quota_seq.fetch_add(1, Ordering::Release);
+        r
     }
 
     /// What the key's bucket of this agent's seat holds now (0 without a seat).
@@ -247,6 +281,7 @@ impl KeyState {
             without_store: AtomicU64::new(0),
             store_left: AtomicU64::new(entry.params.capacity),
             store_left_at_ns: AtomicU64::new(now),
+            quota_seq: AtomicU64::new(0),
             last_io_ns: AtomicU64::new(now),
             driver: Arc::new(AsyncMutex::new(Driver::default())),
             queue: AsyncMutex::new(()),

@@ -110,14 +110,16 @@ impl Limiter {
         let now = self.now_ns();
         let ttl_ns = reply.ttl_us * 1000;
         let margin = (self.inner.policy.margin.as_nanos() as u64).min(ttl_ns / 4);
-        let g = ks
-            .rate
-            .lock()
-            .as_mut()
-            .map(|rk| rk.granted(ks.hot(), &ks.refill, &entry.params, &reply, now, margin));
-        if !reply.moved {
-            ks.saw_store_left(reply.remaining, now);
-        }
+        let g = ks.saw_reply(
+            || {
+                ks.rate
+                    .lock()
+                    .as_mut()
+                    .map(|rk| rk.granted(ks.hot(), &ks.refill, &entry.params, &reply, now, margin))
+            },
+            (!reply.moved).then_some(reply.remaining),
+            now,
+        );
         tracing::debug!(?g, "rate lease granted");
         if let Some(g) = g
             && g.paid > 0

@@ -309,20 +309,25 @@ impl Limiter {
         let reply = self.call(ks, driver, entry, op).await?;
         // A part in the last moments of its split's term leases nothing (ttl 0).
         let ending = term_ending(driver, &reply);
-        driver.policy.granted(
-            &entry.rule,
-            &self.inner.policy,
-            ks.hot(),
-            &ks.refill,
-            sent,
-            self.now_ns(),
-            needed,
-            &reply,
-            ending,
+        let now = self.now_ns();
+        let policy = &mut driver.policy;
+        ks.saw_reply(
+            || {
+                policy.granted(
+                    &entry.rule,
+                    &self.inner.policy,
+                    ks.hot(),
+                    &ks.refill,
+                    sent,
+                    now,
+                    needed,
+                    &reply,
+                    ending,
+                )
+            },
+            (!reply.moved).then_some(reply.remaining),
+            now,
         );
-        if !reply.moved {
-            ks.saw_store_left(reply.remaining, self.now_ns());
-        }
         if reply.granted > 0 {
             entry.counters.incr(Counter::LeaseGrants);
             entry

@@ -1435,3 +1435,8 @@ redis.register_function('lh_deposit', decimal(5))
 redis.register_function('lh_rate', decimal(6))
 redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
   flags = {'allow-cross-slot-keys'}}
+-- Which text of the library is loaded: the agent writes a fingerprint of the text in
+-- place of the marker when it loads it, and does not load it again where it finds its
+-- own (a fleet of agents starting together would otherwise each have Redis compile it).
+redis.register_function{function_name = 'lh_fingerprint',
+  callback = function() return 'LEASEHOLD_FINGERPRINT' end, flags = {'no-writes'}}

@@ -259,6 +259,35 @@ fn i7_each_call_touches_exactly_its_own_key() {
     assert!(the_key.contains("local key = keys[1]") && the_key.trim_end().ends_with("return key"));
 }
 
+/// A fleet starting together does not have Redis compile the library once per agent: an
+/// agent that finds this text of it loaded does not load it again; one that finds another
+/// text (an older build's) replaces it.
+#[test]
+fn the_library_is_loaded_once_for_many_agents() {
+    let server = server();
+    let p = params(1_000, "1000/s", "1s", "1s", None);
+    runtime().block_on(async {
+        let first = store(&server.url()).await;
+        assert_eq!(first.library_loads(), 1);
+        for _ in 0..3 {
+            let next = store(&server.url()).await;
+            assert_eq!(next.library_loads(), 0, "loaded again though it was there");
+            let k = BucketKey::new(&rule(), "many").expect("key");
+            next.call(&k, &p, &exact(7, 1, 1)).await.expect("call");
+        }
+        let older = LIBRARY.replace("LEASEHOLD_FINGERPRINT", "an older build");
+        let _: String = server
+            .cmd(&["FUNCTION", "LOAD", "REPLACE", &older])
+            .expect("FUNCTION LOAD");
+        let upgraded = store(&server.url()).await;
+        assert_eq!(upgraded.library_loads(), 1, "another text must be replaced");
+        let print: String = server
+            .cmd(&["FCALL_RO", "lh_fingerprint", "0"])
+            .expect("lh_fingerprint");
+        assert!(print.starts_with("leasehold-"), "{print}");
+    });
+}
+
 /// A library lost under load (FUNCTION FLUSH) is loaded again exactly once, and every
 /// caller's decision goes through.
 #[test]

@@ -602,7 +602,7 @@ impl RedisStore {
                     .into(),
             ));
         }
-        self.load_library(&conn).await?;
+        self.ensure_library(&conn).await?;
         if self.link.conn.set(conn).is_err() {
             return Err(StoreError::Misconfigured("store connected twice".into()));
         }

@@ -1,5 +1,6 @@
 //! The function library on the store: loaded at connect, and again when a node lost it.
 
+use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
 
 use redis::{Cmd, Value};
@@ -22,10 +23,28 @@ impl RedisStore {
         self.load_library(self.conn()?).await
     }
 
+    /// At connect: loads the library unless the store holds this text of it already (a
+    /// fleet starting together would otherwise have Redis compile it once per agent). On
+    /// a cluster it is always loaded, on every primary: one node's answer does not say
+    /// what the others hold.
+    pub(super) async fn ensure_library(&self, conn: &Conn) -> Result<(), StoreError> {
+        if !matches!(conn, Conn::Cluster(_)) {
+            let mut cmd = redis::cmd("FCALL_RO");
+            cmd.arg("lh_fingerprint").arg(0);
+            if let Ok(Value::BulkString(b)) = conn.query(&cmd).await
+                && b == fingerprint().as_bytes()
+            {
+                tracing::debug!("leasehold function library loaded already");
+                return Ok(());
+            }
+        }
+        self.load_library(conn).await
+    }
+
     #[tracing::instrument(level = "info", name = "library_load", skip_all)]
     pub(super) async fn load_library(&self, conn: &Conn) -> Result<(), StoreError> {
         let mut cmd = redis::cmd("FUNCTION");
-        cmd.arg("LOAD").arg("REPLACE").arg(LIBRARY);
+        cmd.arg("LOAD").arg("REPLACE").arg(library_text());
         conn.query(&cmd).await.map_err(classify)?;
         self.loader.loads.fetch_add(1, Ordering::Relaxed);
         self.loader.generation.fetch_add(1, Ordering::Release);
@@ -49,4 +68,24 @@ impl RedisStore {
         }
         .map_err(classify)
     }
+}
+
+/// The marker in [`LIBRARY`] that `lh_fingerprint` returns, replaced by [`fingerprint`].
+const MARKER: &str = "LEASEHOLD_FINGERPRINT";
+
+/// The library's text as loaded: [`LIBRARY`] with its fingerprint in place of the marker.
+fn library_text() -> &'static str {
+    static TEXT: OnceLock<String> = OnceLock::new();
+    TEXT.get_or_init(|| LIBRARY.replace(MARKER, fingerprint()))
+}
+
+/// FNV-1a (64 bits) of [`LIBRARY`], in hex: names the text, the same in every build of it.
+fn fingerprint() -> &'static str {
+    static PRINT: OnceLock<String> = OnceLock::new();
+    PRINT.get_or_init(|| {
+        let h = LIBRARY.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+        format!("leasehold-{h:016x}")
+    })
 }

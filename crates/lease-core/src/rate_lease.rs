@@ -228,18 +228,19 @@ const SLOTS: usize = 10;
 /// a window sees 2.4 on average, and doubling by chance half the time).
 const SIGNIFICANT: u64 = 20;
 
-/// How long the first grants of a key run before the agent calls again: long enough for
+/// How long the first grant of a key runs before the agent calls again: long enough for
 /// every agent of a fleet starting together to have reported its demand, so the ones
 /// that got headroom before the others came give it back within the first term. (The
-/// first call knows no demand yet; the second, a window later, reports it; the third
+/// first call reports the demand the key's first decisions, exact ones, saw; the second
 /// sees the fleet's.)
 const FIRST_RENEWAL_NS: u64 = 3 * DEMAND_WINDOW_NS;
 
-/// How long demand offered where none was reported is measured before a call reports it.
+/// How long demand offered where none was reported is measured before a call reports it
+/// (and a key's first call is made).
 const NEW_DEMAND_NS: u64 = DEMAND_WINDOW_NS / 5;
 
 /// Calls that are followed by a renewal after [`FIRST_RENEWAL_NS`].
-const FIRST_CALLS: u64 = 2;
+const FIRST_CALLS: u64 = 1;
 
 /// An agent's renewal policy for one key. It reports the demand offered since its last
 /// call (admitted or refused) — a term's worth of it, so a gateway seeing a few requests
@@ -263,6 +264,8 @@ pub struct RatePolicy {
     last_call_ns: u64,
     renew_at_ns: u64,
     calls: u64,
+    /// When demand was first offered since the policy began (agent ns; 0: not yet).
+    first_offered_ns: u64,
 }
 
 fn changed(now: u64, reported: u64) -> bool {
@@ -279,6 +282,18 @@ impl RatePolicy {
         }
         cell.0 += tokens;
         self.since_call += tokens;
+        if self.first_offered_ns == 0 {
+            self.first_offered_ns = now_ns.max(1);
+        }
+    }
+
+    /// Whether a key's first call is due at `now_ns`: it has seen demand to report (two
+    /// tokens, over [`NEW_DEMAND_NS`] at least). Until then its decisions are exact: a
+    /// call that reported no demand would get no share.
+    pub fn first_due(&self, now_ns: u64) -> bool {
+        self.first_offered_ns != 0
+            && self.since_call >= 2
+            && now_ns.saturating_sub(self.first_offered_ns) >= NEW_DEMAND_NS
     }
 
     /// Tokens offered over the last window.
@@ -428,11 +443,15 @@ impl RateKey {
         self.offered_at_ns = now_ns;
     }
 
-    /// Whether to call the store at `now_ns`: no lease yet, or the policy says so. (The
-    /// agent sends one call at a time per key; a call whose reply never came counts as
-    /// sent.)
+    /// Whether to call the store at `now_ns`: no lease yet and demand seen to report
+    /// ([`RatePolicy::first_due`]), or a lease the policy says to renew. (The agent sends
+    /// one call at a time per key; a call whose reply never came counts as sent.)
     pub fn due(&self, now_ns: u64) -> bool {
-        !self.live || self.policy.due(now_ns)
+        if self.live {
+            self.policy.due(now_ns)
+        } else {
+            self.policy.first_due(now_ns)
+        }
     }
 
     /// Whether the store may hold a share for this key (a call since the last release).
@@ -591,6 +610,17 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_first_call_waits_for_demand_to_report() {
+        let mut p = RatePolicy::default();
+        assert!(!p.first_due(0), "nothing offered");
+        p.offered(1_000 * MS, 1);
+        assert!(!p.first_due(1_030 * MS), "one token");
+        p.offered(1_010 * MS, 1);
+        assert!(!p.first_due(1_015 * MS), "two tokens, over 15 ms");
+        assert!(p.first_due(1_020 * MS));
+    }
+
+    #[test]
     fn the_policy_calls_at_three_quarters_of_the_term_or_when_demand_changes() {
         let mut p = RatePolicy::default();
         // 10 tokens a slot of 10 ms: 1 000 tokens/s.
@@ -610,39 +640,31 @@ mod tests {
         assert!(p.due(1_395 * MS));
         p.calling(1_395 * MS);
         p.granted(1_395 * MS, &g);
-        // And once more, once the fleet's demand is known.
-        for at in (1_400..1_695).step_by(10) {
-            p.offered(at * MS, 10);
-            assert!(!p.due(at * MS), "at {at} ms");
-        }
-        assert!(p.due(1_695 * MS));
-        p.calling(1_695 * MS);
-        p.granted(1_695 * MS, &g);
         // Steady: not before three quarters of the term.
-        for at in (1_700..4_695).step_by(10) {
+        for at in (1_400..4_395).step_by(10) {
             p.offered(at * MS, 10);
             assert!(!p.due(at * MS), "at {at} ms");
         }
-        assert!(p.due(4_695 * MS));
-        assert_eq!(p.calling(4_695 * MS), 1_000_000, "since the last call");
-        p.granted(4_695 * MS, &g);
+        assert!(p.due(4_395 * MS));
+        assert_eq!(p.calling(4_395 * MS), 1_000_000, "since the last call");
+        p.granted(4_395 * MS, &g);
         // Demand doubling over a window that saw enough: due, but not within a window of
         // the last call.
-        for at in (4_700..4_800).step_by(10) {
+        for at in (4_400..4_500).step_by(10) {
             p.offered(at * MS, 25);
         }
-        assert!(!p.due(4_790 * MS), "a window since the last call");
-        assert!(p.due(4_800 * MS), "2 500/s against 1 000 reported");
-        assert_eq!(p.calling(4_800 * MS), 2_250_000, "the last window's");
+        assert!(!p.due(4_490 * MS), "a window since the last call");
+        assert!(p.due(4_500 * MS), "2 500/s against 1 000 reported");
+        assert_eq!(p.calling(4_500 * MS), 2_250_000, "the last window's");
         // A limited grant: asked again a quarter window later, then half a window.
-        p.granted(4_800 * MS, &grant(4_000_000, true));
-        p.offered(4_810 * MS, 25);
-        assert!(!p.due(4_820 * MS));
-        assert!(p.due(4_825 * MS));
-        p.calling(4_825 * MS);
-        p.granted(4_825 * MS, &grant(4_000_000, true));
-        assert!(!p.due(4_870 * MS));
-        assert!(p.due(4_875 * MS));
+        p.granted(4_500 * MS, &grant(4_000_000, true));
+        p.offered(4_510 * MS, 25);
+        assert!(!p.due(4_520 * MS));
+        assert!(p.due(4_525 * MS));
+        p.calling(4_525 * MS);
+        p.granted(4_525 * MS, &grant(4_000_000, true));
+        assert!(!p.due(4_570 * MS));
+        assert!(p.due(4_575 * MS));
     }
 
     /// A few tokens a second: a window is noise (2 tokens, or 5), not a change; what was

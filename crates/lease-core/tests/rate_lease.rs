@@ -483,7 +483,13 @@ fn shifting(term_us: u64, seed: u64) -> (f64, f64) {
             acc[i] -= k as f64;
             let now_ns = t * 1_000 + (i as u64 * 7_919) % 1_000_000;
             policy[i].offered(now_ns, k);
-            if policy[i].due(now_ns) {
+            // As `RateKey::due`: the first call once there is demand to report.
+            let due = if seq[i] == 0 {
+                policy[i].first_due(now_ns)
+            } else {
+                policy[i].due(now_ns)
+            };
+            if due {
                 let demand = policy[i].calling(now_ns);
                 seq[i] += 1;
                 calls += 1;

@@ -26,13 +26,9 @@ impl Limiter {
     pub(super) fn rate_refill(&self, ks: &Arc<KeyState>, now: u64) -> bool {
         let due = {
             let mut guard = ks.rate.lock();
-            match guard.as_mut() {
-                Some(rk) => {
-                    rk.sync(ks.hot(), now);
-                    rk.due(now)
-                }
-                None => true,
-            }
+            let rk = guard.get_or_insert_with(Box::default);
+            rk.sync(ks.hot(), now);
+            rk.due(now)
         };
         if due {
             self.request_prefetch(ks, now);
@@ -52,7 +48,7 @@ impl Limiter {
         cost: u64,
     ) -> Result<Decision, CallError> {
         let now = self.now_ns();
-        let due = ks.rate.lock().as_ref().is_none_or(|rk| rk.due(now));
+        let due = ks.rate.lock().get_or_insert_with(Box::default).due(now);
         if due {
             self.rate_call(ks, driver, entry).await?;
         } else {

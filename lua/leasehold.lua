@@ -572,6 +572,12 @@ local function advance(key, s, p, now, rec)
       redis.call('HDEL', key, e.id)
       if e.id == p.id then rec = nil end
     end
+    -- The next look for records to drop: the earliest one's drop time, but not within a
+    -- quarter of the grace of this one: a key held by many agents, whose records drop one
+    -- after another, would otherwise read them all on most calls. A record dropped late is
+    -- dropped as of its own time, the level having refilled meanwhile as if it still held
+    -- its share and its tokens: lateness only under-admits.
+    if nexp ~= 0 then nexp = math.max(nexp, now + math.floor(p.grace / 4)) end
     s.nexp, s.mx = nexp, mx
   end
   refill_to(s, p, now)

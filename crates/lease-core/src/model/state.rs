@@ -405,7 +405,15 @@ impl BucketState {
                     self.remove_share(r.share);
                 }
             }
-            self.next_drop_us = self.agents.values().map(|r| r.drop_us).min().unwrap_or(0);
+            // Not within a quarter of the grace of this look (as the Lua): a key held by
+            // many agents would otherwise read every record on most calls. A record
+            // dropped late is dropped as of its own time, the level having refilled
+            // meanwhile as if it still held its share and its tokens: lateness only
+            // under-admits.
+            self.next_drop_us = match self.agents.values().map(|r| r.drop_us).min() {
+                Some(x) => x.max(now + p.grace_us / 4),
+                None => 0,
+            };
             self.last_drop_us = self.agents.values().map(|r| r.drop_us).max().unwrap_or(0);
         }
         self.refill_to(p, now);

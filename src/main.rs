@@ -78,6 +78,10 @@ enum Command {
         /// Seconds each system runs.
         #[arg(long, default_value_t = 6.0, env = "LEASEHOLD_DURATION")]
         duration: f64,
+        /// Seconds each system runs the scenario's first phase before `--duration` begins,
+        /// not counted in the figures (a large fleet's start), though its overshoot is.
+        #[arg(long, default_value_t = 0.0, env = "LEASEHOLD_WARM_UP")]
+        warm_up: f64,
         /// Baselines to run after Leasehold (comma-separated).
         #[arg(
             long,
@@ -204,6 +208,7 @@ fn main() -> ExitCode {
             store,
             agents,
             duration,
+            warm_up,
             compare,
             json,
             plot,
@@ -233,6 +238,14 @@ fn main() -> ExitCode {
                     "--duration {duration}: must be in (0, 3600] seconds"
                 ));
             }
+            if !(0.0..=3600.0).contains(&warm_up) {
+                return usage(&format!(
+                    "--warm-up {warm_up}: must be in [0, 3600] seconds"
+                ));
+            }
+            if warm_up > 0.0 && scenario.regions.is_some() {
+                return usage("--warm-up: not for runs across regions");
+            }
             let mut names: Vec<String> = Vec::new();
             for b in compare {
                 let name = match b {
@@ -259,6 +272,7 @@ fn main() -> ExitCode {
                 scenario,
                 store,
                 duration: Duration::from_secs_f64(duration),
+                warm_up: Duration::from_secs_f64(warm_up),
                 compare,
                 json,
                 plot,

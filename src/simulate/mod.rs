@@ -28,6 +28,8 @@ pub(crate) struct Options {
     pub(crate) scenario: Scenario,
     pub(crate) store: StoreChoice,
     pub(crate) duration: Duration,
+    /// Run before `duration`, on the first phase, and not counted (but for overshoot).
+    pub(crate) warm_up: Duration,
     pub(crate) compare: Vec<String>,
     pub(crate) json: Option<PathBuf>,
     pub(crate) plot: Option<PathBuf>,

@@ -134,6 +134,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             keys: Keys::new(sc),
             scenario: sc.clone(),
             start: Instant::now(),
+            warm_up: Duration::ZERO,
             duration: opts.duration,
             clock: quanta::Clock::new(),
             stop: AtomicBool::new(false),
@@ -185,7 +186,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             all.merge(r.clone());
         }
         let decisions = all.decisions;
-        let world = report::analyze(all, capacity, rate, duration_ms, calls);
+        let world = report::analyze(all, capacity, rate, 0, duration_ms, calls);
         let secs = opts.duration.as_secs_f64();
         let recovery_ms = sc
             .phases
@@ -196,7 +197,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         let mut systems: Vec<(String, SystemReport)> = vec![("world".into(), world)];
         let mut region_series = Vec::new();
         for (k, r) in per_region.into_iter().enumerate() {
-            let mut rep = report::analyze(r, capacity, rate, duration_ms, 0);
+            let mut rep = report::analyze(r, capacity, rate, 0, duration_ms, 0);
             region_series.push(rep.series.clone());
             // A region alone has no bound or ideal of its own: only the world's count.
             rep.overshoot_1s = f64::NAN;

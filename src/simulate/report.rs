@@ -131,10 +131,13 @@ pub(crate) struct SystemReport {
 }
 
 /// Computes the figures of a merged recording.
+/// `rec` covers `from_ms` (the warm-up) and then `duration_ms`: the figures are of the
+/// latter, the ideal bucket's level and the overshoot of both.
 pub(crate) fn analyze(
     rec: Recording,
     capacity: f64,
     rate_per_sec: f64,
+    from_ms: u64,
     duration_ms: u64,
     redis_calls: u64,
 ) -> SystemReport {
@@ -152,15 +155,18 @@ pub(crate) fn analyze(
     let (mut over_1s, mut over_10s, mut ideal, mut admitted_tokens) = (0f64, 0f64, 0f64, 0f64);
     let mut below = 0f64;
     // Whole 100 ms buckets only: a partial last one would read as a drop.
-    let mut series = vec![0f64; (duration_ms / 100) as usize];
+    let mut series = vec![0f64; ((from_ms + duration_ms) / 100) as usize];
     for (key, slots) in &mut by_key {
         slots.sort_unstable();
         over_1s = over_1s.max(overshoot(slots, capacity, rate_per_sec, 1000));
         over_10s = over_10s.max(overshoot(slots, capacity, rate_per_sec, 10_000));
-        let (i, b) = ideal_admissions(slots, capacity, rate_per_sec);
+        let (i, b) = ideal_admissions(slots, capacity, rate_per_sec, from_ms);
         ideal += i;
         below += b;
-        admitted_tokens += slots.iter().map(|s| f64::from(s.2)).sum::<f64>();
+        admitted_tokens += (slots.iter())
+            .filter(|s| u64::from(s.0) >= from_ms)
+            .map(|s| f64::from(s.2))
+            .sum::<f64>();
         if *key == 0 {
             for &(ms, _, adm) in slots.iter() {
                 if let Some(b) = series.get_mut(ms as usize / 100) {
@@ -223,15 +229,22 @@ fn overshoot(slots: &[(u32, u32, u32)], capacity: f64, rate: f64, w: u32) -> f64
 
 /// Tokens one ideal bucket (full at the start) admits for this arrival trace, and the
 /// tokens it admitted in a slot beyond what the system admitted there.
-fn ideal_admissions(slots: &[(u32, u32, u32)], capacity: f64, rate: f64) -> (f64, f64) {
+fn ideal_admissions(
+    slots: &[(u32, u32, u32)],
+    capacity: f64,
+    rate: f64,
+    from_ms: u64,
+) -> (f64, f64) {
     let (mut tokens, mut last, mut admitted, mut below) = (capacity, 0u32, 0f64, 0f64);
     for &(ms, arrived, ours) in slots {
         tokens = (tokens + rate * f64::from(ms - last) / 1000.0).min(capacity);
         last = ms;
         let take = f64::from(arrived).min(tokens.floor());
         tokens -= take;
-        admitted += take;
-        below += (take - f64::from(ours)).max(0.0);
+        if u64::from(ms) >= from_ms {
+            admitted += take;
+            below += (take - f64::from(ours)).max(0.0);
+        }
     }
     (admitted, below)
 }
@@ -311,12 +324,12 @@ mod tests {
     fn the_ideal_bucket_admits_its_burst_then_its_rate() {
         // 100 tokens arrive every ms for 1 s against B = 50, r = 1000/s.
         let slots: Vec<_> = (0..1000).map(|ms| (ms, 100, 0)).collect();
-        let (ideal, below) = ideal_admissions(&slots, 50.0, 1000.0);
+        let (ideal, below) = ideal_admissions(&slots, 50.0, 1000.0, 0);
         assert!((ideal - (50.0 + 999.0)).abs() < 1.0, "{ideal}");
         // The system admitted nothing: everything the ideal admitted was denied below it.
         assert!((below - ideal).abs() < 1e-9, "{below}");
         // A system that admits what arrives, under the limit, denies nothing below it.
         let under: Vec<_> = (0..1000).map(|ms| (ms, 1, 1)).collect();
-        assert_eq!(ideal_admissions(&under, 50.0, 1000.0), (1000.0, 0.0));
+        assert_eq!(ideal_admissions(&under, 50.0, 1000.0, 0), (1000.0, 0.0));
     }
 }

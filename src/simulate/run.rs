@@ -85,6 +85,8 @@ pub(super) struct Run {
     pub(super) scenario: Scenario,
     pub(super) keys: Keys,
     pub(super) start: Instant,
+    /// Before `duration`: the first phase, recorded only for the ideal bucket's level.
+    pub(super) warm_up: Duration,
     pub(super) duration: Duration,
     pub(super) clock: quanta::Clock,
     pub(super) stop: AtomicBool,
@@ -122,10 +124,10 @@ pub(super) async fn worker(
     let mut elapsed = run.start.elapsed();
     let mut last_yield = elapsed;
     loop {
-        if elapsed >= run.duration || run.stop.load(Ordering::Relaxed) {
+        if elapsed >= run.warm_up + run.duration || run.stop.load(Ordering::Relaxed) {
             break;
         }
-        let frac = elapsed.as_secs_f64() / run.duration.as_secs_f64();
+        let frac = elapsed.saturating_sub(run.warm_up).as_secs_f64() / run.duration.as_secs_f64();
         if crash_at.is_some_and(|c| frac >= c) {
             sys.crash(agent);
             break;
@@ -172,25 +174,28 @@ pub(super) async fn worker(
                 cost,
             )
             .await;
-        if let Some(t0) = t0 {
+        let counted = elapsed >= run.warm_up;
+        if let Some(t0) = t0
+            && counted
+        {
             let _ = rec
                 .latency
                 .record(run.clock.delta_as_nanos(t0, run.clock.raw()).max(1));
         }
         elapsed = run.start.elapsed();
         let ms = elapsed.as_millis() as u64;
-        rec.decisions += 1;
+        rec.decisions += u64::from(counted);
         match outcome {
             Outcome::Admitted => {
-                rec.admitted += 1;
+                rec.admitted += u64::from(counted);
                 rec.add(key, ms, cost, true);
             }
             Outcome::Denied => {
-                rec.denied += 1;
+                rec.denied += u64::from(counted);
                 rec.add(key, ms, cost, false);
             }
             Outcome::Unavailable => {
-                rec.unavailable += 1;
+                rec.unavailable += u64::from(counted);
                 rec.add(key, ms, cost, false);
             }
         }
@@ -326,8 +331,9 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let mut store_name = String::new();
     let mut names = vec!["leasehold".to_owned()];
     names.extend(opts.compare.iter().cloned());
-    let progress =
-        indicatif::ProgressBar::new(opts.duration.as_millis() as u64 * names.len() as u64);
+    let progress = indicatif::ProgressBar::new(
+        (opts.warm_up + opts.duration).as_millis() as u64 * names.len() as u64,
+    );
     if opts.progress {
         progress.set_style(
             indicatif::ProgressStyle::with_template(
@@ -366,6 +372,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 keys: Keys::new(&opts.scenario),
                 scenario: opts.scenario.clone(),
                 start: Instant::now(),
+                warm_up: opts.warm_up,
                 duration: opts.duration,
                 clock: quanta::Clock::new(),
                 stop: AtomicBool::new(false),
@@ -388,7 +395,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                     )));
                 }
             }
-            let base = n as u64 * opts.duration.as_millis() as u64;
+            let whole = opts.warm_up + opts.duration;
+            let base = n as u64 * whole.as_millis() as u64;
+            // Store calls from the end of the warm-up on.
+            let mut calls_before: Option<u64> = None;
             let mut faults: Vec<_> = opts
                 .scenario
                 .faults
@@ -397,9 +407,17 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 .collect();
             faults.sort_by(|a, b| a.at.total_cmp(&b.at));
             let mut faults = faults.into_iter().peekable();
-            while run.start.elapsed() < opts.duration {
+            while run.start.elapsed() < whole {
                 progress.set_position(base + run.start.elapsed().as_millis() as u64);
-                let frac = run.start.elapsed().as_secs_f64() / opts.duration.as_secs_f64();
+                if calls_before.is_none() && run.start.elapsed() >= opts.warm_up {
+                    calls_before = Some(sys.redis_calls());
+                }
+                let frac = run
+                    .start
+                    .elapsed()
+                    .saturating_sub(opts.warm_up)
+                    .as_secs_f64()
+                    / opts.duration.as_secs_f64();
                 while let Some(f) = faults.next_if(|f| f.at <= frac) {
                     match (f.action.as_str(), coordinator.as_mut()) {
                         ("stop-coordinator", Some(c)) => c.stop().await,
@@ -416,7 +434,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             for t in tasks {
                 all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
             }
-            let calls = sys.redis_calls();
+            let calls = sys.redis_calls() - calls_before.unwrap_or(0);
             if let Some(f) = sys.agent_faults() {
                 agent_faults = Some(f);
             }
@@ -427,8 +445,14 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 c.stop().await;
                 summary = Some(c.summary.clone());
             }
-            let mut report =
-                report::analyze(all, capacity, rate, opts.duration.as_millis() as u64, calls);
+            let mut report = report::analyze(
+                all,
+                capacity,
+                rate,
+                opts.warm_up.as_millis() as u64,
+                opts.duration.as_millis() as u64,
+                calls,
+            );
             report.rss_mb = rss;
             report.rss_growth_mb = rss - rss_before;
             report.store_mb = store_mb;
@@ -444,6 +468,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "agents": opts.scenario.agents,
         "threads_per_agent": opts.scenario.threads_per_agent,
         "duration_s": opts.duration.as_secs_f64(),
+        "warm_up_s": opts.warm_up.as_secs_f64(),
         "seed": opts.seed,
         "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
         "machine": { "cores": cores },

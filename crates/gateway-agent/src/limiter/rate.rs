@@ -84,7 +84,7 @@ impl Limiter {
     #[tracing::instrument(level = "debug", name = "rate lease", skip_all, fields(key = %ks.bucket.for_logs()))]
     pub(super) async fn rate_call(
         &self,
-        ks: &KeyState,
+        ks: &Arc<KeyState>,
         driver: &mut Driver,
         entry: &RuleEntry,
     ) -> Result<Reply, CallError> {
@@ -117,6 +117,14 @@ impl Limiter {
             now,
         );
         tracing::debug!(?g, "rate lease granted");
+        // The key leases: its callers' hot path spends the cell (and an empty cell takes
+        // the share's accrual, `rate_refill`), and the sweep visits it every tick, to
+        // renew it when due (a demand that fell gives its share up within a window) and
+        // give it up when idle.
+        ks.hot().set_leases(true);
+        if !ks.transient {
+            self.track(ks);
+        }
         if let Some(g) = g
             && g.paid > 0
         {
@@ -169,6 +177,7 @@ impl Limiter {
         else {
             return Ok(());
         };
+        ks.hot().set_leases(false);
         self.send_release(ks, driver, entry, returned).await
     }
 }

@@ -800,6 +800,13 @@ end
 -- Headroom over an agent's demand in its share while the bucket is not contended.
 local RATE_HEADROOM = 1.25
 
+-- ops.rs, rate_term_us: the term of a rate lease while sn shares are live.
+local RATE_MIN_TERM_US = 400000
+local RATE_TERM_PER_SHARE_US = 3200
+local function rate_term(p, sn)
+  return math.min(p.ttl, math.max(RATE_MIN_TERM_US, sn * RATE_TERM_PER_SHARE_US))
+end
+
 -- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held) and the whole
 -- tokens in it, asks for a burst of want and a share of the rate sized by its demand, for
 -- the rule's lease term. Reply: remaining = the burst, granted = tokens taken from the
@@ -850,10 +857,11 @@ local function rate(keys, p, held, want, tokens, demand)
   s.tok = s.tok - paid
   clamp(s, p)
   add_share(s, p, share)
+  local term = rate_term(p, s.sn)
   local reply = new_reply(now, moved)
-  reply[1], reply[2], reply[6] = paid, p.ttl, share
+  reply[1], reply[2], reply[6] = paid, term, share
   if share < part - divmod(part, 8) then reply[4] = 1 end
-  return finish(key, s, p, now, {held = burst, x = now + p.ttl + p.grace, demand = demand,
+  return finish(key, s, p, now, {held = burst, x = now + term + p.grace, demand = demand,
     credit = kept_credit(rec, p), q = share, says = burst}, reply)
 end
 

@@ -232,6 +232,10 @@ fn run(s: &Setup) -> (f64, f64, u64) {
                     Some(r) => {
                         let g = RateGrant::of(&r, held);
                         a.local.grant(&p, &g, sent_ns, a.clock_ns(t), margin_ns);
+                        // The term granted may be shorter than the rule's (few shares).
+                        let ttl = g.ttl_us;
+                        a.next_call_us =
+                            (a.next_call_us).min(t + ttl / 2 + rng.next() % (ttl / 4).max(1));
                     }
                     // Lost: the next call retries the same request.
                     None => {
@@ -526,19 +530,22 @@ fn shifting(term_us: u64, seed: u64) -> (f64, f64) {
     )
 }
 
-/// Demand moving to other agents every term is followed within a tenth of a second:
-/// utilisation 0.95 or more with 4 s terms, and each agent calls about once a second.
+/// Demand moving to other agents every term is followed within a few tenths of a second:
+/// utilisation 0.95 or more when it moves every 4 s (the default term), 0.9 every second.
+/// Sixteen agents hold terms of 0.4 s (`rate_term_us`): each renews about three times a
+/// second, the key about 50 times.
 #[test]
 fn demand_moving_every_term_is_followed() {
-    let (u, calls) = shifting(4_000_000, 5);
-    println!("4 s terms: utilisation {u:.4}, {calls:.2} calls per agent per second");
-    assert!(u >= 0.95, "utilisation {u:.4}");
-    assert!(calls <= 1.0, "{calls:.2} calls per agent per second");
-    let (u, calls) = shifting(1_000_000, 5);
-    println!("1 s terms: utilisation {u:.4}, {calls:.2} calls per agent per second");
-    assert!(u >= 0.85, "1 s terms: utilisation {u:.4}");
-    assert!(
-        calls <= 3.0,
-        "1 s terms: {calls:.2} calls per agent per second"
-    );
+    for (term_us, least) in [(4_000_000, 0.95), (1_000_000, 0.9)] {
+        let (u, calls) = shifting(term_us, 5);
+        println!(
+            "{} s terms: utilisation {u:.4}, {calls:.2} calls per agent per second",
+            term_us / 1_000_000
+        );
+        assert!(u >= least, "{term_us} µs terms: utilisation {u:.4}");
+        assert!(
+            calls <= 4.0,
+            "{term_us} µs terms: {calls:.2} calls per agent per second"
+        );
+    }
 }

@@ -423,17 +423,17 @@ pub(super) fn acquire(
 const RATE_HEADROOM: f64 = 1.25;
 
 /// The shortest term of a rate lease, µs.
-pub const RATE_MIN_TERM_US: u64 = 400_000;
+pub(crate) const RATE_MIN_TERM_US: u64 = 400_000;
 
 /// The term a rate lease gets per live share, µs.
-pub const RATE_TERM_PER_SHARE_US: u64 = 3_200;
+pub(crate) const RATE_TERM_PER_SHARE_US: u64 = 3_200;
 
 /// The term of a rate lease while `shares` shares of the key are live (this one
 /// included): the rule's `term` at most, and no longer than the key needs for its agents'
 /// renewals (each at three quarters of its term) to stay within about 420 a second — 3.2 s
 /// for 1 000 agents, 0.4 s (the least) for 125 or fewer. A share granted on a demand that
 /// has since moved to other agents is renewed, and given back, that much sooner.
-pub fn rate_term_us(p: &BucketParams, shares: u64) -> u64 {
+pub(crate) fn rate_term_us(p: &BucketParams, shares: u64) -> u64 {
     p.lease_ttl_us
         .min(RATE_MIN_TERM_US.max(shares.saturating_mul(RATE_TERM_PER_SHARE_US)))
 }

@@ -351,7 +351,19 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
         }
         FailurePolicy::LocalEmergency { rate: None } => "local_emergency (last share)".to_owned(),
     };
-    // A rate lease's term is its lease ttl.
+    // A rate lease's term is its lease ttl (the longest: shorter while few agents share
+    // the key); `lease_max` does nothing for it.
+    let (lease_max, ttl) = match r.leasing() {
+        Leasing::Rate => ("-".to_owned(), format!("<= {:?}", r.lease_ttl())),
+        _ => (r.lease_max().to_string(), format!("{:?}", r.lease_ttl())),
+    };
+    // Tokens a second while that reads well; a slow rate as written ("1/1h", not 0.000).
+    let per_sec = r.rate().per_sec_f64();
+    let rate = if per_sec >= 0.01 {
+        format!("{per_sec:.3}/s")
+    } else {
+        r.rate().to_string()
+    };
     let leasing = match r.leasing() {
         Leasing::Auto => "auto",
         Leasing::Lease => "lease",
@@ -359,13 +371,13 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
         Leasing::Rate => "rate",
     };
     println!(
-        "{:<36} {:>10} {:>14.3} {:>9} {:>7} {:>9} {:>10} {:>6}  {}",
+        "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  {}",
         label,
         r.capacity(),
-        r.rate().per_sec_f64(),
-        r.lease_max(),
+        rate,
+        lease_max,
         leasing,
-        format!("{:?}", r.lease_ttl()),
+        ttl,
         mode,
         if r.shadow() { "yes" } else { "no" },
         failure
@@ -404,14 +416,7 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
     }
     println!(
         "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  on failure",
-        "rule / override",
-        "capacity",
-        "rate (tok/s)",
-        "lease max",
-        "leasing",
-        "ttl/term",
-        "mode",
-        "shadow"
+        "rule / override", "capacity", "rate", "lease max", "leasing", "ttl/term", "mode", "shadow"
     );
     let mut overrides = 0;
     for r in rules.iter() {

@@ -397,8 +397,9 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             }
             let whole = opts.warm_up + opts.duration;
             let base = n as u64 * whole.as_millis() as u64;
-            // Store calls from the end of the warm-up on.
-            let mut calls_before: Option<u64> = None;
+            // Store calls from the end of the warm-up on (from the start without one, so
+            // that every call is counted).
+            let mut calls_before: Option<u64> = opts.warm_up.is_zero().then_some(0);
             let mut faults: Vec<_> = opts
                 .scenario
                 .faults

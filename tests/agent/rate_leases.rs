@@ -5,11 +5,8 @@
 
 use crate::support;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use leasehold_agent::Decision;
 use support::{field, server};
 
 const RULES: &str =
@@ -23,40 +20,8 @@ fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
         for _ in 0..8 {
             agents.push(support::limiter(&server.url(), RULES).await);
         }
-        let admitted = Arc::new(AtomicU64::new(0));
-        let decisions = Arc::new(AtomicU64::new(0));
-        let start = Instant::now();
-        let run_for = Duration::from_secs(4);
-        let rule = agents[0].rule("rl").expect("the rule");
-        let tasks: Vec<_> = agents
-            .iter()
-            .map(|l| {
-                let (l, rule) = (l.clone(), rule.clone());
-                let (admitted, decisions) = (admitted.clone(), decisions.clone());
-                tokio::spawn(async move {
-                    let mut i = 0u64;
-                    while start.elapsed() < run_for {
-                        let d = l.check(&rule, "tenant", 1).await.unwrap();
-                        if let Decision::Allowed { .. } = d {
-                            admitted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        decisions.fetch_add(1, Ordering::Relaxed);
-                        i += 1;
-                        if i.is_multiple_of(64) {
-                            tokio::task::yield_now().await;
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        let elapsed = start.elapsed().as_secs_f64();
-        let (admitted, decisions) = (
-            admitted.load(Ordering::Relaxed),
-            decisions.load(Ordering::Relaxed),
-        );
+        let (admitted, decisions, elapsed) =
+            support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(4)).await;
         let calls: u64 = agents
             .iter()
             .map(|l| l.stats("rl").unwrap().store_calls)

@@ -7,8 +7,6 @@ use crate::support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use leasehold_agent::{Admission, Decision, Limiter, LimiterConfig};
@@ -297,36 +295,8 @@ fn eight_agents_on_one_hot_key_never_admit_more_than_the_bucket() {
         for _ in 0..8 {
             agents.push(limiter(&server.url(), rules).await);
         }
-        let admitted = Arc::new(AtomicU64::new(0));
-        let decisions = Arc::new(AtomicU64::new(0));
-        let start = Instant::now();
-        let run_for = Duration::from_secs(secs);
-        let tasks: Vec<_> = agents
-            .iter()
-            .flat_map(|l| [l.clone(), l.clone()])
-            .map(|l| {
-                let (admitted, decisions) = (admitted.clone(), decisions.clone());
-                tokio::spawn(async move {
-                    let mut i = 0u64;
-                    while start.elapsed() < run_for {
-                        if let Decision::Allowed { .. } = l.check(&"hot".into(), "tenant-hot", 1).await.unwrap() {
-                            admitted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        decisions.fetch_add(1, Ordering::Relaxed);
-                        i += 1;
-                        if i.is_multiple_of(64) {
-                            tokio::task::yield_now().await;
-                        }
-                    }
-                })
-            })
-            .collect();
-        for t in tasks {
-            t.await.unwrap();
-        }
-        let elapsed = start.elapsed().as_secs_f64();
-        let admitted = admitted.load(Ordering::Relaxed);
-        let decisions = decisions.load(Ordering::Relaxed);
+        let (admitted, decisions, elapsed) =
+            support::flat_out(&agents, 2, "hot", "tenant-hot", Duration::from_secs(secs)).await;
         let calls: u64 = agents.iter().map(|l| l.stats("hot").unwrap().store_calls).sum();
         let bound = 1000.0 + 2000.0 * elapsed;
         println!(

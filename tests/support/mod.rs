@@ -131,6 +131,52 @@ pub fn hammer(
     })
 }
 
+/// `tasks_per_agent` callers on each of `agents` check `subject` under `rule` flat out for
+/// `run_for` (yielding every 64 decisions): the tokens admitted, the decisions made, and
+/// the seconds it took.
+pub async fn flat_out(
+    agents: &[leasehold_agent::Limiter],
+    tasks_per_agent: usize,
+    rule: &str,
+    subject: &'static str,
+    run_for: Duration,
+) -> (u64, u64, f64) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let admitted = Arc::new(AtomicU64::new(0));
+    let decisions = Arc::new(AtomicU64::new(0));
+    let start = std::time::Instant::now();
+    let tasks: Vec<_> = (agents.iter())
+        .flat_map(|l| std::iter::repeat_n(l, tasks_per_agent))
+        .map(|l| {
+            let (l, rule) = (l.clone(), l.rule(rule).expect("the rule"));
+            let (admitted, decisions) = (admitted.clone(), decisions.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while start.elapsed() < run_for {
+                    let d = l.check(&rule, subject, 1).await.expect("valid check");
+                    if let leasehold_agent::Decision::Allowed { .. } = d {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    decisions.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                    if i.is_multiple_of(64) {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("caller");
+    }
+    (
+        admitted.load(Ordering::Relaxed),
+        decisions.load(Ordering::Relaxed),
+        start.elapsed().as_secs_f64(),
+    )
+}
+
 /// `GET path` on `addr`: the status and the body.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

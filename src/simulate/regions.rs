@@ -154,7 +154,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         faults.sort_by(|a, b| a.at.total_cmp(&b.at));
         let mut faults = faults.into_iter().peekable();
         while run.start.elapsed() < opts.duration {
-            let frac = run.start.elapsed().as_secs_f64() / opts.duration.as_secs_f64();
+            let frac = run.frac(run.start.elapsed());
             while let Some(f) = faults.next_if(|f| f.at <= frac) {
                 let link = &links[f.region.unwrap_or(0)];
                 if f.action == "partition-region" {

@@ -92,6 +92,14 @@ pub(super) struct Run {
     pub(super) stop: AtomicBool,
 }
 
+impl Run {
+    /// How far into the scenario (its phases, its faults) the run is `elapsed` after its
+    /// start: 0 during the warm-up, 1 at its end.
+    pub(super) fn frac(&self, elapsed: Duration) -> f64 {
+        elapsed.saturating_sub(self.warm_up).as_secs_f64() / self.duration.as_secs_f64()
+    }
+}
+
 pub(super) async fn worker(
     sys: Arc<System>,
     run: Arc<Run>,
@@ -127,7 +135,7 @@ pub(super) async fn worker(
         if elapsed >= run.warm_up + run.duration || run.stop.load(Ordering::Relaxed) {
             break;
         }
-        let frac = elapsed.saturating_sub(run.warm_up).as_secs_f64() / run.duration.as_secs_f64();
+        let frac = run.frac(elapsed);
         if crash_at.is_some_and(|c| frac >= c) {
             sys.crash(agent);
             break;
@@ -413,12 +421,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 if calls_before.is_none() && run.start.elapsed() >= opts.warm_up {
                     calls_before = Some(sys.redis_calls());
                 }
-                let frac = run
-                    .start
-                    .elapsed()
-                    .saturating_sub(opts.warm_up)
-                    .as_secs_f64()
-                    / opts.duration.as_secs_f64();
+                let frac = run.frac(run.start.elapsed());
                 while let Some(f) = faults.next_if(|f| f.at <= frac) {
                     match (f.action.as_str(), coordinator.as_mut()) {
                         ("stop-coordinator", Some(c)) => c.stop().await,

@@ -4,12 +4,12 @@
 
 use std::process::Command;
 
-/// Runs `leasehold simulate` with `args` plus a JSON report; returns the report.
 /// One simulate run at a time: each runs agents flat out on the machine's cores, and a
 /// scenario that must reach a rate (hot-split's calls past the coordinator's budget) does
 /// not reach it on a debug build beside three others.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Runs `leasehold simulate` with `args` plus a JSON report; returns the report.
 fn run(args: &[&str]) -> serde_json::Value {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();

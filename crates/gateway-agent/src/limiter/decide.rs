@@ -170,36 +170,41 @@ impl Limiter {
                 taken.push((ks, cost, Some(epoch)));
                 continue;
             }
-            let before = self
-                .key(rule, subject)
-                .map(|ks| (ks.clone(), ks.hot().lease.epoch()));
+            // The lease's epoch before the look-up, which may spend from it.
+            let before = self.key(rule, subject).map(|ks| {
+                let epoch = ks.hot().lease.epoch();
+                (ks, epoch)
+            });
             let looked = self.look_up(subject, rule, cost, None);
             match looked {
                 Ok(Local::Decided(d)) => {
-                    let entry = before.as_ref().map(|(ks, _)| ks.entry.load_full());
-                    let entry = match entry {
-                        Some(e) => e,
+                    // A key the look-up made has no lease yet.
+                    let (ks, epoch) = match before {
+                        Some((ks, epoch)) => (Some(ks), Some(epoch)),
+                        None => (self.key(rule, subject), None),
+                    };
+                    let entry = match &ks {
+                        Some(ks) => ks.entry.load_full(),
                         None => self.inner.rules.load().get(rule)?.resolve(subject).clone(),
                     };
                     let refused = !matches!(d, Decision::Allowed { .. });
                     let mut d = d;
                     // Admitted by the lease or the seat: named with the key's quota, and
                     // given back should a later check refuse.
-                    // (A key made by the look-up has no lease yet.)
-                    if let Decision::Allowed { via, .. } = d {
-                        match (via, &before) {
-                            (Admission::Lease, Some((ks, epoch))) => {
-                                d = self.with_quota(ks, d);
-                                taken.push((ks.clone(), cost, Some(*epoch)));
-                            }
-                            (Admission::Local, _) => {
-                                if let Some(ks) = self.key(rule, subject) {
-                                    d = self.with_quota(&ks, d);
-                                    taken.push((ks, cost, None));
-                                }
-                            }
-                            _ => {}
-                        }
+                    let give_back_by = match d {
+                        Decision::Allowed {
+                            via: Admission::Lease,
+                            ..
+                        } => epoch.map(Some),
+                        Decision::Allowed {
+                            via: Admission::Local,
+                            ..
+                        } => Some(None),
+                        _ => None,
+                    };
+                    if let (Some(by), Some(ks)) = (give_back_by, ks) {
+                        d = self.with_quota(&ks, d);
+                        taken.push((ks, cost, by));
                     }
                     decided.push((d, entry));
                     if refused {

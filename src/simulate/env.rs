@@ -76,6 +76,73 @@ impl Target {
             .ok()?;
         Some(bytes / 1e6)
     }
+
+    /// The CPU the store's Redis processes have used since they started, µs: `used_cpu_user`
+    /// plus `used_cpu_sys` of INFO cpu, summed over every node of a cluster (replicas too:
+    /// replication is part of what a decision costs). None for the embedded store or when a
+    /// node does not answer. The process's whole CPU, not only the commands' own time in
+    /// INFO commandstats: a script's inner commands are counted there twice, and reading and
+    /// writing the replies is a large part of what a per-request script costs a shard.
+    pub(super) async fn cpu_us(&self) -> Option<u64> {
+        let urls = match self {
+            Self::Embedded(_) => return None,
+            Self::Redis(url) => vec![url.clone()],
+            Self::Cluster(seeds) => cluster_nodes(seeds).await?,
+        };
+        let mut total = 0u64;
+        for url in urls {
+            let client = redis::Client::open(url.as_str()).ok()?;
+            let mut c = client.get_multiplexed_async_connection().await.ok()?;
+            let info: String = redis::cmd("INFO")
+                .arg("cpu")
+                .query_async(&mut c)
+                .await
+                .ok()?;
+            let secs = |field: &str| -> Option<f64> {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            total += ((secs("used_cpu_user")? + secs("used_cpu_sys")?) * 1e6) as u64;
+        }
+        Some(total)
+    }
+}
+
+/// Every node of the cluster the seeds belong to, as URLs (CLUSTER NODES of the first seed
+/// that answers).
+async fn cluster_nodes(seeds: &[String]) -> Option<Vec<String>> {
+    for seed in seeds {
+        let Ok(client) = redis::Client::open(seed.as_str()) else {
+            continue;
+        };
+        let Ok(mut c) = client.get_multiplexed_async_connection().await else {
+            continue;
+        };
+        let Ok(text) = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async::<String>(&mut c)
+            .await
+        else {
+            continue;
+        };
+        // The seed's scheme and credentials, for every node.
+        let (scheme, rest) = seed.split_once("://").unwrap_or(("redis", seed));
+        let user = rest
+            .split_once('@')
+            .map(|(u, _)| format!("{u}@"))
+            .unwrap_or_default();
+        return Some(
+            text.lines()
+                .filter(|l| !l.contains("fail") && !l.contains("noaddr"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.split('@').next())
+                .map(|addr| format!("{scheme}://{user}{addr}"))
+                .collect(),
+        );
+    }
+    None
 }
 
 /// This process's resident memory, MB.

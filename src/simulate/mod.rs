@@ -108,13 +108,14 @@ pub(super) fn write_outputs(
 /// The summary table.
 pub(crate) fn table(r: &RunReport) -> String {
     let mut out = format!(
-        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
+        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
         "system",
         "decisions/s",
         "admitted",
         "denied",
         "below_limit",
         "calls/1k",
+        "store us/dec",
         "overshoot1s",
         "overshoot10s",
         "utilization",
@@ -134,13 +135,15 @@ pub(crate) fn table(r: &RunReport) -> String {
     };
     for (name, s) in &r.systems {
         out.push_str(&format!(
-            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
+            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
             name,
             s.decisions_per_sec,
             s.admitted,
             s.denied + s.unavailable,
             s.denied_below_limit,
             s.redis_calls_per_1k_decisions,
+            s.store_cpu_us_per_decision
+                .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),
             f4(s.overshoot_1s),
             f4(s.overshoot_10s),
             f4(s.utilization),

@@ -125,6 +125,10 @@ pub(crate) struct SystemReport {
     pub(crate) rss_growth_mb: f64,
     /// The memory the store's Redis used at the end of the run (single Redis only).
     pub(crate) store_mb: Option<f64>,
+    /// The CPU the store's Redis processes spent over the measured window (after the
+    /// warm-up), µs per decision, and in all, s (Env::cpu_us; none for the embedded store).
+    pub(crate) store_cpu_us_per_decision: Option<f64>,
+    pub(crate) store_cpu_s: Option<f64>,
     /// Tokens admitted per second for key 0, per 100 ms (the plot's line; in the JSON report
     /// as `series`).
     pub(crate) series: Vec<f64>,
@@ -200,6 +204,8 @@ pub(crate) fn analyze(
         rss_mb: 0.0,
         rss_growth_mb: 0.0,
         store_mb: None,
+        store_cpu_us_per_decision: None,
+        store_cpu_s: None,
         latency_ns: Latency {
             p50: h.value_at_quantile(0.5),
             p95: h.value_at_quantile(0.95),

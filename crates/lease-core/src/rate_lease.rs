@@ -33,6 +33,7 @@
 
 use crate::cell::{Cell, Refill};
 use crate::model::{Op, Reply, rate_scale};
+use crate::rate::Rate;
 use crate::rule::BucketParams;
 
 /// Parts per million.
@@ -361,6 +362,25 @@ impl RatePolicy {
                 && changed(self.demand_milli(now_ns), self.reported_milli))
     }
 
+    /// Whether demand outgrew a share the store sized by this agent's report (at least
+    /// the demand reported: not cut by contention), a window after the call at the
+    /// earliest: told over the last window when it saw enough tokens, else over a second
+    /// or more since the call. A report that undercounted (a few requests a second,
+    /// counted over a few tenths) would otherwise have the agent refuse callers for the
+    /// rest of the term while the rate has room for them. A share cut by contention is
+    /// below the demand reported, and is not asked again for it.
+    pub fn outgrown(&self, now_ns: u64, share_milli: u64) -> bool {
+        if self.reported_milli == 0 || share_milli < self.reported_milli {
+            return false;
+        }
+        let since = now_ns.saturating_sub(self.last_call_ns);
+        if since < DEMAND_WINDOW_NS {
+            return false;
+        }
+        (self.window_tokens(now_ns) >= SIGNIFICANT && self.window_milli(now_ns) > share_milli)
+            || (since >= 10 * DEMAND_WINDOW_NS && self.demand_milli(now_ns) > share_milli)
+    }
+
     /// A call sent at `now_ns` reports this demand: the last window's when it changed
     /// enough to tell, else what was offered since the last call.
     pub fn calling(&mut self, now_ns: u64) -> u64 {
@@ -448,7 +468,7 @@ impl RateKey {
     /// one call at a time per key; a call whose reply never came counts as sent.)
     pub fn due(&self, now_ns: u64) -> bool {
         if self.live {
-            self.policy.due(now_ns)
+            self.policy.due(now_ns) || self.policy.outgrown(now_ns, self.share_milli)
         } else {
             self.policy.first_due(now_ns)
         }
@@ -569,6 +589,24 @@ impl RateKey {
     /// Whether a live lease had nothing offered for `idle_ns` at `now_ns`.
     pub fn idle(&self, now_ns: u64, idle_ns: u64) -> bool {
         self.live && self.inflight.is_none() && now_ns.saturating_sub(self.offered_at_ns) >= idle_ns
+    }
+
+    /// What a caller the cell does not cover gets once the key is synced (and renewed if
+    /// a renewal was due): `None`, one exact decision at the store — no share yet, and no
+    /// grant has answered a call reporting demand (an exact admission is demand to
+    /// [`RateKey::offered`]) — else a denial with the time the share takes to bring
+    /// `cost` (ns); a share of 0 after such a grant means the other agents hold the whole
+    /// rate, and the wait is then the rule's own.
+    pub fn uncovered(&self, refill: &Refill, cost: u64, rate: Rate) -> Option<u64> {
+        let share = refill.share_milli();
+        if share == 0 && !self.informed {
+            return None;
+        }
+        Some(if share == 0 {
+            crate::cell::refill_ns(cost, rate)
+        } else {
+            (cost as f64 * 1e12 / share as f64) as u64
+        })
     }
 
     /// Whether a grant since the last release answered a call that reported demand.

@@ -57,9 +57,9 @@ impl Limiter {
         if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
             return Ok(d);
         }
-        let share = ks.refill.share_milli();
-        let informed = ks.rate.lock().as_ref().is_some_and(|rk| rk.informed());
-        if share == 0 && !informed {
+        let uncovered = (ks.rate.lock().as_ref())
+            .and_then(|rk| rk.uncovered(&ks.refill, cost, entry.params.rate));
+        let Some(wait_ns) = uncovered else {
             if let Some(d) = self.recheck(ks, entry, cost, self.now_ns()) {
                 return Ok(d);
             }
@@ -69,14 +69,10 @@ impl Limiter {
                 rk.offered(self.now_ns(), cost);
             }
             return Ok(d);
-        }
+        };
         entry.counters.incr(entry.denied);
         ks.hot().count_denied(cost);
-        Ok(denied(if share == 0 {
-            leasehold_core::cell::refill_ns(cost, entry.params.rate)
-        } else {
-            (cost as f64 * 1e12 / share as f64) as u64
-        }))
+        Ok(denied(wait_ns))
     }
 
     /// A rate lease's call: the burst declared and wanted and the demand, the grant

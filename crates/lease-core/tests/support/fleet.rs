@@ -13,6 +13,12 @@
 //! every 100 ms applies the policy's [`SweepAction`]. Only one store call per agent is
 //! in flight at a time (the key's I/O lock). There are no seats and no breakers here:
 //! the fleet's store always answers, or loses a reply.
+//!
+//! A rule with `leasing = "rate"` runs each agent's [`RateKey`] beside its cell, as the
+//! agent does: a caller the cell does not cover syncs the share's accrual into it and
+//! renews when due ([`RateKey::due`]); waiting for the key's I/O lock, a caller renews if
+//! due, else spends the cell or takes what [`RateKey::uncovered`] says (one exact call, or
+//! a denial); the sweep renews and gives idle leases up.
 #![allow(dead_code)] // each test file uses part of the harness
 
 use std::collections::VecDeque;
@@ -20,7 +26,8 @@ use std::collections::VecDeque;
 use leasehold_core::Rate;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use leasehold_core::rule::{BucketParams, RegionParams, Rule};
+use leasehold_core::rate_lease::RateKey;
+use leasehold_core::rule::{BucketParams, Leasing, RegionParams, Rule};
 use leasehold_core::{
     Around, Cell, KeyPolicy, Level, PolicyConfig, Reclaim, Refill, SweepAction, Verdict,
 };
@@ -180,8 +187,14 @@ struct GlobalCall {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
-    Acquire { needed: u64 },
-    Exact { cost: u64 },
+    Acquire {
+        needed: u64,
+    },
+    /// For the waiter at the front of the queue.
+    Exact {
+        cost: u64,
+    },
+    Rate,
 }
 
 #[derive(Debug)]
@@ -196,6 +209,7 @@ struct Inflight {
 struct Waiter {
     id: usize,
     cost: u64,
+    /// Store calls it made (a rate key's caller: 1, its renewal; 2, its exact call).
     rounds: u32,
 }
 
@@ -207,6 +221,8 @@ struct Agent {
     /// decision while the fleet starts a refill from inside it).
     key: Arc<(Cell, Refill)>,
     policy: KeyPolicy,
+    /// The key's rate lease (a rate rule's).
+    rate: RateKey,
     last_io_ns: u64,
     inflight: Option<Inflight>,
     waiting: VecDeque<Waiter>,
@@ -221,17 +237,19 @@ struct Agent {
 }
 
 impl Agent {
-    fn new(i: usize, now_ns: u64) -> Self {
+    /// Agent `i` at `now_ns`; a rate rule's key leases once it has a grant.
+    fn new(i: usize, now_ns: u64, rule: &Rule) -> Self {
         Self {
             id: AgentId(i as u64 + 1),
             seq: 0,
             key: {
                 let cell = Cell::new();
                 // Every agent of the fleet leases the key.
-                cell.reset(u64::MAX, true, false, false);
+                cell.reset(u64::MAX, rule.leasing() != Leasing::Rate, false, false);
                 Arc::new((cell, Refill::new()))
             },
             policy: KeyPolicy::new(now_ns),
+            rate: RateKey::default(),
             last_io_ns: now_ns,
             inflight: None,
             waiting: VecDeque::new(),
@@ -252,6 +270,8 @@ pub(crate) struct Outcome {
     pub(crate) admitted: u64,
     pub(crate) ideal_admitted: u64,
     pub(crate) utilisation: f64,
+    /// Utilisation over the run's second half (requests that arrived in it).
+    pub(crate) late_utilisation: f64,
     /// Requests the ideal bucket admitted that the fleet denied.
     pub(crate) below_limit_denied: u64,
     /// Requests that failed because their reply was lost.
@@ -259,6 +279,8 @@ pub(crate) struct Outcome {
     /// Largest excess of any window over `B + r*W`, tokens (<= 0 keeps I1).
     pub(crate) worst_window_excess: f64,
     pub(crate) calls: u64,
+    /// Calls made over the run's second half.
+    pub(crate) late_calls: u64,
     /// Acquires that granted nothing.
     pub(crate) refused: u64,
     /// Decisions that waited for a store call (the others were decided locally, from the
@@ -290,6 +312,7 @@ pub(crate) struct Fleet {
     agents: Vec<Agent>,
     rng: Rng,
     calls: u64,
+    late_calls: u64,
     /// Per request id: admitted by the fleet.
     ours: Vec<bool>,
     ideal_ok: Vec<bool>,
@@ -314,7 +337,7 @@ pub(crate) struct Fleet {
 impl Fleet {
     pub(crate) fn run(s: Setup) -> Outcome {
         let p = s.rule.bucket_params();
-        let agents = (0..s.agents).map(|i| Agent::new(i, 0)).collect();
+        let agents = (0..s.agents).map(|i| Agent::new(i, 0, &s.rule)).collect();
         let rng = Rng::new(s.seed);
         // The clocks have their own generator: a run without regions draws as it did.
         let mut clocks = Rng::new(s.seed ^ 0xC10C);
@@ -349,6 +372,7 @@ impl Fleet {
             bucket: GlobalBucket::new(),
             agents,
             calls: 0,
+            late_calls: 0,
             ours: Vec::new(),
             ideal_ok: Vec::new(),
             arrival_ms: Vec::new(),
@@ -384,7 +408,7 @@ impl Fleet {
                             self.ours[w.id] = false;
                         }
                         // A new process: a new agent id, nothing of the old state.
-                        let mut fresh = Agent::new(agent, base);
+                        let mut fresh = Agent::new(agent, base, &self.s.rule);
                         self.restarts += 1;
                         fresh.id = AgentId(self.restarts << 32 | (agent as u64 + 1));
                         fresh.down_until_ms = back_ms;
@@ -476,6 +500,9 @@ impl Fleet {
         let offered = self.ours.len() as u64;
         let last_offered: u64 = self.agents.iter().map(|a| a.last_offered).sum();
         let last_admitted: u64 = self.agents.iter().map(|a| a.last_admitted).sum();
+        let late_ideal = (self.ideal_ok.iter().zip(&self.arrival_ms))
+            .filter(|(ok, ms)| **ok && **ms * 2 >= self.s.total_ms)
+            .count() as u64;
         let worst_share_error = self
             .agents
             .iter()
@@ -492,10 +519,12 @@ impl Fleet {
             admitted,
             ideal_admitted,
             utilisation: admitted as f64 / ideal_admitted.max(1) as f64,
+            late_utilisation: last_admitted as f64 / late_ideal.max(1) as f64,
             below_limit_denied: below.saturating_sub(self.unavailable),
             unavailable: self.unavailable,
             worst_window_excess: self.worst_window(),
             calls: self.calls,
+            late_calls: self.late_calls,
             refused: self.refused,
             waited: self.waited,
             calls_per_1k: self.calls as f64 * 1000.0 / offered.max(1) as f64,
@@ -668,6 +697,15 @@ impl Fleet {
         match verdict {
             Verdict::Lease { .. } | Verdict::Seat { .. } => self.admit(i, id, t),
             Verdict::Denied { .. } => {}
+            Verdict::Store if self.rated() => {
+                self.waited += 1;
+                self.agents[i].waiting.push_back(Waiter {
+                    id,
+                    cost,
+                    rounds: 0,
+                });
+                self.rate_serve(i, t);
+            }
             Verdict::Store => {
                 let a = &mut self.agents[i];
                 let start = a.inflight.is_none();
@@ -691,6 +729,9 @@ impl Fleet {
         a.calls += 1;
         a.policy.called();
         self.calls += 1;
+        if t / MS * 2 >= self.s.total_ms {
+            self.late_calls += 1;
+        }
         let req = Request {
             agent: a.id,
             seq: a.seq,
@@ -768,7 +809,44 @@ impl Fleet {
                     false,
                 );
             }
-            (Kind::Exact { .. }, _) => unreachable!("the fleet leases"),
+            (Kind::Rate, reply) => {
+                let a = &mut self.agents[i];
+                let (cell, refill) = &*a.key;
+                match reply {
+                    Some(r) => {
+                        let margin = (self.s.cfg.margin.as_nanos() as u64).min(r.ttl_us * 250);
+                        a.rate.granted(cell, refill, &self.p, &r, now, margin);
+                        cell.set_leases(true);
+                    }
+                    None => {
+                        // Its caller's decision falls to the failure policy.
+                        a.rate.failed();
+                        if a.waiting.front().is_some_and(|w| w.rounds == 1) {
+                            let w = a.waiting.pop_front().expect("a caller");
+                            self.unavailable += 1;
+                            a.key.0.count_denied(w.cost);
+                        }
+                    }
+                }
+                self.rate_serve(i, now);
+                return;
+            }
+            (Kind::Exact { cost }, reply) => {
+                let w = self.agents[i]
+                    .waiting
+                    .pop_front()
+                    .expect("the exact call's caller");
+                match reply {
+                    Some(r) if r.granted >= cost => {
+                        self.admit(i, w.id, now);
+                        self.agents[i].rate.offered(now, cost);
+                    }
+                    Some(_) => {}
+                    None => self.unavailable += 1,
+                }
+                self.rate_serve(i, now);
+                return;
+            }
             (Kind::Acquire { .. }, None) => {
                 // The caller timed out: its decision falls to the failure policy (counted
                 // apart); the next acquire declares what the lease holds.
@@ -815,6 +893,9 @@ impl Fleet {
         if self.agents[i].inflight.is_some() {
             return;
         }
+        if self.rated() {
+            return self.rate_sweep(i, t);
+        }
         let a = &mut self.agents[i];
         let cell = &a.key.0;
         let action = a.policy.sweep(
@@ -845,6 +926,105 @@ impl Fleet {
     }
 }
 
+impl Fleet {
+    fn rated(&self) -> bool {
+        self.s.rule.leasing() == Leasing::Rate
+    }
+
+    /// A caller of agent `i` the cell did not cover, at `t` (the agent's `rate_refill`):
+    /// the share's accrual goes into the cell, and a renewal starts if one is due and no
+    /// call is in flight. Whether the caller must wait: the cell is still empty.
+    fn rate_refill(&mut self, i: usize, t: u64) -> bool {
+        let a = &mut self.agents[i];
+        a.rate.sync(&a.key.0, t);
+        if a.rate.due(t) && a.inflight.is_none() {
+            self.start_rate(i, t);
+        }
+        self.agents[i].key.0.lease.held() == 0
+    }
+
+    fn start_rate(&mut self, i: usize, t: u64) {
+        let a = &mut self.agents[i];
+        let op = a.rate.call(&a.key.0, &self.p, t);
+        self.start(i, t, op, Kind::Rate);
+    }
+
+    fn start(&mut self, i: usize, t: u64, op: Op, kind: Kind) {
+        let reply = self.send(i, t, op);
+        self.agents[i].inflight = Some(Inflight {
+            sent_ns: t,
+            done_ns: t + self.s.rtt_us * 1000,
+            kind,
+            reply,
+        });
+        if self.s.rtt_us == 0 {
+            self.complete(i, t);
+        }
+    }
+
+    /// The callers waiting on agent `i`'s rate key at `t`, in order, while no call is in
+    /// flight, each as the agent's store path runs for it once the key's I/O lock is its:
+    /// a renewal if one is due (the caller then looks again when it completes), else the
+    /// share's accrual; then the cell; then one exact call, or a denial.
+    fn rate_serve(&mut self, i: usize, t: u64) {
+        while self.agents[i].inflight.is_none() {
+            let Some(mut w) = self.agents[i].waiting.pop_front() else {
+                return;
+            };
+            let a = &mut self.agents[i];
+            if w.rounds == 0 && a.rate.due(t) {
+                w.rounds = 1;
+                a.waiting.push_front(w);
+                self.start_rate(i, t);
+                continue;
+            }
+            a.rate.sync(&a.key.0, t);
+            let key = a.key.clone();
+            if let Some(Verdict::Lease { .. }) =
+                (key.0).spend(w.cost, t, &key.1, &mut Driving { fleet: self, i })
+            {
+                self.admit(i, w.id, t);
+                continue;
+            }
+            let a = &mut self.agents[i];
+            if a.inflight.is_some() {
+                // The cell's prefetch started a renewal: the caller waits for it.
+                w.rounds = w.rounds.max(1);
+                a.waiting.push_front(w);
+                return;
+            }
+            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate()) {
+                None => {
+                    let cost = w.cost;
+                    w.rounds = 2;
+                    a.waiting.push_front(w);
+                    self.start(i, t, Op::Exact { cost }, Kind::Exact { cost });
+                }
+                Some(_) => a.key.0.count_denied(w.cost),
+            }
+        }
+    }
+
+    /// The sweep's visit of agent `i`'s rate key (the agent's `rate_sweep`): given up when
+    /// nothing was offered for the idle time, renewed when due.
+    fn rate_sweep(&mut self, i: usize, t: u64) {
+        let ttl_ns = self.s.rule.lease_ttl().as_nanos() as u64;
+        let idle_ns = (self.s.cfg.idle_after.as_nanos() as u64).min(ttl_ns / 2);
+        let a = &mut self.agents[i];
+        if !a.rate.live() {
+            return;
+        }
+        a.rate.sync(&a.key.0, t);
+        if a.rate.idle(t, idle_ns) {
+            let returned = a.rate.release(&a.key.0, &a.key.1, t);
+            a.key.0.set_leases(false);
+            let _ = self.send(i, t, Op::Release { returned });
+        } else if a.rate.due(t) {
+            self.start_rate(i, t);
+        }
+    }
+}
+
 /// The fleet around agent `i`'s cell while it decides: a refill is the agent's acquire,
 /// started unless one is in flight (with no round trip it completes at once).
 struct Driving<'a> {
@@ -858,6 +1038,9 @@ impl Around for Driving<'_> {
     }
 
     fn refill(&mut self, now_ns: u64) -> bool {
+        if self.fleet.rated() {
+            return self.fleet.rate_refill(self.i, now_ns);
+        }
         if self.fleet.agents[self.i].inflight.is_none() {
             self.fleet.start_acquire(self.i, now_ns, 0);
         }

@@ -216,10 +216,12 @@ impl Coordinator {
                 .forget_agents(now_ms.saturating_sub(FORGET_AFTER_MS))
                 .await?;
         }
-        for &agent in &agents {
-            if let Some(text) = self.store.agent_report(agent).await? {
-                let name = agent.to_string();
-                self.ledger.lock().record(&name, &Report::parse(&text));
+        let reports = self.store.agent_reports(&agents).await?;
+        for (agent, text) in agents.iter().zip(reports) {
+            if let Some(text) = text {
+                self.ledger
+                    .lock()
+                    .record(&agent.to_string(), &Report::parse(&text));
             }
         }
         let mut statuses = BTreeMap::new();

@@ -36,10 +36,13 @@ impl RedisStore {
             .arg(text)
             .arg("PX")
             .arg(REPORT_TTL_MS);
-        self.query::<()>(&set).await?;
         let mut zadd = redis::cmd("ZADD");
         zadd.arg(AGENTS_KEY).arg(at_ms).arg(agent.to_string());
-        self.query::<i64>(&zadd).await.map(drop)
+        // Both in flight at once: the multiplexed connection writes them together, and
+        // Redis reads them in one go (a thousand agents report every second).
+        let (set, zadd) = tokio::join!(self.query::<()>(&set), self.query::<i64>(&zadd));
+        set?;
+        zadd.map(drop)
     }
 
     /// The slot ranges of the store's primaries, named `host:port`: one range covering
@@ -122,6 +125,23 @@ impl RedisStore {
     /// `agent`'s last report (see [`crate::report`]), if it has not expired.
     pub async fn agent_report(&self, agent: AgentId) -> Result<Option<String>, StoreError> {
         self.query(redis::cmd("GET").arg(report_key(agent))).await
+    }
+
+    /// The last reports of `agents`, in order: up to 128 reads in flight at once, which
+    /// the multiplexed connection writes together and Redis reads together (one read
+    /// after another costs Redis a round of system calls per agent, every second).
+    pub async fn agent_reports(
+        &self,
+        agents: &[AgentId],
+    ) -> Result<Vec<Option<String>>, StoreError> {
+        let mut out = Vec::with_capacity(agents.len());
+        for chunk in agents.chunks(128) {
+            let reads = chunk.iter().map(|&a| self.agent_report(a));
+            for r in futures_util::future::join_all(reads).await {
+                out.push(r?);
+            }
+        }
+        Ok(out)
     }
 
     /// The region keys announced since `since_ms` (see [`WANTED_KEY`]), with when.

@@ -31,7 +31,9 @@ impl std::str::FromStr for StoreChoice {
             "spawn" => Ok(Self::Spawn),
             "spawn-replica" => Ok(Self::SpawnReplica),
             "cluster-spawn" => Ok(Self::ClusterSpawn),
-            url if url.starts_with("redis://") => Ok(Self::Redis(url.to_owned())),
+            url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                Ok(Self::Redis(url.to_owned()))
+            }
             list if list.starts_with("cluster://") => Ok(Self::Cluster(
                 list["cluster://".len()..]
                     .split(',')
@@ -39,9 +41,13 @@ impl std::str::FromStr for StoreChoice {
                     .map(|n| format!("redis://{n}"))
                     .collect(),
             )),
+            // Not shown: a mistyped address (`redis//:PW@host`) or a bare password may be
+            // all it is.
             other => Err(format!(
-                "unknown store {other:?}: embedded, spawn (a private redis-server), spawn-replica, \
-                 cluster-spawn, redis://HOST:PORT or cluster://HOST:PORT,HOST:PORT"
+                "unknown store (not shown, {} characters: it may hold a password): embedded, \
+                 spawn (a private redis-server), spawn-replica, cluster-spawn, \
+                 redis://HOST:PORT, rediss://HOST:PORT or cluster://HOST:PORT,HOST:PORT",
+                other.chars().count()
             )),
         }
     }

@@ -359,11 +359,13 @@ fn no_binary_prints_the_password_of_a_malformed_address() {
         format!("redis://{pw}@127.0.0.1:notaport"),
         format!("cluster://:{pw}@"),
     ] {
-        let runs: [(&Path, Vec<&str>); 3] = [
+        let runs: [(&Path, Vec<&str>); 4] = [
             (
                 &exe,
                 vec!["serve", "--config", rules, "--http", "127.0.0.1:0"],
             ),
+            // simulate takes the address as --store / LEASEHOLD_STORE.
+            (&exe, vec!["simulate", "--duration", "1"]),
             (
                 &exe,
                 vec!["coordinator", "--config", rules, "--listen", "127.0.0.1:0"],
@@ -378,11 +380,13 @@ fn no_binary_prints_the_password_of_a_malformed_address() {
             for by_env in [false, true] {
                 let mut cmd = Command::new(bin);
                 cmd.args(&args).stdin(Stdio::null());
-                if by_env {
-                    cmd.env("LEASEHOLD_REDIS_URL", &address);
-                } else {
-                    cmd.args(["--redis", &address]);
-                }
+                let simulate = args[0] == "simulate";
+                match (by_env, simulate) {
+                    (true, false) => cmd.env("LEASEHOLD_REDIS_URL", &address),
+                    (false, false) => cmd.args(["--redis", &address]),
+                    (true, true) => cmd.env("LEASEHOLD_STORE", &address),
+                    (false, true) => cmd.args(["--store", &address]),
+                };
                 let mut child = cmd
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped())

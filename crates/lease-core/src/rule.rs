@@ -487,6 +487,8 @@ fn gcd128(mut a: u128, mut b: u128) -> u128 {
 }
 
 const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+/// The shortest term of a rate lease.
+const MIN_TERM: Duration = Duration::from_millis(100);
 const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 /// More replicas than any deployment has: a typo, refused.
 const MAX_REPLICAS: u64 = 16;
@@ -594,7 +596,8 @@ impl Rule {
                 value: text.clone(),
                 why,
             };
-            let d = parse_duration(text).map_err(|e| err(e.to_string()))?;
+            let d = parse_duration(text)
+                .map_err(|e| err(format!("not a duration ({e}): write it as 4s, 500ms or 2m")))?;
             if d < Duration::from_millis(1) || d > max {
                 return Err(err(format!(
                     "must be between 1ms and {}",
@@ -712,7 +715,20 @@ impl Rule {
                     ),
                 ));
             }
-            dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?
+            let term = dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?;
+            if term < MIN_TERM {
+                return Err(RuleError::Duration {
+                    rule: rule(),
+                    field: "term",
+                    value: spec.term.clone().unwrap_or_default(),
+                    why: format!(
+                        "at least {}: a rate lease is renewed at three quarters of its term, \
+                         and a shorter one calls the store more often than leases of tokens do",
+                        humantime::format_duration(MIN_TERM)
+                    ),
+                });
+            }
+            term
         } else {
             if let Some(t) = &spec.term {
                 return Err(conflict(
@@ -1289,6 +1305,11 @@ mod tests {
         let mut t = r.clone();
         t.mode = Some("relaxed".into());
         refused(&t, "strict mode only");
+        let mut t = r.clone();
+        t.term = Some("50ms".into());
+        refused(&t, "at least 100ms");
+        t.term = Some("abc".into());
+        refused(&t, "write it as 4s, 500ms or 2m");
         let mut t = r.clone();
         t.local_percent = Some(50);
         t.local_agents = Some(4);

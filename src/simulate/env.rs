@@ -83,27 +83,33 @@ impl Target {
         Some(bytes / 1e6)
     }
 
-    /// The CPU the store's Redis processes have used since they started, µs: `used_cpu_user`
-    /// plus `used_cpu_sys` of INFO cpu, summed over every node of a cluster (replicas too:
-    /// replication is part of what a decision costs). None for the embedded store or when a
-    /// node does not answer. The process's whole CPU, not only the commands' own time in
-    /// INFO commandstats: a script's inner commands are counted there twice, and reading and
-    /// writing the replies is a large part of what a per-request script costs a shard.
-    pub(super) async fn cpu_us(&self) -> Option<u64> {
+    /// What the store's Redis processes have spent since they started, summed over every
+    /// node of a cluster (replicas too: replication is part of what a decision costs):
+    /// `(cpu, scripts)`, µs. `cpu` is `used_cpu_user` plus `used_cpu_sys` of INFO cpu, the
+    /// processes' whole CPU (reading and writing replies is a large part of what a
+    /// per-request script costs a shard, and the agents' reports count too); `scripts` is
+    /// the time INFO commandstats gives the script calls themselves (FCALL, FCALL_RO,
+    /// EVALSHA, EVAL; the commands they run are inside that time). None for the embedded
+    /// store or when a node does not answer.
+    pub(super) async fn usage_us(&self) -> Option<(u64, u64)> {
         let urls = match self {
             Self::Embedded(_) => return None,
             Self::Redis(url) => vec![url.clone()],
             Self::Cluster(seeds) => cluster_nodes(seeds).await?,
         };
-        let mut total = 0u64;
+        let (mut cpu, mut scripts) = (0u64, 0u64);
         for url in urls {
             let client = redis::Client::open(url.as_str()).ok()?;
             let mut c = client.get_multiplexed_async_connection().await.ok()?;
-            let info: String = redis::cmd("INFO")
-                .arg("cpu")
-                .query_async(&mut c)
-                .await
-                .ok()?;
+            let mut info = String::new();
+            for section in ["cpu", "commandstats"] {
+                let text: String = redis::cmd("INFO")
+                    .arg(section)
+                    .query_async(&mut c)
+                    .await
+                    .ok()?;
+                info.push_str(&text);
+            }
             let secs = |field: &str| -> Option<f64> {
                 info.lines()
                     .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
@@ -111,9 +117,24 @@ impl Target {
                     .parse()
                     .ok()
             };
-            total += ((secs("used_cpu_user")? + secs("used_cpu_sys")?) * 1e6) as u64;
+            cpu += ((secs("used_cpu_user")? + secs("used_cpu_sys")?) * 1e6) as u64;
+            // cmdstat_fcall:calls=N,usec=U,...
+            for l in info.lines() {
+                let Some((name, stats)) =
+                    l.strip_prefix("cmdstat_").and_then(|l| l.split_once(':'))
+                else {
+                    continue;
+                };
+                if !matches!(name, "fcall" | "fcall_ro" | "evalsha" | "eval") {
+                    continue;
+                }
+                scripts += (stats.split(','))
+                    .find_map(|f| f.strip_prefix("usec="))
+                    .and_then(|u| u.parse::<u64>().ok())
+                    .unwrap_or(0);
+            }
         }
-        Some(total)
+        Some((cpu, scripts))
     }
 }
 

@@ -129,6 +129,9 @@ pub(crate) struct SystemReport {
     /// warm-up), µs per decision, and in all, s (Env::cpu_us; none for the embedded store).
     pub(crate) store_cpu_us_per_decision: Option<f64>,
     pub(crate) store_cpu_s: Option<f64>,
+    /// Of the store's time over the measured window, what its script calls took (INFO
+    /// commandstats), s: the decisions' own cost, without the connections' and reports'.
+    pub(crate) store_scripts_s: Option<f64>,
     /// Tokens admitted per second for key 0, per 100 ms (the plot's line; in the JSON report
     /// as `series`).
     pub(crate) series: Vec<f64>,
@@ -206,6 +209,7 @@ pub(crate) fn analyze(
         store_mb: None,
         store_cpu_us_per_decision: None,
         store_cpu_s: None,
+        store_scripts_s: None,
         latency_ns: Latency {
             p50: h.value_at_quantile(0.5),
             p95: h.value_at_quantile(0.95),

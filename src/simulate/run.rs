@@ -410,7 +410,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             let mut calls_before: Option<u64> = opts.warm_up.is_zero().then_some(0);
             let target = env.target();
             let mut cpu_before = if opts.warm_up.is_zero() {
-                Some(target.cpu_us().await)
+                Some(target.usage_us().await)
             } else {
                 None
             };
@@ -426,7 +426,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 progress.set_position(base + run.start.elapsed().as_millis() as u64);
                 if calls_before.is_none() && run.start.elapsed() >= opts.warm_up {
                     calls_before = Some(sys.redis_calls());
-                    cpu_before = Some(target.cpu_us().await);
+                    cpu_before = Some(target.usage_us().await);
                 }
                 let frac = run.frac(run.start.elapsed());
                 while let Some(f) = faults.next_if(|f| f.at <= frac) {
@@ -446,7 +446,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
             }
             let calls = sys.redis_calls() - calls_before.unwrap_or(0);
-            let cpu_after = target.cpu_us().await;
+            let cpu_after = target.usage_us().await;
             if let Some(f) = sys.agent_faults() {
                 agent_faults = Some(f);
             }
@@ -469,9 +469,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             report.rss_growth_mb = rss - rss_before;
             report.store_mb = store_mb;
             if let (Some(Some(before)), Some(after)) = (cpu_before, cpu_after) {
-                let us = after.saturating_sub(before) as f64;
+                let us = after.0.saturating_sub(before.0) as f64;
                 report.store_cpu_s = Some(us / 1e6);
                 report.store_cpu_us_per_decision = Some(us / report.decisions.max(1) as f64);
+                report.store_scripts_s = Some(after.1.saturating_sub(before.1) as f64 / 1e6);
             }
             Ok::<_, String>(report)
         })?;

@@ -480,8 +480,8 @@ impl RateKey {
     }
 
     /// The call to send at `now_ns` (the cell synced first): the burst the cell's bucket
-    /// holds room for, the burst wanted — a second of demand, at least one token, at most
-    /// `B`; one held already is kept until it is more than two seconds of demand — and the
+    /// holds room for, the burst wanted — half a second of demand, at least one token, at
+    /// most `B`; one held already is kept until it is more than a second of demand — and the
     /// demand. A call before it whose reply never came is given up.
     ///
     /// The bursts are the fleet's share of `B`: a burst comes out of the level once (the
@@ -491,12 +491,13 @@ impl RateKey {
     pub fn call(&mut self, cell: &Cell, p: &BucketParams, now_ns: u64) -> Op {
         self.sync(cell, now_ns);
         let demand = self.policy.calling(now_ns);
-        let second = (demand / 2_000).clamp(1, p.capacity);
+        // Demand is in thousandths of a token per second.
+        let half = (demand / 2_000).clamp(1, p.capacity);
         let burst = self.local.burst();
-        let want = if burst <= 2 * second {
-            burst.max(second)
+        let want = if burst <= 2 * half {
+            burst.max(half)
         } else {
-            second
+            half
         };
         let held = self.local.renewing(now_ns, want);
         // What the burst dropped leaves the cell too.

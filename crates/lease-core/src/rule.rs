@@ -299,10 +299,19 @@ impl OverrideSpec {
         let capacity = self.capacity.unwrap_or(base.capacity);
         // Lease bounds inherited from a rule with a larger capacity shrink to fit this
         // one's; bounds the override sets itself are validated as they are.
-        let lease_max = self.lease_max.or(base.lease_max.map(|m| m.min(capacity)));
-        let lease_min = self
-            .lease_min
-            .or(base.lease_min.map(|m| m.min(lease_max.unwrap_or(capacity))));
+        // An override that leases by rate inherits no lease bounds (a rate lease's burst
+        // follows demand).
+        let rated = self.leasing.as_deref() == Some("rate");
+        let lease_max = match rated {
+            true => self.lease_max,
+            false => self.lease_max.or(base.lease_max.map(|m| m.min(capacity))),
+        };
+        let lease_min = match rated {
+            true => self.lease_min,
+            false => {
+                (self.lease_min).or(base.lease_min.map(|m| m.min(lease_max.unwrap_or(capacity))))
+            }
+        };
         RuleSpec {
             capacity,
             rate: self.rate.clone().unwrap_or_else(|| base.rate.clone()),
@@ -693,6 +702,16 @@ impl Rule {
                     t.clone(),
                     "a rate lease runs for its term: set term instead",
                 ));
+            }
+            for (field, v) in [("lease_min", spec.lease_min), ("lease_max", spec.lease_max)] {
+                if let Some(v) = v {
+                    return Err(conflict(
+                        field,
+                        v.to_string(),
+                        "a rate lease's burst follows the agent's demand: lease_min and \
+                         lease_max apply to leasing = \"lease\" or \"auto\" only",
+                    ));
+                }
             }
             if let Mode::Relaxed { .. } = mode {
                 return Err(conflict(
@@ -1303,6 +1322,9 @@ mod tests {
         t.lease_ttl = Some("5s".into());
         refused(&t, "set term instead");
         let mut t = r.clone();
+        t.lease_max = Some(100);
+        refused(&t, "lease_max apply to leasing");
+        let mut t = r.clone();
         t.mode = Some("relaxed".into());
         refused(&t, "strict mode only");
         let mut t = r.clone();
@@ -1331,6 +1353,8 @@ mod tests {
         assert_eq!(leased.leasing(), Leasing::Lease);
         let mut lease = spec(100, "10/s");
         lease.lease_ttl = Some("2s".into());
+        lease.lease_max = Some(50);
+        lease.lease_min = Some(5);
         let o = OverrideSpec {
             leasing: Some("rate".into()),
             ..OverrideSpec::default()

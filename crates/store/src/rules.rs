@@ -261,7 +261,22 @@ impl Rules {
             .map_err(read)?
             .try_deserialize()
             .map_err(read)?;
-        apply_overrides(&mut file.rules, vars)?;
+        let vars: Vec<(String, String)> = vars.into_iter().collect();
+        apply_overrides(&mut file.rules, vars.iter().cloned())?;
+        // A value from the environment is not in the file: errors from here on name the
+        // variables that changed what the file says.
+        let mut applied: Vec<&str> = (vars.iter())
+            .map(|(v, _)| v.as_str())
+            .filter(|v| v.starts_with(ENV_PREFIX))
+            .collect();
+        applied.sort_unstable();
+        let with_env;
+        let shown = if applied.is_empty() {
+            shown
+        } else {
+            with_env = format!("{shown} (with {} from the environment)", applied.join(", "));
+            with_env.as_str()
+        };
         if file.rules.is_empty() {
             return Err(RulesError::Empty {
                 path: shown.to_owned(),
@@ -666,6 +681,11 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(e.contains("rule api.write: capacity"), "{e}");
+        // The value came from the environment, not the file: the error says which variable.
+        assert!(
+            e.contains("with LEASEHOLD_RULES__API_WRITE__CAPACITY from the environment"),
+            "{e}"
+        );
     }
 
     #[test]

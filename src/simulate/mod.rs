@@ -140,7 +140,11 @@ pub(crate) fn table(r: &RunReport) -> String {
             s.decisions_per_sec,
             s.admitted,
             s.denied + s.unavailable,
-            s.denied_below_limit,
+            if s.seconds_within_limit == 0 {
+                "-".to_owned()
+            } else {
+                s.denied_below_limit.to_string()
+            },
             s.redis_calls_per_1k_decisions,
             s.store_cpu_us_per_decision
                 .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),

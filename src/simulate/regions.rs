@@ -204,6 +204,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             rep.overshoot_10s = f64::NAN;
             rep.utilization = f64::NAN;
             rep.denied_below_limit = 0;
+            rep.seconds_within_limit = 0;
             systems.push((format!("region {}", region_name(k)), rep));
         }
         let even_after_heal_ms = sc

@@ -7,8 +7,12 @@
 //! tokens over the admissions of one ideal token bucket (same B, r, starting full)
 //! replaying the merged arrival trace of each key. Denials below the limit are what that
 //! ideal bucket admitted in a slot beyond what the system admitted in it, summed over
-//! slots and keys (tokens): 0 means no request was refused that one bucket would have let
-//! through.
+//! slots and keys (tokens), in the seconds in which the key was offered no more than its
+//! rate: 0 means no request was refused, while the key was within its limit, that one
+//! bucket would have let through. (Over the limit the same difference counts which
+//! requests were admitted, a millisecond earlier or later, rather than how many: an
+//! overloaded key would show hundreds of thousands of such "denials" while admitting
+//! exactly what the ideal bucket does. Utilisation measures that case.)
 
 use std::collections::HashMap;
 
@@ -116,8 +120,12 @@ pub(crate) struct SystemReport {
     pub(crate) overshoot_1s: f64,
     pub(crate) overshoot_10s: f64,
     pub(crate) utilization: f64,
-    /// Tokens the ideal bucket admitted that this system denied.
+    /// Tokens the ideal bucket admitted that this system denied, in the seconds in which
+    /// their key was offered at most its rate.
     pub(crate) denied_below_limit: u64,
+    /// Seconds (of each key, summed) in which the key was offered at most its rate: none,
+    /// and `denied_below_limit` says nothing (the table shows "-").
+    pub(crate) seconds_within_limit: u64,
     pub(crate) latency_ns: Latency,
     /// This process's resident memory at the end of the system's run, MB (the systems run
     /// one after another in one process), and how much it grew during the run.
@@ -160,16 +168,17 @@ pub(crate) fn analyze(
         ));
     }
     let (mut over_1s, mut over_10s, mut ideal, mut admitted_tokens) = (0f64, 0f64, 0f64, 0f64);
-    let mut below = 0f64;
+    let (mut below, mut within) = (0f64, 0u64);
     // Whole 100 ms buckets only: a partial last one would read as a drop.
     let mut series = vec![0f64; ((from_ms + duration_ms) / 100) as usize];
     for (key, slots) in &mut by_key {
         slots.sort_unstable();
         over_1s = over_1s.max(overshoot(slots, capacity, rate_per_sec, 1000));
         over_10s = over_10s.max(overshoot(slots, capacity, rate_per_sec, 10_000));
-        let (i, b) = ideal_admissions(slots, capacity, rate_per_sec, from_ms);
+        let (i, b, w) = ideal_admissions(slots, capacity, rate_per_sec, from_ms);
         ideal += i;
         below += b;
+        within += w;
         admitted_tokens += (slots.iter())
             .filter(|s| u64::from(s.0) >= from_ms)
             .map(|s| f64::from(s.2))
@@ -204,6 +213,7 @@ pub(crate) fn analyze(
             admitted_tokens / ideal
         },
         denied_below_limit: below as u64,
+        seconds_within_limit: within,
         rss_mb: 0.0,
         rss_growth_mb: 0.0,
         store_mb: None,
@@ -244,7 +254,13 @@ fn ideal_admissions(
     capacity: f64,
     rate: f64,
     from_ms: u64,
-) -> (f64, f64) {
+) -> (f64, f64, u64) {
+    // Tokens offered per second of the run.
+    let mut offered: HashMap<u32, f64, foldhash::fast::RandomState> = HashMap::default();
+    for &(ms, arrived, _) in slots {
+        *offered.entry(ms / 1000).or_default() += f64::from(arrived);
+    }
+    let within = |ms: u32| offered.get(&(ms / 1000)).is_some_and(|&o| o <= rate);
     let (mut tokens, mut last, mut admitted, mut below) = (capacity, 0u32, 0f64, 0f64);
     for &(ms, arrived, ours) in slots {
         tokens = (tokens + rate * f64::from(ms - last) / 1000.0).min(capacity);
@@ -253,10 +269,15 @@ fn ideal_admissions(
         tokens -= take;
         if u64::from(ms) >= from_ms {
             admitted += take;
-            below += (take - f64::from(ours)).max(0.0);
+            if within(ms) {
+                below += (take - f64::from(ours)).max(0.0);
+            }
         }
     }
-    (admitted, below)
+    let seconds = (offered.iter())
+        .filter(|&(&sec, &o)| u64::from(sec) * 1000 >= from_ms && o <= rate)
+        .count() as u64;
+    (admitted, below, seconds)
 }
 
 /// An SVG line chart of admitted tokens per second for key 0, one line per system,
@@ -334,12 +355,20 @@ mod tests {
     fn the_ideal_bucket_admits_its_burst_then_its_rate() {
         // 100 tokens arrive every ms for 1 s against B = 50, r = 1000/s.
         let slots: Vec<_> = (0..1000).map(|ms| (ms, 100, 0)).collect();
-        let (ideal, below) = ideal_admissions(&slots, 50.0, 1000.0, 0);
+        let (ideal, below, within) = ideal_admissions(&slots, 50.0, 1000.0, 0);
         assert!((ideal - (50.0 + 999.0)).abs() < 1.0, "{ideal}");
-        // The system admitted nothing: everything the ideal admitted was denied below it.
-        assert!((below - ideal).abs() < 1e-9, "{below}");
+        // Offered 100x its rate: nothing is counted below the limit, and no second was
+        // within it.
+        assert_eq!((below, within), (0.0, 0));
+        // Offered its rate and admitted nothing: everything the ideal admitted was denied
+        // below the limit.
+        let refused: Vec<_> = (0..1000).map(|ms| (ms, 1, 0)).collect();
+        assert_eq!(
+            ideal_admissions(&refused, 50.0, 1000.0, 0),
+            (1000.0, 1000.0, 1)
+        );
         // A system that admits what arrives, under the limit, denies nothing below it.
         let under: Vec<_> = (0..1000).map(|ms| (ms, 1, 1)).collect();
-        assert_eq!(ideal_admissions(&under, 50.0, 1000.0, 0), (1000.0, 0.0));
+        assert_eq!(ideal_admissions(&under, 50.0, 1000.0, 0), (1000.0, 0.0, 1));
     }
 }

@@ -71,7 +71,7 @@ enum Command {
         /// redis://HOST:PORT | rediss://HOST:PORT | cluster://HOST:PORT,HOST:PORT.
         /// Default: the scenario's store, else embedded. (Read as text and parsed after:
         /// a value clap refused would be echoed, password and all.)
-        #[arg(long, env = "LEASEHOLD_STORE")]
+        #[arg(long, env = "LEASEHOLD_STORE", hide_env_values = true)]
         store: Option<String>,
         /// Agents (gateways); default: the scenario's.
         #[arg(long, env = "LEASEHOLD_AGENTS")]

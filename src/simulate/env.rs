@@ -228,8 +228,14 @@ impl Env {
     pub(super) fn describe(&self) -> String {
         match self {
             Self::Embedded(_) => "embedded".into(),
-            Self::External(Target::Redis(u)) => u.clone(),
-            Self::External(Target::Cluster(n)) => format!("cluster {}", n.join(",")),
+            // Shown in the output and written in the JSON report: no password.
+            Self::External(Target::Redis(u)) => leasehold::store::secret::redact(u),
+            Self::External(Target::Cluster(n)) => format!(
+                "cluster {}",
+                (n.iter().map(|u| leasehold::store::secret::redact(u)))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
             Self::External(Target::Embedded(_)) => "embedded".into(),
             Self::Single(_) => "spawn".into(),
             Self::Pair { .. } => "spawn-replica".into(),

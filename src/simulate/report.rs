@@ -175,7 +175,13 @@ pub(crate) fn analyze(
         slots.sort_unstable();
         over_1s = over_1s.max(overshoot(slots, capacity, rate_per_sec, 1000));
         over_10s = over_10s.max(overshoot(slots, capacity, rate_per_sec, 10_000));
-        let (i, b, w) = ideal_admissions(slots, capacity, rate_per_sec, from_ms);
+        let (i, b, w) = ideal_admissions(
+            slots,
+            capacity,
+            rate_per_sec,
+            from_ms,
+            from_ms + duration_ms,
+        );
         ideal += i;
         below += b;
         within += w;
@@ -254,13 +260,18 @@ fn ideal_admissions(
     capacity: f64,
     rate: f64,
     from_ms: u64,
+    to_ms: u64,
 ) -> (f64, f64, u64) {
     // Tokens offered per second of the run.
     let mut offered: HashMap<u32, f64, foldhash::fast::RandomState> = HashMap::default();
     for &(ms, arrived, _) in slots {
         *offered.entry(ms / 1000).or_default() += f64::from(arrived);
     }
-    let within = |ms: u32| offered.get(&(ms / 1000)).is_some_and(|&o| o <= rate);
+    // Whole seconds of the measured window only: a second cut short (the run's last, a
+    // warm-up ending mid-second) would read as offered under the rate.
+    let whole = |sec: u32| u64::from(sec) * 1000 >= from_ms && u64::from(sec + 1) * 1000 <= to_ms;
+    let within =
+        |ms: u32| whole(ms / 1000) && offered.get(&(ms / 1000)).is_some_and(|&o| o <= rate);
     let (mut tokens, mut last, mut admitted, mut below) = (capacity, 0u32, 0f64, 0f64);
     for &(ms, arrived, ours) in slots {
         tokens = (tokens + rate * f64::from(ms - last) / 1000.0).min(capacity);
@@ -275,7 +286,7 @@ fn ideal_admissions(
         }
     }
     let seconds = (offered.iter())
-        .filter(|&(&sec, &o)| u64::from(sec) * 1000 >= from_ms && o <= rate)
+        .filter(|&(&sec, &o)| whole(sec) && o <= rate)
         .count() as u64;
     (admitted, below, seconds)
 }
@@ -355,7 +366,7 @@ mod tests {
     fn the_ideal_bucket_admits_its_burst_then_its_rate() {
         // 100 tokens arrive every ms for 1 s against B = 50, r = 1000/s.
         let slots: Vec<_> = (0..1000).map(|ms| (ms, 100, 0)).collect();
-        let (ideal, below, within) = ideal_admissions(&slots, 50.0, 1000.0, 0);
+        let (ideal, below, within) = ideal_admissions(&slots, 50.0, 1000.0, 0, 1000);
         assert!((ideal - (50.0 + 999.0)).abs() < 1.0, "{ideal}");
         // Offered 100x its rate: nothing is counted below the limit, and no second was
         // within it.
@@ -364,11 +375,17 @@ mod tests {
         // below the limit.
         let refused: Vec<_> = (0..1000).map(|ms| (ms, 1, 0)).collect();
         assert_eq!(
-            ideal_admissions(&refused, 50.0, 1000.0, 0),
+            ideal_admissions(&refused, 50.0, 1000.0, 0, 1000),
             (1000.0, 1000.0, 1)
         );
+        // A second cut short by the end of the run is not one within the limit.
+        let cut: Vec<_> = (0..1003).map(|ms| (ms, 100, 0)).collect();
+        assert_eq!(ideal_admissions(&cut, 50.0, 1000.0, 0, 1003).2, 0);
         // A system that admits what arrives, under the limit, denies nothing below it.
         let under: Vec<_> = (0..1000).map(|ms| (ms, 1, 1)).collect();
-        assert_eq!(ideal_admissions(&under, 50.0, 1000.0, 0), (1000.0, 0.0, 1));
+        assert_eq!(
+            ideal_admissions(&under, 50.0, 1000.0, 0, 1000),
+            (1000.0, 0.0, 1)
+        );
     }
 }

@@ -204,7 +204,8 @@ pub(crate) fn table(r: &RunReport) -> String {
     if let Some(c) = &r.coordinator {
         out.push_str(&format!(
             "coordinator (leasehold run, {} instance(s)): {} split(s) started; measured from agent \
-             reports: {} tokens admitted, worst overshoot {:.4}\n",
+             reports, each agent's first one its baseline: {} tokens admitted after it, worst \
+             overshoot {:.4}\n",
             c.instances, c.splits, c.admitted, c.worst_overshoot
         ));
     }

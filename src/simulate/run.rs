@@ -281,6 +281,9 @@ impl CoordinatorRun {
     pub(super) async fn stop(&mut self) {
         if let Some(running) = self.running.take() {
             let c = running.coordinator().clone();
+            // The agents' last reports (written as they shut down) are read before the
+            // figures are taken: a short run's would otherwise be missing.
+            let _ = c.tick().await;
             running.stop().await;
             let snap = c.snapshot().read().clone();
             self.summary.splits += snap.splits_started;

@@ -447,6 +447,9 @@ impl Limiter {
         for (name, seat) in self.seats() {
             self.give_seat_back(&name, &seat).await;
         }
+        // The last totals, while the keys still lease: the coordinator's accounting covers
+        // the agent's whole run (reports are otherwise written on the whole second).
+        background::report(self.clone()).await;
         let keys: Vec<Arc<KeyState>> = {
             let mut all = Vec::with_capacity(self.inner.keys.len());
             self.inner.keys.for_each(|slot| all.push(slot.ks.clone()));

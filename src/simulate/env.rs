@@ -41,6 +41,20 @@ impl std::str::FromStr for StoreChoice {
                     .map(|n| format!("redis://{n}"))
                     .collect(),
             )),
+            // Sentinel (and TLS cluster) addresses are the library's, serve's, the
+            // coordinator's and the gateway's; named by their scheme only.
+            other
+                if ["redis+sentinel://", "rediss+sentinel://", "clusters://"]
+                    .iter()
+                    .any(|p| other.starts_with(p)) =>
+            {
+                let scheme = other.split("://").next().unwrap_or_default();
+                Err(format!(
+                    "{scheme}:// addresses are for serve, the coordinator and the gateway; \
+                     simulate runs on embedded, spawn, spawn-replica (a primary and replica it \
+                     fails over itself), cluster-spawn, redis://, rediss:// or cluster://"
+                ))
+            }
             // Not shown: a mistyped address (`redis//:PW@host`) or a bare password may be
             // all it is.
             other => Err(format!(

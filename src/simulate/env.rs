@@ -81,20 +81,8 @@ impl Target {
         let Self::Redis(url) = self else {
             return None;
         };
-        let client = redis::Client::open(url.as_str()).ok()?;
-        let mut c = client.get_multiplexed_async_connection().await.ok()?;
-        let info: String = redis::cmd("INFO")
-            .arg("memory")
-            .query_async(&mut c)
-            .await
-            .ok()?;
-        let bytes: f64 = info
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))?
-            .trim()
-            .parse()
-            .ok()?;
-        Some(bytes / 1e6)
+        let info = info(url, &["memory"]).await?;
+        Some(info_number(&info, "used_memory")? / 1e6)
     }
 
     /// What the store's Redis processes have spent since they started, summed over every
@@ -113,25 +101,9 @@ impl Target {
         };
         let (mut cpu, mut scripts) = (0u64, 0u64);
         for url in urls {
-            let client = redis::Client::open(url.as_str()).ok()?;
-            let mut c = client.get_multiplexed_async_connection().await.ok()?;
-            let mut info = String::new();
-            for section in ["cpu", "commandstats"] {
-                let text: String = redis::cmd("INFO")
-                    .arg(section)
-                    .query_async(&mut c)
-                    .await
-                    .ok()?;
-                info.push_str(&text);
-            }
-            let secs = |field: &str| -> Option<f64> {
-                info.lines()
-                    .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
-                    .trim()
-                    .parse()
-                    .ok()
-            };
-            cpu += ((secs("used_cpu_user")? + secs("used_cpu_sys")?) * 1e6) as u64;
+            let info = info(&url, &["cpu", "commandstats"]).await?;
+            let secs = info_number(&info, "used_cpu_user")? + info_number(&info, "used_cpu_sys")?;
+            cpu += (secs * 1e6) as u64;
             // cmdstat_fcall:calls=N,usec=U,...
             for l in info.lines() {
                 let Some((name, stats)) =
@@ -150,6 +122,32 @@ impl Target {
         }
         Some((cpu, scripts))
     }
+}
+
+/// The INFO sections of the Redis at `url`, one after another (a Redis before 7 takes one
+/// section a call).
+async fn info(url: &str, sections: &[&str]) -> Option<String> {
+    let client = redis::Client::open(url).ok()?;
+    let mut c = client.get_multiplexed_async_connection().await.ok()?;
+    let mut info = String::new();
+    for section in sections {
+        let text: String = redis::cmd("INFO")
+            .arg(section)
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        info.push_str(&text);
+    }
+    Some(info)
+}
+
+/// The number INFO gives `field` (`field:NUMBER`).
+fn info_number(info: &str, field: &str) -> Option<f64> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Every node of the cluster the seeds belong to, as URLs (CLUSTER NODES of the first seed

@@ -408,12 +408,11 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             }
             let whole = opts.warm_up + opts.duration;
             let base = n as u64 * whole.as_millis() as u64;
-            // Store calls from the end of the warm-up on (from the start without one, so
-            // that every call is counted).
-            let mut calls_before: Option<u64> = opts.warm_up.is_zero().then_some(0);
+            // Store calls and the store's usage from the end of the warm-up on (from the
+            // start without one, so that every call is counted).
             let target = env.target();
-            let mut cpu_before = if opts.warm_up.is_zero() {
-                Some(target.usage_us().await)
+            let mut before = if opts.warm_up.is_zero() {
+                Some((0, target.usage_us().await))
             } else {
                 None
             };
@@ -427,9 +426,8 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             let mut faults = faults.into_iter().peekable();
             while run.start.elapsed() < whole {
                 progress.set_position(base + run.start.elapsed().as_millis() as u64);
-                if calls_before.is_none() && run.start.elapsed() >= opts.warm_up {
-                    calls_before = Some(sys.redis_calls());
-                    cpu_before = Some(target.usage_us().await);
+                if before.is_none() && run.start.elapsed() >= opts.warm_up {
+                    before = Some((sys.redis_calls(), target.usage_us().await));
                 }
                 let frac = run.frac(run.start.elapsed());
                 while let Some(f) = faults.next_if(|f| f.at <= frac) {
@@ -448,8 +446,9 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             for t in tasks {
                 all.merge(t.await.map_err(|e| format!("worker: {e}"))?);
             }
-            let calls = sys.redis_calls() - calls_before.unwrap_or(0);
-            let cpu_after = target.usage_us().await;
+            let (calls_before, usage_before) = before.unwrap_or((0, None));
+            let calls = sys.redis_calls() - calls_before;
+            let usage_after = target.usage_us().await;
             if let Some(f) = sys.agent_faults() {
                 agent_faults = Some(f);
             }
@@ -471,7 +470,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             report.rss_mb = rss;
             report.rss_growth_mb = rss - rss_before;
             report.store_mb = store_mb;
-            if let (Some(Some(before)), Some(after)) = (cpu_before, cpu_after) {
+            if let (Some(before), Some(after)) = (usage_before, usage_after) {
                 let us = after.0.saturating_sub(before.0) as f64;
                 report.store_cpu_s = Some(us / 1e6);
                 report.store_cpu_us_per_decision = Some(us / report.decisions.max(1) as f64);

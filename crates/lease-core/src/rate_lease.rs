@@ -520,7 +520,8 @@ impl RateKey {
     }
 
     /// The reply to the call in flight, read at `now_ns`: the grant installed (its term
-    /// from the moment the call was sent, less `margin_ns`) and the cell stocked. The
+    /// from the moment the call was sent, less `margin_ns`, at most a quarter of the term)
+    /// and the cell stocked. The
     /// refill denial lasts the term: a caller the cell does not cover is refused with the
     /// time the share takes to bring what it lacks, not sent to the store.
     pub fn granted(
@@ -537,6 +538,7 @@ impl RateKey {
         };
         let g = RateGrant::of(reply, held);
         self.sync(cell, now_ns);
+        let margin_ns = margin_ns.min(g.ttl_us * 250);
         self.local.grant(p, &g, sent_ns, now_ns, margin_ns);
         self.policy.granted(sent_ns, &g);
         // The tokens paid join what the cell holds (spent meanwhile or not), with the new

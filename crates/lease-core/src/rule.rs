@@ -302,15 +302,12 @@ impl OverrideSpec {
         // An override that leases by rate inherits no lease bounds (a rate lease's burst
         // follows demand).
         let rated = self.leasing.as_deref() == Some("rate");
-        let lease_max = match rated {
-            true => self.lease_max,
-            false => self.lease_max.or(base.lease_max.map(|m| m.min(capacity))),
-        };
-        let lease_min = match rated {
-            true => self.lease_min,
-            false => {
-                (self.lease_min).or(base.lease_min.map(|m| m.min(lease_max.unwrap_or(capacity))))
-            }
+        let (lease_max, lease_min) = if rated {
+            (self.lease_max, self.lease_min)
+        } else {
+            let max = self.lease_max.or(base.lease_max.map(|m| m.min(capacity)));
+            let min = (self.lease_min).or(base.lease_min.map(|m| m.min(max.unwrap_or(capacity))));
+            (max, min)
         };
         RuleSpec {
             capacity,

@@ -261,15 +261,9 @@ impl Rules {
             .map_err(read)?
             .try_deserialize()
             .map_err(read)?;
-        let vars: Vec<(String, String)> = vars.into_iter().collect();
-        apply_overrides(&mut file.rules, vars.iter().cloned())?;
         // A value from the environment is not in the file: errors from here on name the
         // variables that changed what the file says.
-        let mut applied: Vec<&str> = (vars.iter())
-            .map(|(v, _)| v.as_str())
-            .filter(|v| v.starts_with(ENV_PREFIX))
-            .collect();
-        applied.sort_unstable();
+        let applied = apply_overrides(&mut file.rules, vars)?;
         let with_env;
         let shown = if applied.is_empty() {
             shown
@@ -437,11 +431,13 @@ fn env_name(rule: &str) -> String {
 }
 
 /// Applies `LEASEHOLD_RULES__<RULE>__<FIELD>` overrides; the `config` crate does the typed
-/// merge, so `"200"` becomes a number where the field wants one.
+/// merge, so `"200"` becomes a number where the field wants one. Returns the variables
+/// applied, by name, sorted.
 fn apply_overrides(
     rules: &mut BTreeMap<String, RuleSpec>,
     vars: impl IntoIterator<Item = (String, String)>,
-) -> Result<(), RulesError> {
+) -> Result<Vec<String>, RulesError> {
+    let mut applied = Vec::new();
     for (var, value) in vars {
         let Some(rest) = var.strip_prefix(ENV_PREFIX) else {
             continue;
@@ -513,8 +509,10 @@ fn apply_overrides(
             merged.overrides = std::mem::take(&mut spec.overrides);
             *spec = merged;
         }
+        applied.push(var);
     }
-    Ok(())
+    applied.sort_unstable();
+    Ok(applied)
 }
 
 /// `spec` with `field` set to `value`; the `config` crate does the typed merge, so `"200"`

@@ -100,8 +100,7 @@ impl Limiter {
             }
         };
         let now = self.now_ns();
-        let ttl_ns = reply.ttl_us * 1000;
-        let margin = (self.inner.policy.margin.as_nanos() as u64).min(ttl_ns / 4);
+        let margin = self.inner.policy.margin.as_nanos() as u64;
         let g = ks.saw_reply(
             || {
                 ks.rate

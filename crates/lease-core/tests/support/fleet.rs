@@ -764,25 +764,13 @@ impl Fleet {
             cell.denied_tokens(),
             needed,
         );
-        let reply = self.send(
-            i,
-            t,
-            Op::Acquire {
-                held: args.held,
-                want: args.want,
-                min: args.min,
-                demand: args.demand,
-            },
-        );
-        self.agents[i].inflight = Some(Inflight {
-            sent_ns: t,
-            done_ns: t + self.s.rtt_us * 1000,
-            kind: Kind::Acquire { needed },
-            reply,
-        });
-        if self.s.rtt_us == 0 {
-            self.complete(i, t);
-        }
+        let op = Op::Acquire {
+            held: args.held,
+            want: args.want,
+            min: args.min,
+            demand: args.demand,
+        };
+        self.start(i, t, op, Kind::Acquire { needed });
     }
 
     /// Completes agent `i`'s call in flight if its reply is due by `t`, then serves the
@@ -814,7 +802,7 @@ impl Fleet {
                 let (cell, refill) = &*a.key;
                 match reply {
                     Some(r) => {
-                        let margin = (self.s.cfg.margin.as_nanos() as u64).min(r.ttl_us * 250);
+                        let margin = self.s.cfg.margin.as_nanos() as u64;
                         a.rate.granted(cell, refill, &self.p, &r, now, margin);
                         cell.set_leases(true);
                     }

@@ -797,12 +797,13 @@ local function rate_ok(p)
   if rate_scale(p) == 0 then fail('LH_ARG invalid argument capacity = ' .. fmt(p.cap)) end
 end
 
--- Headroom over an agent's demand in its share while the bucket is not contended.
+-- Headroom over an agent's demand in its share, while its proportional part is larger
+-- (ops.rs, rate).
 local RATE_HEADROOM = 1.25
 
 -- ops.rs, rate_term_us: the term of a rate lease while sn shares are live.
 local RATE_MIN_TERM_US = 400000
-local RATE_TERM_PER_SHARE_US = 3200
+local RATE_TERM_PER_SHARE_US = 4000
 local function rate_term(p, sn)
   return math.min(p.ttl, math.max(RATE_MIN_TERM_US, sn * RATE_TERM_PER_SHARE_US))
 end
@@ -831,13 +832,9 @@ local function rate(keys, p, held, want, tokens, demand)
   local scale = rate_scale(p)
   local whole = p.n * scale
   local part = 0
-  if demand == 0 or moved then
-    part = 0
-  elseif s.ds <= p.n * 1e9 / p.per then
+  if demand > 0 and not moved then
     local d = demand * p.per * scale / 1e9
-    part = math.min(d * RATE_HEADROOM, whole)
-  else
-    part = whole * demand / s.ds
+    part = math.min(d * RATE_HEADROOM, whole * demand / s.ds)
   end
   part = math.floor(part)
   local share = math.min(part, math.max(whole - s.sh, 0))

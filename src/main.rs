@@ -444,10 +444,10 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
         println!(
             "rate: each gateway holds a share of the rate and a burst for the term, renewed at \
              three quarters of it; the term is shorter while few gateways share a key (0.4 s \
-             up to 125, then 3.2 ms a gateway, up to the term shown). For keys shared by \
-             hundreds of gateways: the store's calls stay near 400 a second per key however \
-             many there are; with a few gateways per key, lease (or auto) uses the bucket a \
-             little better."
+             up to 100, then 4 ms a gateway, up to the term shown). For keys shared by \
+             hundreds of gateways: the store's calls stay near 330 a second per key up to \
+             1 000 gateways at a 4 s term; with a few gateways per key, lease (or auto) uses \
+             the bucket a little better."
         );
     }
     println!("{} rule(s), {overrides} override(s) ok", rules.len());

@@ -25,8 +25,9 @@
 //! agents hold a share of one key at once.
 //!
 //! **Shares.** Every record keeps the agent's demand (a rate lease's counts until its
-//! record drops). A grant is the agent's demand with a quarter of headroom while the live
-//! demands fit in `r`; under contention, the agent's proportional part of `r`; never more
+//! record drops). A grant is the agent's demand with a quarter of headroom, or its
+//! proportional part of `r` (`r · d / Σd`) when that is less — the parts of the live
+//! demands never sum over `r`; never more
 //! than the other live shares leave (the reply says so, and the agent asks again a window
 //! later). An agent whose demand grows gets its part within one term: every other agent
 //! renews within a term, to its own part of the new total.

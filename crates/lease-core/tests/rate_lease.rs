@@ -438,6 +438,34 @@ fn shares_stay_within_the_rate_and_come_back_when_released() {
     assert!(st.take(&p, T0_US + 2_000_000, 100));
 }
 
+/// Demands summing to 0.95 r: once every agent has reported, each renewal gets at least
+/// its demand (a quarter of headroom for all would ask 1.19 r, and the agents renewing
+/// last would get what the others left).
+#[test]
+fn shares_near_the_rate_cover_every_demand() {
+    let (_, p) = params(1_000, "1000/s", 1_000_000);
+    let mut st = Store::new();
+    let scale = leasehold_core::model::rate_scale(&p);
+    // 20 agents at 47.5/s each; a share is in 1/scale of a token per ms.
+    let demand = 47_500;
+    let at_demand = 47_500 * scale / 1_000_000;
+    for round in 1..=3u64 {
+        for a in 1..=20u64 {
+            let now = T0_US + round * 100_000 + a;
+            let held = u64::from(round > 1);
+            let g = RateGrant::of(&st.lease(&p, now, AgentId(a), round, held, 1, demand), held);
+            if round > 1 {
+                assert!(
+                    g.share >= at_demand,
+                    "round {round}, agent {a}: share {} < demand {at_demand}",
+                    g.share
+                );
+            }
+        }
+    }
+    assert!(st.shared(&p, T0_US + 400_000) <= 1_000 * scale);
+}
+
 /// With the level empty and no burst, a share comes with a local bucket of one token that
 /// starts empty; with the bursts at B already, no share (it could not be spent).
 #[test]

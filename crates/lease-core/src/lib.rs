@@ -36,6 +36,7 @@ pub mod rule;
 pub mod schema;
 pub mod sizing;
 mod sync;
+pub mod tier;
 
 pub use bucket::{Level, refill_secs, retry_after_secs};
 pub use cell::{Around, Cell, DenialKind, Refill, Verdict};

@@ -4,4 +4,5 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod rlqs;
 mod rls_and_http;

@@ -118,9 +118,9 @@ async fn post_as(
 
 /// `leasehold serve` in this process, on a spawned Redis, with gRPC and HTTP on free
 /// loopback ports.
-struct Serving {
-    decider: std::sync::Arc<leasehold_serve::Decider>,
-    grpc: std::net::SocketAddr,
+pub(crate) struct Serving {
+    pub(crate) decider: std::sync::Arc<leasehold_serve::Decider>,
+    pub(crate) grpc: std::net::SocketAddr,
     http: std::net::SocketAddr,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<(), String>>,
@@ -129,7 +129,7 @@ struct Serving {
 impl Serving {
     /// Serves the YAML `config` on `server` with `options`, and `/metrics` with
     /// `metrics` (the process's Prometheus recorder).
-    async fn start(
+    pub(crate) async fn start(
         server: &leasehold_redis_harness::RedisServer,
         config: &str,
         options: leasehold_serve::Options,
@@ -196,7 +196,7 @@ impl Serving {
     }
 
     /// Stops it and waits for the calls in flight.
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.send(()).unwrap();
         self.task.await.unwrap().unwrap();
     }

@@ -314,6 +314,15 @@ impl Tier {
         }
     }
 
+    /// The assignment just made for `client` did not go out (its stream is gone or full):
+    /// it is not counted as running, so the client's next one is a new bucket (what it
+    /// cost stays spent).
+    pub fn undelivered(&mut self, client: u64) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.given.pop();
+        }
+    }
+
     /// The call in flight got no reply: asked again at the next [`Tier::due`].
     pub fn failed(&mut self) {
         self.inflight = None;

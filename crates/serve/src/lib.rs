@@ -4,6 +4,8 @@
 //! - the Envoy rate limit service v3 over gRPC
 //!   (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`), configured with
 //!   envoyproxy/ratelimit's YAML as it is ([`config`]);
+//! - on the same port, Envoy's rate limit quota service
+//!   (`envoy.service.rate_limit_quota.v3`, [`rlqs`]): token buckets Envoy enforces itself;
 //! - an HTTP check API: `POST /v1/check` with JSON, and `GET /v1/auth` for nginx
 //!   `auth_request` ([`http`]);
 //! - `/metrics` (Prometheus) and `/health` on the HTTP listener.
@@ -14,6 +16,7 @@ pub mod config;
 pub mod decide;
 pub mod grpc;
 pub mod http;
+pub mod rlqs;
 
 pub use config::{ConfigError, Domains};
 pub use decide::{Decider, Options};
@@ -39,7 +42,9 @@ pub async fn serve(
     let mut tasks = Vec::new();
     if let Some(listener) = grpc {
         let service = grpc::Rls::new(decider.clone()).into_server();
+        let quota = rlqs::Rlqs::new(decider.clone()).into_server();
         let app = tonic::service::Routes::new(service)
+            .add_service(quota)
             .prepare()
             .into_axum_router();
         let mut rx = stop.subscribe();

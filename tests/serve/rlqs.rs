@@ -8,17 +8,11 @@
 //! rules applied as they say, and a reconnect to another server when the stream breaks.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
-use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::BucketAction as Action;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+use leasehold_serve::rlqs::client::QuotaClient;
 
 use crate::rls_and_http::Serving;
 use crate::support;
@@ -34,240 +28,44 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 0}
 "#;
 
-/// The bucket as the filter holds it.
-#[derive(Clone, Debug, Default)]
-enum Held {
-    /// No assignment yet, or it expired: denied.
-    #[default]
-    None,
-    Blanket(bool),
-    Bucket {
-        max: f64,
-        per_ns: f64,
-        level: f64,
-        at: Instant,
-        strategy: Strategy,
-        expires: Option<Instant>,
-    },
-}
+const INTERVAL: Duration = Duration::from_millis(200);
 
-impl Held {
-    fn apply(&mut self, strategy: Strategy, ttl: Option<Duration>, now: Instant) {
-        let expires = ttl.map(|t| now + t);
-        match strategy {
-            Strategy::BlanketRule(r) => {
-                *self = Held::Blanket(r == BlanketRule::AllowAll as i32);
-            }
-            Strategy::TokenBucket(tb) => {
-                if let Held::Bucket {
-                    strategy: s,
-                    expires: e,
-                    ..
-                } = self
-                    && *s == strategy
-                    && e.is_none_or(|e| now < e)
-                {
-                    *e = expires;
-                    return;
-                }
-                let tokens = f64::from(tb.tokens_per_fill.map_or(1, |v| v.value));
-                let interval = tb
-                    .fill_interval
-                    .map_or(1e9, |d| d.seconds as f64 * 1e9 + f64::from(d.nanos));
-                *self = Held::Bucket {
-                    max: f64::from(tb.max_tokens),
-                    per_ns: tokens / interval,
-                    level: f64::from(tb.max_tokens),
-                    at: now,
-                    strategy,
-                    expires,
-                };
-            }
-            Strategy::RequestsPerTimeUnit(_) => panic!("not assigned by leasehold"),
-        }
-    }
-
-    fn admit(&mut self, now: Instant) -> bool {
-        match self {
-            Held::None => false,
-            Held::Blanket(allow) => *allow,
-            Held::Bucket {
-                max,
-                per_ns,
-                level,
-                at,
-                expires,
-                ..
-            } => {
-                if expires.is_some_and(|e| now >= e) {
-                    *self = Held::None;
-                    return false;
-                }
-                *level = (*level + *per_ns * now.duration_since(*at).as_nanos() as f64).min(*max);
-                *at = now;
-                if *level >= 1.0 {
-                    *level -= 1.0;
-                    true
-                } else {
-                    false
-                }
-            }
-        }
-    }
-}
-
-/// One Envoy's filter for one bucket.
-struct Filter {
-    held: Arc<Mutex<Held>>,
-    reports: tokio::sync::mpsc::Sender<RateLimitQuotaUsageReports>,
-    /// Assignments received (new or extended), blanket rules included.
-    received: Arc<Mutex<u64>>,
-    /// The stream ended with this status.
-    ended: Arc<Mutex<Option<tonic::Status>>>,
-}
-
-fn bucket_id(entries: &[(&str, &str)]) -> BucketId {
-    BucketId {
-        bucket: entries
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect::<HashMap<_, _>>(),
-    }
-}
-
-fn report(
-    domain: &str,
-    id: &BucketId,
-    allowed: u64,
-    denied: u64,
-    elapsed: Duration,
-) -> RateLimitQuotaUsageReports {
-    RateLimitQuotaUsageReports {
-        domain: domain.to_owned(),
-        bucket_quota_usages: vec![BucketQuotaUsage {
-            bucket_id: Some(id.clone()),
-            time_elapsed: Some(PbDuration {
-                seconds: elapsed.as_secs() as i64,
-                nanos: elapsed.subsec_nanos() as i32,
-            }),
-            num_requests_allowed: allowed,
-            num_requests_denied: denied,
-        }],
-    }
-}
-
-impl Filter {
-    /// Opens a stream to `addr`.
-    async fn connect(addr: std::net::SocketAddr) -> Self {
-        let mut client = RateLimitQuotaServiceClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        let mut inbound = client
-            .stream_rate_limit_quotas(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let held = Arc::new(Mutex::new(Held::None));
-        let received = Arc::new(Mutex::new(0));
-        let ended = Arc::new(Mutex::new(None));
-        let (h, r, e) = (held.clone(), received.clone(), ended.clone());
-        tokio::spawn(async move {
-            loop {
-                match inbound.message().await {
-                    Ok(Some(resp)) => {
-                        for a in resp.bucket_action {
-                            let Some(Action::QuotaAssignmentAction(q)) = a.bucket_action else {
-                                continue;
-                            };
-                            let ttl = q
-                                .assignment_time_to_live
-                                .map(|d| Duration::new(d.seconds as u64, d.nanos as u32));
-                            let strategy = q.rate_limit_strategy.unwrap().strategy.unwrap();
-                            h.lock().unwrap().apply(strategy, ttl, Instant::now());
-                            *r.lock().unwrap() += 1;
-                        }
-                    }
-                    Ok(None) => {
-                        *e.lock().unwrap() = Some(tonic::Status::ok("closed"));
-                        return;
-                    }
-                    Err(status) => {
-                        *e.lock().unwrap() = Some(status);
-                        return;
-                    }
-                }
-            }
-        });
-        Self {
-            held,
-            reports: tx,
-            received,
-            ended,
-        }
-    }
-}
-
-/// Drives a filter for `entries` at `rate` requests a second (evenly spaced) until `end`,
-/// reporting every `interval`; on a broken stream it reconnects to the next address of
-/// `servers`. Returns the instants of its admissions.
+/// Drives a filter for `entries` at `rate` requests a second (evenly spaced) until `end`;
+/// on a broken stream it reconnects to the next address of `servers`, keeping what it
+/// holds. Returns the instants of its admissions and the assignments it received.
 async fn run_filter(
-    servers: Arc<Mutex<Vec<std::net::SocketAddr>>>,
+    servers: Arc<Mutex<Vec<SocketAddr>>>,
     entries: Vec<(&'static str, &'static str)>,
     rate: f64,
-    interval: Duration,
     end: Instant,
-) -> Vec<Instant> {
-    let id = bucket_id(&entries);
+) -> (Vec<Instant>, u64) {
     let mut which = 0;
     let addr = servers.lock().unwrap()[which];
-    let mut f = Filter::connect(addr).await;
+    let mut f = QuotaClient::connect(addr, "quota", INTERVAL).await.unwrap();
+    let mut received = 0;
     let mut admitted = Vec::new();
-    let (mut allowed, mut denied) = (0u64, 0u64);
     let gap = Duration::from_secs_f64(1.0 / rate);
     let mut next = Instant::now();
-    let mut last_report: Option<Instant> = None;
     while Instant::now() < end {
         tokio::time::sleep_until(next.into()).await;
         next += gap;
-        let now = Instant::now();
-        if f.held.lock().unwrap().admit(now) {
-            allowed += 1;
-            admitted.push(now);
-        } else {
-            denied += 1;
+        if f.admit(&entries) {
+            admitted.push(Instant::now());
         }
-        // The first request subscribes the bucket; then a report every interval.
-        let due = last_report.is_none_or(|t| now >= t + interval);
-        if due {
-            let elapsed = last_report.map_or(Duration::from_millis(1), |t| now - t);
-            let broken = f.ended.lock().unwrap().is_some()
-                || f.reports
-                    .send(report("quota", &id, allowed, denied, elapsed))
-                    .await
-                    .is_err();
-            if broken {
-                // Envoy's filter reconnects; here to the next server.
-                which += 1;
-                let addr = {
-                    let s = servers.lock().unwrap();
-                    s[which % s.len()]
-                };
-                let held = f.held.lock().unwrap().clone();
-                f = Filter::connect(addr).await;
-                // What it held stays in force until it expires.
-                *f.held.lock().unwrap() = held;
-                let _ = f
-                    .reports
-                    .send(report("quota", &id, allowed, denied, elapsed))
-                    .await;
-            }
-            allowed = 0;
-            denied = 0;
-            last_report = Some(now);
+        if f.ended().is_some() {
+            // Envoy's filter reconnects; here to the next server.
+            which += 1;
+            let addr = {
+                let s = servers.lock().unwrap();
+                s[which % s.len()]
+            };
+            received += f.received();
+            f = QuotaClient::connect_keeping(addr, "quota", INTERVAL, Some(&f))
+                .await
+                .unwrap();
         }
     }
-    admitted
+    (admitted, received + f.received())
 }
 
 /// The largest excess of admissions in any window over `B + r·W` (≤ 0: kept).
@@ -307,72 +105,44 @@ fn envoy_filters_enforce_assignments_that_keep_the_bound() {
     let server = support::server();
     support::runtime().block_on(async {
         let serving = Serving::start(&server, CONFIG, Default::default(), false).await;
-        // Blanket rules: unlimited and unmatched buckets are allowed, a zero limit denied;
-        // a first report without a domain ends the stream.
+        // Blanket rules: unlimited and unmatched buckets are allowed, a zero limit denied.
         for (entries, allow) in [
             (vec![("open", "x")], true),
             (vec![("nothing", "here")], true),
             (vec![("blocked", "b")], false),
         ] {
-            let f = Filter::connect(serving.grpc).await;
-            f.reports
-                .send(report(
-                    "quota",
-                    &bucket_id(&entries),
-                    0,
-                    1,
-                    Duration::from_millis(1),
-                ))
-                .await
-                .unwrap();
+            let f = QuotaClient::connect(serving.grpc, "quota", INTERVAL).await.unwrap();
+            assert!(!f.admit(&entries), "{entries:?}: denied until assigned");
             let deadline = Instant::now() + Duration::from_secs(5);
-            while *f.received.lock().unwrap() == 0 && Instant::now() < deadline {
+            while f.received() == 0 && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            assert_eq!(
-                f.held.lock().unwrap().admit(Instant::now()),
-                allow,
-                "{entries:?}"
-            );
+            assert_eq!(f.admit(&entries), allow, "{entries:?}");
         }
-        let f = Filter::connect(serving.grpc).await;
-        f.reports
-            .send(report(
-                "",
-                &bucket_id(&[("tenant", "t")]),
-                0,
-                1,
-                Duration::from_millis(1),
-            ))
-            .await
-            .unwrap();
+        // A first report without a domain ends the stream.
+        let f = QuotaClient::connect(serving.grpc, "", INTERVAL).await.unwrap();
+        f.admit(&[("tenant", "t")]);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while f.ended.lock().unwrap().is_none() && Instant::now() < deadline {
+        while f.ended().is_none() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let status = f.ended.lock().unwrap().clone().expect("the stream ended");
+        let status = f.ended().expect("the stream ended");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains("domain"), "{status:?}");
 
-        // B = r = 200/s; eight filters at 30/s each (1.2x), reporting every 200 ms.
+        // B = r = 200/s; 64 filters at 3.75/s each (1.2x), reporting every 200 ms.
         let calls_before = fcalls(&server);
         let servers = Arc::new(Mutex::new(vec![serving.grpc]));
         let start = Instant::now();
         let end = start + Duration::from_secs(6);
-        let tasks: Vec<_> = (0..8)
-            .map(|_| {
-                tokio::spawn(run_filter(
-                    servers.clone(),
-                    vec![("tenant", "acme")],
-                    30.0,
-                    Duration::from_millis(200),
-                    end,
-                ))
-            })
+        let tasks: Vec<_> = (0..64)
+            .map(|_| tokio::spawn(run_filter(servers.clone(), vec![("tenant", "acme")], 3.75, end)))
             .collect();
-        let mut all = Vec::new();
+        let (mut all, mut pushes) = (Vec::new(), 0);
         for t in tasks {
-            all.extend(t.await.unwrap());
+            let (admitted, received) = t.await.unwrap();
+            all.extend(admitted);
+            pushes += received;
         }
         let secs = start.elapsed().as_secs_f64();
         let calls = fcalls(&server) - calls_before;
@@ -383,16 +153,24 @@ fn envoy_filters_enforce_assignments_that_keep_the_bound() {
             .count() as f64;
         let utilisation = late / (200.0 * (end - (start + Duration::from_secs(3))).as_secs_f64());
         println!(
-            "RLQS, 8 filters at 1.2x r on one serve: {} admitted, worst window excess {excess:.1}, \
-             utilisation over the last 3 s {utilisation:.3}, {:.1} store calls/s",
+            "RLQS, 64 filters at 1.2x r on one serve: {} admitted, worst window excess {excess:.1}, \
+             utilisation over the last 3 s {utilisation:.3}, {:.1} store calls/s, {:.0} \
+             assignments/s",
             all.len(),
-            calls as f64 / secs
+            calls as f64 / secs,
+            pushes as f64 / secs
         );
         assert!(excess <= 0.0, "a window admitted {excess:.1} over B + r·W");
         assert!(utilisation >= 0.8, "utilisation {utilisation:.3}");
         assert!(
             calls as f64 / secs <= 20.0,
             "{calls} store calls in {secs:.1} s"
+        );
+        // An assignment per filter per renewal (three a term) at most: set by the term,
+        // not by the requests.
+        assert!(
+            pushes as f64 / secs <= 64.0 * 10.0,
+            "{pushes} assignments in {secs:.1} s"
         );
         serving.stop().await;
     });
@@ -415,7 +193,6 @@ fn a_stopped_server_s_filters_move_to_another_and_the_bound_holds() {
                     servers.clone(),
                     vec![("tenant", "moving")],
                     60.0,
-                    Duration::from_millis(200),
                     end,
                 ))
             })
@@ -424,7 +201,7 @@ fn a_stopped_server_s_filters_move_to_another_and_the_bound_holds() {
         a.stop().await;
         let mut all = Vec::new();
         for t in tasks {
-            all.extend(t.await.unwrap());
+            all.extend(t.await.unwrap().0);
         }
         let excess = worst_excess(all.clone(), 200.0, 200.0);
         let late = all

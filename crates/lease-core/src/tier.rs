@@ -60,6 +60,10 @@ const BUCKET_NS: u64 = 500_000_000;
 /// The least a client's bucket holds of its rate (ns).
 const MIN_BUCKET_NS: u64 = 50_000_000;
 
+/// The fewest tokens a client's bucket holds: a bucket of one token refills only between
+/// requests, and a client a little faster than its rate got 60% of it.
+const MIN_BUCKET: u64 = 2;
+
 /// A tier renews its lease this far into its term (per mille): its assignments must end
 /// before the term does, and a renewal refreshes them.
 const RENEW_PERMILLE: u64 = 333;
@@ -88,7 +92,8 @@ impl Strategy {
     }
 
     /// The strategy that fills at most `per_sec` tokens a second, with a bucket of
-    /// `bucket_ns` of it (one token at least); `None` under one token a minute.
+    /// `bucket_ns` of it ([`MIN_BUCKET`] tokens at least); `None` under one token a
+    /// minute.
     fn at_most(per_sec: f64, bucket_ns: u64) -> Option<Self> {
         if per_sec < 1.0 / 60.0 {
             return None;
@@ -101,7 +106,7 @@ impl Strategy {
             tokens_per_fill,
             fill_interval_ns,
         };
-        s.max_tokens = ((s.rate() * bucket_ns as f64 / 1e9).floor() as u64).max(1);
+        s.max_tokens = ((s.rate() * bucket_ns as f64 / 1e9).floor() as u64).max(MIN_BUCKET);
         Some(s)
     }
 }
@@ -299,11 +304,15 @@ impl Tier {
 
     /// The call to send at `now_ns`: the burst held (declared full: the clients' buckets
     /// are not known), the burst wanted (what the reserve should hold plus the clients'
-    /// buckets: 0.7 s of demand), and the clients' demand.
+    /// buckets: 0.7 s of demand, two tokens a client at least), and the clients' demand.
     pub fn call(&mut self, p: &BucketParams, now_ns: u64) -> Op {
         self.settle(now_ns);
         let demand = self.demand_milli();
-        let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS) as f64 / 1e12).ceil() as u64)
+        let live = self.clients.values().filter(|c| !c.gone).count() as u64;
+        let overhang = demand as f64 * OVERHANG_NS as f64 / 1e12;
+        let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS) as f64 / 1e12)
+            .max(overhang + (MIN_BUCKET * live) as f64)
+            .ceil() as u64)
             .clamp(1, p.capacity);
         self.inflight = Some((now_ns, self.burst));
         Op::Rate {

@@ -46,6 +46,8 @@ use tonic::{Status, Streaming};
 use crate::config;
 use crate::decide::Decider;
 
+pub mod client;
+
 /// Responses a stream may have queued; a push that finds the queue full is dropped (the
 /// client's assignment runs out, and the next one is a new bucket).
 const QUEUE: usize = 64;

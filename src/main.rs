@@ -38,6 +38,9 @@ enum Baseline {
     Naive,
     /// governor, in process (a local limit per agent).
     Governor,
+    /// Envoy's rate limit quota filter, one per agent, on `leasehold serve` (the
+    /// scenario's `rlqs_servers` instances): Envoy deciding locally with assignments.
+    Rlqs,
     /// No baseline.
     None,
 }
@@ -252,6 +255,7 @@ fn main() -> ExitCode {
                 let name = match b {
                     Baseline::Naive => "naive",
                     Baseline::Governor => "governor",
+                    Baseline::Rlqs => "rlqs",
                     Baseline::None => continue,
                 };
                 if !names.iter().any(|n| n == name) {

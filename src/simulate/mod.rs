@@ -46,6 +46,19 @@ pub(crate) struct RunReport {
     pub(crate) regions: Option<regions::RegionsSummary>,
     /// The store's health as Leasehold's agents saw it.
     pub(crate) agent_faults: Option<AgentFaults>,
+    /// The rlqs run: servers, filters, and what went between them and the store.
+    pub(crate) rlqs: Option<RlqsSummary>,
+}
+
+/// The rlqs system's run (over the whole run, warm-up included).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RlqsSummary {
+    pub(crate) servers: usize,
+    pub(crate) filters: usize,
+    /// Assignments the filters received, a second.
+    pub(crate) assignments_per_sec: f64,
+    /// The servers' store calls, a second.
+    pub(crate) calls_per_sec: f64,
 }
 
 /// The store's health as Leasehold's agents saw it (summed over the agents alive at the
@@ -199,6 +212,14 @@ pub(crate) fn table(r: &RunReport) -> String {
             f.admitted_emergency,
             f.admitted_fail_open,
             f.unavailable
+        ));
+    }
+    if let Some(q) = &r.rlqs {
+        out.push_str(&format!(
+            "rlqs: {} filter(s) on {} serve instance(s): {:.0} assignments a second pushed to \
+             the filters (gRPC messages, set by the renewals, not the requests), {:.1} store \
+             calls a second\n",
+            q.filters, q.servers, q.assignments_per_sec, q.calls_per_sec
         ));
     }
     if let Some(c) = &r.coordinator {

@@ -227,6 +227,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                 recovery_ms,
                 even_after_heal_ms,
             }),
+            rlqs: None,
         })
     })
 }

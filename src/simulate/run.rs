@@ -360,6 +360,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let mut systems = Vec::new();
     let mut summary = None;
     let mut agent_faults = None;
+    let mut rlqs = None;
     for (n, name) in names.iter().enumerate() {
         progress.set_prefix(name.clone());
         let mut env = Env::start(&opts.store)?;
@@ -376,6 +377,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                     &opts.scenario.agent,
                     &env.target(),
                     &naive_offline,
+                    opts.scenario.rlqs_servers,
                 )
                 .await?,
             );
@@ -454,6 +456,9 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             }
             let rss = rss_mb();
             let store_mb = env.target().memory_mb().await;
+            if let Some(q) = sys.rlqs_summary(run.start.elapsed().as_secs_f64()) {
+                rlqs = Some(q);
+            }
             sys.finish().await;
             if let Some(c) = coordinator.as_mut() {
                 c.stop().await;
@@ -506,6 +511,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         coordinator: summary,
         regions: None,
         agent_faults,
+        rlqs,
     })
 }
 

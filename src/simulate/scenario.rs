@@ -94,6 +94,10 @@ pub(crate) struct Scenario {
     /// The agents' tuning where it differs from the defaults.
     #[serde(default, skip_serializing_if = "AgentTuning::is_default")]
     pub(crate) agent: AgentTuning,
+    /// The `rlqs` system's serve instances (`--compare rlqs`): the agents are Envoy
+    /// filters spread over them.
+    #[serde(default = "one")]
+    pub(crate) rlqs_servers: usize,
 }
 
 /// The agents' tuning (`[agent]`); what is absent keeps `LimiterConfig`'s default.
@@ -391,6 +395,7 @@ impl Scenario {
             regions: None,
             region_rtt: None,
             agent: AgentTuning::default(),
+            rlqs_servers: 1,
         };
         Ok(match name {
             // Ten tenants, offered 1.6x their limit, evenly, all the time.

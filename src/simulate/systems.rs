@@ -9,6 +9,8 @@ use std::time::Duration;
 use governor::{Quota, RateLimiter};
 use leasehold::agent::{Decision, Limiter, LimiterConfig, Rules, Store};
 use leasehold::core::rule::Rule;
+use leasehold_serve::rlqs::client::QuotaClient;
+use leasehold_serve::{Decider, Domains};
 use parking_lot::Mutex;
 
 use super::AgentFaults;
@@ -42,7 +44,105 @@ pub(super) enum System {
         rate: f64,
     },
     Governor(Vec<governor::DefaultKeyedRateLimiter<u32>>),
+    /// Envoys' rate limit quota filters (one per agent) on `leasehold serve` instances.
+    Rlqs(Rlqs),
 }
+
+/// Stops a serve instance once.
+type StopServer = Mutex<Option<tokio::sync::oneshot::Sender<()>>>;
+
+/// The `rlqs` system: `servers` serve instances on the store, each with the scenario's
+/// rule as a YAML limit, and a [`QuotaClient`] per agent on one of them (agent i on
+/// server i mod n), deciding locally.
+pub(super) struct Rlqs {
+    servers: Vec<(Arc<Decider>, StopServer)>,
+    clients: Vec<QuotaClient>,
+}
+
+/// The scenario's rule as a YAML limit of domain `sim`, descriptor key `key`: its rate
+/// per the smallest unit that makes it whole, its capacity in the Leasehold block.
+fn rlqs_yaml(rule: &Rule) -> Result<String, String> {
+    let (tokens, period_us) = (
+        rule.rate().tokens() as u128,
+        rule.rate().period_us() as u128,
+    );
+    let unit = [
+        ("second", 1_000_000u128),
+        ("minute", 60_000_000),
+        ("hour", 3_600_000_000),
+        ("day", 86_400_000_000),
+    ]
+    .into_iter()
+    .find(|(_, us)| {
+        (tokens * us) % period_us == 0 && tokens * us / period_us <= u128::from(u32::MAX)
+    });
+    let Some((unit, us)) = unit else {
+        return Err(format!(
+            "rlqs: the rule's rate {} is not a whole number of requests per second, minute, hour or day",
+            rule.rate()
+        ));
+    };
+    Ok(format!(
+        "domain: sim\ndescriptors:\n  - key: key\n    rate_limit: {{unit: {unit}, requests_per_unit: {}}}\n    leasehold: {{capacity: {}}}\n",
+        tokens * us / period_us,
+        rule.capacity().get()
+    ))
+}
+
+impl Rlqs {
+    async fn start(
+        rule: &Rule,
+        agents: usize,
+        servers: usize,
+        target: &Target,
+    ) -> Result<Self, String> {
+        let yaml = rlqs_yaml(rule)?;
+        let mut started = Vec::new();
+        let mut addrs = Vec::new();
+        for _ in 0..servers.max(1) {
+            let domains = Domains::from_yaml(&yaml, "rlqs scenario").map_err(|e| e.to_string())?;
+            let b = Limiter::builder().rules(domains.rules());
+            let b = match target {
+                Target::Embedded(store) => b.store(Store::Embedded(store.clone())),
+                Target::Redis(url) => b.redis(url),
+                Target::Cluster(nodes) => b.cluster(nodes.clone()),
+            };
+            let limiter = b.build().await.map_err(|e| e.to_string())?;
+            let decider = Decider::new(limiter, domains, Default::default());
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| e.to_string())?;
+            addrs.push(listener.local_addr().map_err(|e| e.to_string())?);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            tokio::spawn(leasehold_serve::serve(
+                decider.clone(),
+                Some(listener),
+                None,
+                None,
+                leasehold_net::Limits::default(),
+                async {
+                    let _ = stopped.await;
+                },
+            ));
+            started.push((decider, Mutex::new(Some(stop))));
+        }
+        let mut clients = Vec::with_capacity(agents);
+        for i in 0..agents {
+            clients.push(
+                QuotaClient::connect(addrs[i % addrs.len()], "sim", RLQS_REPORTING)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        Ok(Self {
+            servers: started,
+            clients,
+        })
+    }
+}
+
+/// The filters' reporting interval.
+const RLQS_REPORTING: Duration = Duration::from_secs(1);
 
 pub(super) enum Outcome {
     Admitted,
@@ -60,6 +160,7 @@ impl System {
         tuning: &scenario::AgentTuning,
         target: &Target,
         naive_offline: &Arc<AtomicBool>,
+        rlqs_servers: usize,
     ) -> Result<Self, String> {
         match name {
             "leasehold" => {
@@ -128,7 +229,10 @@ impl System {
                     (0..agents).map(|_| RateLimiter::keyed(quota)).collect(),
                 ))
             }
-            other => Err(format!("unknown system {other:?}: naive, governor")),
+            "rlqs" => Ok(Self::Rlqs(
+                Rlqs::start(rule, agents, rlqs_servers, target).await?,
+            )),
+            other => Err(format!("unknown system {other:?}: naive, governor, rlqs")),
         }
     }
 
@@ -232,6 +336,16 @@ impl System {
                     }
                 }
             }
+            Self::Rlqs(r) => {
+                // A filter's bucket takes one request at a time: a cost of n is n of them.
+                let client = &r.clients[agent];
+                let _ = key;
+                if (0..cost).all(|_| client.admit(&[("key", subject)])) {
+                    Outcome::Admitted
+                } else {
+                    Outcome::Denied
+                }
+            }
             Self::Governor(limiters) => {
                 let n = NonZeroU32::new(cost as u32).unwrap_or(NonZeroU32::MIN);
                 match limiters[agent].check_key_n(&key, n) {
@@ -240,6 +354,21 @@ impl System {
                 }
             }
         }
+    }
+
+    /// The rlqs run's servers, filters, assignments and store calls over `secs`.
+    pub(super) fn rlqs_summary(&self, secs: f64) -> Option<super::RlqsSummary> {
+        let Self::Rlqs(r) = self else {
+            return None;
+        };
+        let assignments: u64 = r.clients.iter().map(QuotaClient::received).sum();
+        let calls: u64 = r.servers.iter().map(|(d, _)| d.tier_calls()).sum();
+        Some(super::RlqsSummary {
+            servers: r.servers.len(),
+            filters: r.clients.len(),
+            assignments_per_sec: assignments as f64 / secs.max(1e-9),
+            calls_per_sec: calls as f64 / secs.max(1e-9),
+        })
     }
 
     /// What the live agents' counters say about the store's health during the run.
@@ -278,10 +407,21 @@ impl System {
             }
             Self::Naive { calls, .. } => calls.load(Ordering::Relaxed),
             Self::Governor(_) => 0,
+            Self::Rlqs(r) => r.servers.iter().map(|(d, _)| d.tier_calls()).sum(),
         }
     }
 
     pub(super) async fn finish(&self) {
+        if let Self::Rlqs(r) = self {
+            // The servers stop (their streams end, so their tiers call no more), then
+            // their limiters.
+            for (d, stop) in &r.servers {
+                if let Some(stop) = stop.lock().take() {
+                    let _ = stop.send(());
+                }
+                d.limiter().shutdown().await;
+            }
+        }
         if let Self::Leasehold { agents, .. } = self {
             let limiters: Vec<Limiter> = agents.iter().filter_map(|a| a.lock().clone()).collect();
             for l in limiters {

@@ -71,8 +71,13 @@ const RENEW_PERMILLE: u64 = 333;
 /// The agent's margin on its deadline (ns), as for a rate lease.
 const DEADLINE_MARGIN_NS: u64 = 50_000_000;
 
-/// A client's demand, smoothed over its reports: the new report's weight (per mille).
+/// A client's demand, smoothed over its reports: how much less an older report weighs
+/// (per mille).
 const DEMAND_WEIGHT: u64 = 250;
+
+/// A report counts as covering this long at least (ns): Envoy's shortest reporting
+/// interval.
+const MIN_REPORT_NS: u64 = 100_000_000;
 
 /// A client's token bucket, as the server sends it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,8 +147,10 @@ struct Given {
 
 #[derive(Clone, Debug, Default)]
 struct Client {
-    /// Smoothed demand, tokens a second.
+    /// Smoothed demand, tokens a second: `requests` over `covered_ns`.
     demand: f64,
+    requests: f64,
+    covered_ns: f64,
     /// Its assignments that may still run, the last pushed last: a client applies one at a
     /// time, but which of them it holds is not known.
     given: Vec<Given>,
@@ -199,20 +206,17 @@ impl Tier {
     }
 
     /// Takes a client's report: `allowed` and `denied` requests over `elapsed_ns` (the
-    /// first report of a client subscribes it).
+    /// first report of a client subscribes it). Its demand is the requests over the time
+    /// its reports cover, the older ones weighing less ([`DEMAND_WEIGHT`]), a report
+    /// covering at least [`MIN_REPORT_NS`]: a first report sent with a bucket's first
+    /// request covers microseconds, and one request in them is no rate.
     pub fn report(&mut self, client: u64, allowed: u64, denied: u64, elapsed_ns: u64) {
         let c = self.clients.entry(client).or_default();
         c.gone = false;
-        if elapsed_ns == 0 {
-            return;
-        }
-        let rate = (allowed + denied) as f64 * 1e9 / elapsed_ns as f64;
-        let w = DEMAND_WEIGHT as f64 / 1_000.0;
-        c.demand = if c.demand == 0.0 {
-            rate
-        } else {
-            c.demand * (1.0 - w) + rate * w
-        };
+        let keep = 1.0 - DEMAND_WEIGHT as f64 / 1_000.0;
+        c.requests = c.requests * keep + (allowed + denied) as f64;
+        c.covered_ns = c.covered_ns * keep + elapsed_ns.max(MIN_REPORT_NS) as f64;
+        c.demand = c.requests * 1e9 / c.covered_ns;
     }
 
     /// The client went away (its stream ended): its assignments count until they end.
@@ -220,6 +224,8 @@ impl Tier {
         if let Some(c) = self.clients.get_mut(&client) {
             c.gone = true;
             c.demand = 0.0;
+            c.requests = 0.0;
+            c.covered_ns = 0.0;
         }
     }
 
@@ -303,7 +309,7 @@ impl Tier {
     }
 
     /// The call to send at `now_ns`: the burst held (declared full: the clients' buckets
-    /// are not known), the burst wanted (what the reserve should hold plus the clients'
+    /// are not known; shrunk towards what is wanted), the burst wanted (what the reserve should hold plus the clients'
     /// buckets: 0.7 s of demand, two tokens a client at least), and the clients' demand.
     pub fn call(&mut self, p: &BucketParams, now_ns: u64) -> Op {
         self.settle(now_ns);
@@ -314,11 +320,20 @@ impl Tier {
             .max(overhang + (MIN_BUCKET * live) as f64)
             .ceil() as u64)
             .clamp(1, p.capacity);
-        self.inflight = Some((now_ns, self.burst));
+        // A burst larger than wanted shrinks to it, but never below what may be in hand:
+        // the reserve and the committed buckets (the reserve past it is dropped).
+        let (_, buckets) = self.committed(now_ns);
+        let floor = self.reserve.max(0.0).ceil() as u64 + buckets;
+        let held = self.burst.min(want.max(floor));
+        if held < self.burst {
+            self.reserve = self.reserve.min(held.saturating_sub(buckets) as f64);
+            self.burst = held;
+        }
+        self.inflight = Some((now_ns, held));
         Op::Rate {
-            held: self.burst,
-            want: want.max(self.burst),
-            tokens: self.burst,
+            held,
+            want: want.max(held),
+            tokens: held,
             demand,
         }
     }

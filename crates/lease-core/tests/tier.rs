@@ -2,7 +2,7 @@
 //! of one key, hand their rate leases on to clients that behave as Envoy's rate limit
 //! quota filter is documented to — a token bucket per assignment (full when new, kept
 //! when the same strategy extends it), requests refused when there is none or it expired,
-//! usage reported every second — over pushes that take up to the margin. Every window of
+//! a bucket subscribed by a report with its first request, usage reported every second — over pushes that take up to the margin. Every window of
 //! the run must stay within `B + r·W`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::needless_range_loop)]
 
@@ -170,9 +170,11 @@ fn run(r: &Run) -> Outcome {
                     c.denied += 1;
                 }
             }
-            let first = c.reported_ns == 0 && now >= 100 * MS;
+            // The first request subscribes the bucket with a report covering a
+            // microsecond, as Envoy's filter sends it; then one every second.
+            let first = c.reported_ns == 0 && c.allowed + c.denied > 0;
             if first || (c.reported_ns > 0 && now >= c.reported_ns + 1_000 * MS) {
-                let elapsed = now - c.reported_ns;
+                let elapsed = if first { 1_000 } else { now - c.reported_ns };
                 let s = &mut servers[c.server];
                 if now < s.dead_after_ns {
                     s.tier.report(ci as u64, c.allowed, c.denied, elapsed);

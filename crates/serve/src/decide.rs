@@ -118,6 +118,8 @@ pub struct Decider {
     /// Rules for descriptors' own limits, by (requests per unit, unit).
     overrides: Mutex<BTreeMap<(u32, Unit), Rule>>,
     options: Options,
+    /// Store calls made by this process's RLQS tiers.
+    tier_calls: std::sync::atomic::AtomicU64,
 }
 
 impl Decider {
@@ -128,6 +130,7 @@ impl Decider {
             domains: ArcSwap::from_pointee(domains),
             overrides: Mutex::default(),
             options,
+            tier_calls: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -144,6 +147,16 @@ impl Decider {
     /// The answers' options.
     pub fn options(&self) -> &Options {
         &self.options
+    }
+
+    /// Store calls this process's RLQS tiers made (see [`crate::rlqs`]).
+    pub fn tier_calls(&self) -> u64 {
+        self.tier_calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn count_tier_call(&self) {
+        self.tier_calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Puts `domains` and `rules` (a reloaded file's) in force; limits requests named

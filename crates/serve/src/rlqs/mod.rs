@@ -95,16 +95,14 @@ struct TierState {
 impl Rlqs {
     /// Assigns buckets with `decider`'s limits and store.
     pub fn new(decider: Arc<Decider>) -> Self {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_micros() as u64);
         Self {
             shared: Arc::new(Shared {
                 decider,
-                // A process's own agent id, apart from its limiter's: its records in a
-                // bucket are its tiers'.
-                agent: AgentId(seed.rotate_left(17) ^ u64::from(std::process::id())),
-                seq: AtomicU64::new(seed),
+                // Its own agent id, drawn as the limiter draws its own (two servers
+                // started in the same microsecond must not share one: each would take the
+                // other's replies for replays of its own calls).
+                agent: AgentId(rand::random::<u64>().max(1)),
+                seq: AtomicU64::new(0),
                 streams: AtomicU64::new(0),
                 start: Instant::now(),
                 tiers: Mutex::default(),
@@ -244,6 +242,7 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
                 seq: shared.seq.fetch_add(1, Ordering::Relaxed) + 1,
                 op,
             };
+            shared.decider.count_tier_call();
             match store.call(&t.key, &t.params, &req).await {
                 Ok(reply) => {
                     let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);

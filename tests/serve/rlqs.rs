@@ -218,3 +218,44 @@ fn a_stopped_server_s_filters_move_to_another_and_the_bound_holds() {
         b.stop().await;
     });
 }
+
+/// A bucket whose reports show no request for the idle time is abandoned: the filter
+/// forgets it, and its next request subscribes it again.
+#[test]
+fn an_idle_bucket_is_abandoned_and_its_next_request_subscribes_it_again() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let options = leasehold_serve::Options {
+            rlqs_idle: Some(Duration::from_secs(1)),
+            ..Default::default()
+        };
+        let serving = Serving::start(&server, CONFIG, options, false).await;
+        let f = QuotaClient::connect(serving.grpc, "quota", INTERVAL)
+            .await
+            .unwrap();
+        let bucket = [("tenant", "idle")];
+        let wait_for = |what: &'static str, done: Box<dyn Fn() -> bool>| async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !done() {
+                assert!(Instant::now() < deadline, "{what}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        assert!(!f.admit(&bucket), "no assignment yet");
+        let g = f.clone();
+        wait_for("an assignment", Box::new(move || g.received() > 0)).await;
+        assert!(f.admit(&bucket));
+        // No request for a second: the reports show none, and the server abandons it.
+        let g = f.clone();
+        wait_for("the bucket abandoned", Box::new(move || g.abandoned() > 0)).await;
+        let before = f.received();
+        assert!(
+            !f.admit(&bucket),
+            "forgotten: no assignment until one comes again"
+        );
+        let g = f.clone();
+        wait_for("a new assignment", Box::new(move || g.received() > before)).await;
+        assert!(f.admit(&bucket));
+        serving.stop().await;
+    });
+}

@@ -234,6 +234,13 @@ impl Tier {
         self.clients.len()
     }
 
+    /// Whether no client holds anything at `now_ns`: none is known but those gone whose
+    /// assignments have all ended (forgotten here).
+    pub fn idle(&mut self, now_ns: u64) -> bool {
+        self.settle(now_ns);
+        self.clients.is_empty()
+    }
+
     /// Tokens in hand outside the clients' buckets (never below 0 while the bound holds).
     pub fn reserve(&self) -> f64 {
         self.reserve
@@ -345,6 +352,19 @@ impl Tier {
         if let Some(c) = self.clients.get_mut(&client) {
             c.given.pop();
         }
+    }
+
+    /// Once no client holds anything (every assignment ended) and no call is in flight:
+    /// the release of the lease, giving back the reserve, so other agents get the share at
+    /// once rather than when the record drops. The tier starts over after it.
+    pub fn release(&mut self, now_ns: u64) -> Option<Op> {
+        self.settle(now_ns);
+        if self.inflight.is_some() || !self.clients.is_empty() || self.burst == 0 {
+            return None;
+        }
+        let returned = (self.reserve.max(0.0).floor() as u64).min(self.burst);
+        *self = Self::default();
+        Some(Op::Release { returned })
     }
 
     /// The call in flight got no reply: asked again at the next [`Tier::due`].

@@ -103,6 +103,7 @@ impl Args {
             limit_headers: self
                 .limit_response_headers
                 .then(|| names.map(|(_, n)| n.to_ascii_lowercase())),
+            rlqs_idle: None,
         })
     }
 

@@ -31,6 +31,9 @@ pub struct Options {
     /// and `RateLimit`; else ratelimit's three (`LIMIT_RESPONSE_HEADERS_ENABLED`, with
     /// `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
     pub limit_headers: Option<[String; 3]>,
+    /// An RLQS bucket whose reports show no request for this long is abandoned (the
+    /// client forgets it until its next request); `None`: a minute.
+    pub rlqs_idle: Option<Duration>,
 }
 
 /// The answer for one descriptor.

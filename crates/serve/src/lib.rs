@@ -42,7 +42,7 @@ pub async fn serve(
     let mut tasks = Vec::new();
     if let Some(listener) = grpc {
         let service = grpc::Rls::new(decider.clone()).into_server();
-        let quota = rlqs::Rlqs::new(decider.clone()).into_server();
+        let quota = rlqs::Rlqs::new(decider.clone(), stop.subscribe()).into_server();
         let app = tonic::service::Routes::new(service)
             .add_service(quota)
             .prepare()

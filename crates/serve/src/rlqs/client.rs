@@ -6,7 +6,8 @@
 //! full, when the strategy differs from the active one or that one expired, the same one
 //! extended otherwise; blanket rules as they say; requests refused while a bucket has no
 //! assignment or its assignment expired (`no_assignment_behavior` and
-//! `expired_assignment_behavior` set to `DENY_ALL`).
+//! `expired_assignment_behavior` set to `DENY_ALL`); an abandoned bucket forgotten until
+//! its next request.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -121,6 +122,7 @@ struct Bucket {
 struct State {
     buckets: HashMap<Entries, Bucket>,
     received: u64,
+    abandoned: u64,
     ended: Option<tonic::Status>,
 }
 
@@ -203,10 +205,17 @@ impl QuotaClient {
                     Ok(Some(resp)) => {
                         let now = Instant::now();
                         for a in resp.bucket_action {
-                            let (Some(id), Some(Action::QuotaAssignmentAction(q))) =
-                                (a.bucket_id, a.bucket_action)
-                            else {
+                            let (Some(id), Some(action)) = (a.bucket_id, a.bucket_action) else {
                                 continue;
+                            };
+                            let q = match action {
+                                Action::QuotaAssignmentAction(q) => q,
+                                Action::AbandonAction(_) => {
+                                    // Forgotten, reports and all, until its next request.
+                                    st.buckets.remove(&entries(&id));
+                                    st.abandoned += 1;
+                                    continue;
+                                }
                             };
                             let Some(strategy) = q.rate_limit_strategy.and_then(|r| r.strategy)
                             else {
@@ -314,6 +323,14 @@ impl QuotaClient {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .received
+    }
+
+    /// Buckets the server abandoned.
+    pub fn abandoned(&self) -> u64 {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .abandoned
     }
 
     /// How the stream ended, if it did.

@@ -15,7 +15,9 @@
 //! burst are handed on to the streams reporting the key, by their demand, as token
 //! buckets whose total keeps the bound. The store sees a call per key every third of a
 //! term, however many streams and requests there are; several processes share a key as
-//! agents do. A stream that ends leaves its assignments counted until they expire.
+//! agents do. A stream that ends leaves its assignments counted until they expire. A
+//! bucket whose reports show no request for a minute (`Options::rlqs_idle`) is
+//! abandoned: the client forgets it until its next request.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +28,7 @@ use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strat
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    BucketAction as Action, QuotaAssignmentAction,
+    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::{
     RateLimitQuotaService, RateLimitQuotaServiceServer,
@@ -58,6 +60,10 @@ const IDLE_WAKE: Duration = Duration::from_millis(250);
 /// A failed store call is tried again this much later.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
 
+/// A bucket whose reports show no request for this long is abandoned, unless the options
+/// say otherwise.
+const IDLE: Duration = Duration::from_secs(60);
+
 type Push = Result<RateLimitQuotaResponse, Status>;
 
 /// The RLQS service.
@@ -69,43 +75,49 @@ pub struct Rlqs {
 #[derive(Debug)]
 struct Shared {
     decider: Arc<Decider>,
-    /// This process's identity in the store as a tier (one for every key).
-    agent: AgentId,
     seq: AtomicU64,
     streams: AtomicU64,
     start: Instant,
     tiers: Mutex<HashMap<String, Arc<KeyTier>>>,
+    /// True once the server stops: streams end (so Envoy reconnects elsewhere) rather
+    /// than hold the shutdown.
+    stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 #[derive(Debug)]
 struct KeyTier {
+    /// Its identity in the store, drawn as the limiter draws its own: one per tier, so a
+    /// tier that ends (and releases its record) never touches a later one's of the key.
+    agent: AgentId,
     key: BucketKey,
     params: BucketParams,
     state: Mutex<TierState>,
     wake: Notify,
+    /// Its task runs (started by the first stream to report the key, once it has).
+    started: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
 struct TierState {
     tier: Tier,
+    /// The tier ended: a stream that still holds it looks the key up again.
+    closed: bool,
     /// Each stream reporting the key: where its pushes go, and its bucket id.
     clients: HashMap<u64, (mpsc::Sender<Push>, BucketId)>,
 }
 
 impl Rlqs {
-    /// Assigns buckets with `decider`'s limits and store.
-    pub fn new(decider: Arc<Decider>) -> Self {
+    /// Assigns buckets with `decider`'s limits and store; ends every stream with
+    /// `UNAVAILABLE` once `stopping` turns true.
+    pub fn new(decider: Arc<Decider>, stopping: tokio::sync::watch::Receiver<bool>) -> Self {
         Self {
             shared: Arc::new(Shared {
                 decider,
-                // Its own agent id, drawn as the limiter draws its own (two servers
-                // started in the same microsecond must not share one: each would take the
-                // other's replies for replays of its own calls).
-                agent: AgentId(rand::random::<u64>().max(1)),
                 seq: AtomicU64::new(0),
                 streams: AtomicU64::new(0),
                 start: Instant::now(),
                 tiers: Mutex::default(),
+                stopping,
             }),
         }
     }
@@ -133,6 +145,15 @@ fn blanket(bucket: BucketId, rule: BlanketRule) -> RateLimitQuotaResponse {
                     strategy: Some(Strategy::BlanketRule(rule as i32)),
                 }),
             })),
+        }],
+    }
+}
+
+fn abandon(bucket: BucketId) -> RateLimitQuotaResponse {
+    RateLimitQuotaResponse {
+        bucket_action: vec![BucketAction {
+            bucket_id: Some(bucket),
+            bucket_action: Some(Action::AbandonAction(AbandonAction {})),
         }],
     }
 }
@@ -169,8 +190,8 @@ impl Shared {
         self.start.elapsed().as_nanos() as u64
     }
 
-    /// The bucket `id` of `domain`: a tier of its key (started when new), or a blanket
-    /// rule.
+    /// The bucket `id` of `domain`: a tier of its key (its task started by the stream
+    /// once it reported to it), or a blanket rule.
     fn bucket(self: &Arc<Self>, domain: &str, id: &BucketId) -> Result<Bucket, Status> {
         let mut entries: Vec<(&str, &str)> = id
             .bucket
@@ -205,13 +226,14 @@ impl Shared {
             return Ok(Bucket::Tier(t.clone()));
         }
         let t = Arc::new(KeyTier {
+            agent: AgentId(rand::random::<u64>().max(1)),
             key: key.clone(),
             params,
             state: Mutex::default(),
             wake: Notify::new(),
+            started: std::sync::atomic::AtomicBool::new(false),
         });
         tiers.insert(key.as_str().to_owned(), t.clone());
-        tokio::spawn(drive(self.clone(), t.clone()));
         Ok(Bucket::Tier(t))
     }
 }
@@ -221,10 +243,11 @@ impl Shared {
 async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
     let store = shared.decider.limiter().store().clone();
     loop {
-        let op = {
+        let (op, release) = {
             let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
             let now = shared.now_ns();
-            if s.tier.clients() == 0 {
+            if s.tier.idle(now) {
+                s.closed = true;
                 let mut tiers = shared.tiers.lock().unwrap_or_else(PoisonError::into_inner);
                 if tiers
                     .get(t.key.as_str())
@@ -232,13 +255,35 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
                 {
                     tiers.remove(t.key.as_str());
                 }
-                return;
+                // Nothing assigned runs any more: the share goes back at once (a process
+                // killed leaves it to expire with its record).
+                (None, s.tier.release(now))
+            } else {
+                (s.tier.due(now).then(|| s.tier.call(&t.params, now)), None)
             }
-            s.tier.due(now).then(|| s.tier.call(&t.params, now))
         };
+        if let Some(op) = release {
+            let req = Request {
+                agent: t.agent,
+                seq: shared.seq.fetch_add(1, Ordering::Relaxed) + 1,
+                op,
+            };
+            shared.decider.count_tier_call();
+            if let Err(e) = store.call(&t.key, &t.params, &req).await {
+                tracing::debug!(key = %t.key.for_logs(), error = %e, "RLQS tier: release failed; the record expires");
+            }
+            return;
+        }
+        if t.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .closed
+        {
+            return;
+        }
         if let Some(op) = op {
             let req = Request {
-                agent: shared.agent,
+                agent: t.agent,
                 seq: shared.seq.fetch_add(1, Ordering::Relaxed) + 1,
                 op,
             };
@@ -282,6 +327,10 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
     }
 }
 
+/// A bucket a stream reported: its tier (none for a blanket rule), its id, and when its
+/// reports last showed a request.
+type Reported = (Option<Arc<KeyTier>>, BucketId, Instant);
+
 /// Reads one stream's reports until it ends.
 async fn stream(
     shared: Arc<Shared>,
@@ -291,9 +340,40 @@ async fn stream(
 ) {
     let mut domain: Option<String> = None;
     // The buckets this stream reported, by their sorted entries.
-    let mut buckets: HashMap<Vec<(String, String)>, Option<Arc<KeyTier>>> = HashMap::new();
+    let mut buckets: HashMap<Vec<(String, String)>, Reported> = HashMap::new();
+    let idle = shared.decider.options().rlqs_idle.unwrap_or(IDLE);
+    let mut check = tokio::time::interval((idle / 4).max(Duration::from_millis(10)));
+    let mut stopping = shared.stopping.clone();
     loop {
-        let reports = match inbound.message().await {
+        let message = tokio::select! {
+            m = inbound.message() => m,
+            _ = stopping.wait_for(|s| *s) => {
+                let _ = tx.try_send(Err(Status::unavailable("the server is stopping")));
+                break;
+            }
+            _ = check.tick() => {
+                // Buckets with no request for the idle time: abandoned, their tiers told
+                // the stream is gone for them.
+                let now = Instant::now();
+                let stale: Vec<_> = buckets
+                    .iter()
+                    .filter(|(_, (_, _, seen))| now.duration_since(*seen) >= idle)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in stale {
+                    if let Some((tier, bid, _)) = buckets.remove(&k) {
+                        if let Some(t) = tier {
+                            let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
+                            s.clients.remove(&id);
+                            s.tier.gone(id);
+                        }
+                        let _ = tx.try_send(Ok(abandon(bid)));
+                    }
+                }
+                continue;
+            }
+        };
+        let reports = match message {
             Ok(Some(r)) => r,
             Ok(None) => break,
             Err(e) => {
@@ -333,18 +413,27 @@ async fn stream(
                     .saturating_mul(1_000_000_000)
                     .saturating_add(t.nanos.max(0) as u64)
             });
-            let tier = match buckets.get(&sorted) {
-                Some(t) => t.clone(),
+            let requests = usage.num_requests_allowed + usage.num_requests_denied;
+            let tier = match buckets.get_mut(&sorted) {
+                Some((t, _, seen)) => {
+                    if requests > 0 {
+                        *seen = Instant::now();
+                    }
+                    t.clone()
+                }
                 None => match shared.bucket(&d, bid) {
                     Ok(Bucket::Blanket(rule)) => {
                         if tx.try_send(Ok(blanket(bid.clone(), rule))).is_err() {
                             continue;
                         }
-                        buckets.insert(sorted, None);
+                        buckets.insert(sorted.clone(), (None, bid.clone(), Instant::now()));
                         None
                     }
                     Ok(Bucket::Tier(t)) => {
-                        buckets.insert(sorted, Some(t.clone()));
+                        buckets.insert(
+                            sorted.clone(),
+                            (Some(t.clone()), bid.clone(), Instant::now()),
+                        );
                         Some(t)
                     }
                     Err(status) => {
@@ -353,8 +442,21 @@ async fn stream(
                     }
                 },
             };
-            if let Some(t) = tier {
+            let mut tier = tier;
+            while let Some(t) = tier.take() {
                 let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
+                if s.closed {
+                    // The tier ended (nothing ran) since this stream last reported: the
+                    // key's current one takes the report.
+                    drop(s);
+                    if let Ok(Bucket::Tier(next)) = shared.bucket(&d, bid) {
+                        if let Some(e) = buckets.get_mut(&sorted) {
+                            e.0 = Some(next.clone());
+                        }
+                        tier = Some(next);
+                    }
+                    continue;
+                }
                 s.clients.insert(id, (tx.clone(), bid.clone()));
                 s.tier.report(
                     id,
@@ -363,6 +465,9 @@ async fn stream(
                     elapsed,
                 );
                 drop(s);
+                if !t.started.swap(true, Ordering::AcqRel) {
+                    tokio::spawn(drive(shared.clone(), t.clone()));
+                }
                 t.wake.notify_one();
             }
         }
@@ -371,7 +476,7 @@ async fn stream(
             break;
         }
     }
-    for t in buckets.into_values().flatten() {
+    for t in buckets.into_values().filter_map(|(t, ..)| t) {
         let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
         s.clients.remove(&id);
         s.tier.gone(id);

@@ -557,3 +557,78 @@ fn a_wrong_password_is_named_as_such() {
     assert!(!log.contains("Zq9"), "a password printed: {log}");
     assert!(serve.running(), "{log}");
 }
+
+/// Two `leasehold serve` processes on one Redis; Envoy-like RLQS filters on the first,
+/// which is killed (SIGKILL: nothing released, streams cut) mid-run. The filters'
+/// assignments run out into their fallback, they reconnect to the second, and every
+/// window of what they admitted stays within `B + r·W`.
+#[test]
+fn a_killed_serve_s_rlqs_filters_move_to_another_and_the_bound_holds() {
+    use std::sync::{Arc, Mutex};
+
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("quota.yaml");
+    std::fs::write(
+        &config,
+        "domain: quota\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: second, requests_per_unit: 200}\n",
+    )
+    .expect("config");
+    let (exe, _) = binaries();
+    let url = redis.url();
+    let start_serve = || {
+        let mut p = Proc::start(
+            &exe,
+            &[
+                "serve",
+                "--config",
+                config.to_str().expect("utf-8"),
+                "--grpc",
+                "127.0.0.1:0",
+                "--redis",
+                &url,
+            ],
+        );
+        let at = p.address("envoy rate limit service (gRPC) on ");
+        (p, at)
+    };
+    let (mut a, a_at) = start_serve();
+    let (mut b, b_at) = start_serve();
+    let rt = crate::support::runtime();
+    let (all, killed_at, start) = rt.block_on(async {
+        let servers = Arc::new(Mutex::new(vec![a_at, b_at]));
+        let start = Instant::now();
+        let end = start + Duration::from_secs(7);
+        let tasks: Vec<_> = (0..4)
+            .map(|_| {
+                tokio::spawn(crate::support::rlqs::run_filter(
+                    servers.clone(),
+                    vec![("tenant", "killed")],
+                    60.0,
+                    end,
+                ))
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        a.child.kill().expect("kill serve");
+        let killed_at = start.elapsed();
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.expect("filter").0);
+        }
+        (all, killed_at, start)
+    });
+    let excess = crate::support::rlqs::worst_excess(all.clone(), 200.0, 200.0);
+    let late = all
+        .iter()
+        .filter(|&&t| t >= start + Duration::from_secs(5))
+        .count() as f64;
+    let utilisation = late / (200.0 * 2.0);
+    println!(
+        "RLQS through two serve processes, the first killed at {killed_at:?}: worst window \
+         excess {excess:.1}, utilisation over the last 2 s {utilisation:.3}"
+    );
+    assert!(excess <= 0.0, "a window admitted {excess:.1} over B + r·W");
+    assert!(utilisation >= 0.7, "utilisation {utilisation:.3}");
+    assert!(b.running(), "{}", b.stderr());
+}

@@ -8,6 +8,8 @@ use leasehold_agent::{RedisStore, StoreConfig};
 use leasehold_core::rule::{BucketParams, Rule, RuleSpec};
 use leasehold_redis_harness::RedisServer;
 
+pub mod rlqs;
+
 /// A rule's bucket parameters from its spec fields.
 pub fn params(
     capacity: u64,

@@ -10,7 +10,8 @@ use leasehold_store::{Rules, StoreArgs};
 use crate::config::Domains;
 use crate::decide::{Decider, Options};
 
-/// Serves the Envoy rate limit service (gRPC) and the HTTP check API from one limiter.
+/// Serves the Envoy rate limit service and rate limit quota service (gRPC, one port) and
+/// the HTTP check API from one limiter.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Args {
     /// The limits: envoyproxy/ratelimit YAML (a `.yaml`/`.yml` file, or a directory of
@@ -220,6 +221,7 @@ pub async fn run(
     };
     for (what, l) in [
         ("envoy rate limit service (gRPC)", &grpc),
+        ("envoy rate limit quota service (RLQS, gRPC)", &grpc),
         ("http check API", &http),
     ] {
         if let Some(l) = l {

@@ -308,9 +308,7 @@ fn serve(args: leasehold_serve::cli::Args) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(&format!("tokio runtime: {e}")),
     };
-    let done = rt.block_on(leasehold_serve::cli::run(args, async {
-        let _ = tokio::signal::ctrl_c().await;
-    }));
+    let done = rt.block_on(leasehold_serve::cli::run(args, stop_signal()));
     match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),
@@ -322,12 +320,38 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(&format!("tokio runtime: {e}")),
     };
-    let done = rt.block_on(leasehold::coordinator::cli::run(args, async {
-        let _ = tokio::signal::ctrl_c().await;
-    }));
+    let done = rt.block_on(leasehold::coordinator::cli::run(args, stop_signal()));
     match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),
+    }
+}
+
+/// Ctrl-C or SIGTERM (what Kubernetes and systemd send to stop a process): either stops
+/// a server gracefully, and it says so.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("SIGTERM cannot be caught ({e}); Ctrl-C stops gracefully");
+                    let _ = tokio::signal::ctrl_c().await;
+                    eprintln!("stopping (SIGINT): calls in flight finish, leases go back");
+                    return;
+                }
+            };
+        let which = tokio::select! {
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        };
+        eprintln!("stopping ({which}): calls in flight finish, leases go back");
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        eprintln!("stopping: calls in flight finish, leases go back");
     }
 }
 

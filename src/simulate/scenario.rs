@@ -624,6 +624,12 @@ impl Scenario {
         if self.agents == 0 || self.agents > 1000 {
             return err(format!("agents = {} must be 1..=1000", self.agents));
         }
+        if self.rlqs_servers == 0 || self.rlqs_servers > self.agents {
+            return err(format!(
+                "rlqs_servers = {} must be 1..=agents ({}): each serve instance needs a filter",
+                self.rlqs_servers, self.agents
+            ));
+        }
         if self.threads_per_agent == 0 || self.threads_per_agent > 64 {
             return err(format!(
                 "threads_per_agent = {} must be 1..=64",

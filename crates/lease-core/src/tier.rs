@@ -79,6 +79,20 @@ const DEMAND_WEIGHT: u64 = 250;
 /// interval.
 const MIN_REPORT_NS: u64 = 100_000_000;
 
+/// A client's demand is known once its reports cover this long (ns); until then it counts
+/// as wanting at least an equal part of the key's rate. Its first report comes with its
+/// first request and covers nothing: sized on it, a new bucket got a few requests a
+/// second for its first reporting interval, and refused the rest under `DENY_ALL`.
+const KNOWN_AFTER_NS: f64 = 1e9;
+
+/// The reserve is topped up to this much of the share beyond the overhang (ns): held at
+/// the overhang exactly, a share a little smaller at a renewal left it short, and no
+/// assignment could be extended (0.8x r: a quarter of the rate refused for a second).
+const RESERVE_SPARE_NS: u64 = 100_000_000;
+
+/// A tier's first call waits this long after its first client (ns).
+const GATHER_NS: u64 = 20_000_000;
+
 /// A client's token bucket, as the server sends it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Strategy {
@@ -197,6 +211,9 @@ pub struct Tier {
     reserve: f64,
     reserve_at_ns: u64,
     clients: BTreeMap<u64, Client>,
+    /// The key's rate shared equally by the live clients (tokens a second): what a client
+    /// whose reports do not yet cover [`KNOWN_AFTER_NS`] counts as wanting at least.
+    fair: f64,
 }
 
 impl Tier {
@@ -210,7 +227,13 @@ impl Tier {
     /// its reports cover, the older ones weighing less ([`DEMAND_WEIGHT`]), a report
     /// covering at least [`MIN_REPORT_NS`]: a first report sent with a bucket's first
     /// request covers microseconds, and one request in them is no rate.
-    pub fn report(&mut self, client: u64, allowed: u64, denied: u64, elapsed_ns: u64) {
+    pub fn report(&mut self, client: u64, allowed: u64, denied: u64, elapsed_ns: u64, now_ns: u64) {
+        // A tier with no lease calls a little after its first client: clients that start
+        // together subscribe within it, and the first split sees them all (sized on one,
+        // a first client's bucket held the whole rate, and the others waited for it).
+        if self.renew_at_ns == 0 && self.inflight.is_none() && self.burst == 0 {
+            self.renew_at_ns = now_ns + GATHER_NS;
+        }
         let c = self.clients.entry(client).or_default();
         c.gone = false;
         let keep = 1.0 - DEMAND_WEIGHT as f64 / 1_000.0;
@@ -246,9 +269,21 @@ impl Tier {
         self.reserve
     }
 
+    /// A client's demand as the tier sizes its part: reported, or while too little is
+    /// reported, at least an equal part of the key's rate.
+    fn demand_of(&self, c: &Client) -> f64 {
+        if c.gone {
+            0.0
+        } else if c.covered_ns < KNOWN_AFTER_NS {
+            c.demand.max(self.fair)
+        } else {
+            c.demand
+        }
+    }
+
     /// The sum of the clients' demands, thousandths of a token a second.
     pub fn demand_milli(&self) -> u64 {
-        let d: f64 = self.clients.values().map(|c| c.demand).sum();
+        let d: f64 = self.clients.values().map(|c| self.demand_of(c)).sum();
         (d * 1_000.0) as u64
     }
 
@@ -256,7 +291,10 @@ impl Tier {
     /// and the lease due for renewal (or none yet).
     pub fn due(&self, now_ns: u64) -> bool {
         self.inflight.is_none()
-            && self.clients.values().any(|c| !c.gone && c.demand > 0.0)
+            && self
+                .clients
+                .values()
+                .any(|c| !c.gone && (c.demand > 0.0 || c.covered_ns < KNOWN_AFTER_NS))
             && now_ns >= self.renew_at_ns
     }
 
@@ -300,13 +338,29 @@ impl Tier {
         if now_ns <= self.reserve_at_ns {
             return;
         }
-        let (rate, buckets) = self.committed(self.reserve_at_ns);
+        // Piece by piece between the ends of assignments: the committed rates fall as
+        // they end.
         let until = now_ns.min(self.deadline_ns);
-        let dt = until.saturating_sub(self.reserve_at_ns) as f64 / 1e9;
-        let spare = self.share - rate;
-        if spare < 0.0 || self.inflight.is_none() {
-            self.reserve += spare * dt;
+        let mut ends: Vec<u64> = (self.clients.values())
+            .flat_map(|c| c.given.iter().map(|g| g.until_ns))
+            .filter(|&u| u > self.reserve_at_ns && u < until)
+            .collect();
+        ends.sort_unstable();
+        ends.push(until);
+        let mut at = self.reserve_at_ns;
+        for end in ends {
+            if end <= at {
+                continue;
+            }
+            let (rate, buckets) = self.committed(at);
+            let spare = self.share - rate;
+            if spare < 0.0 || self.inflight.is_none() {
+                self.reserve += spare * (end - at) as f64 / 1e9;
+            }
+            self.reserve = self.reserve.min(self.burst.saturating_sub(buckets) as f64);
+            at = end;
         }
+        let (_, buckets) = self.committed(now_ns);
         self.reserve = self.reserve.min(self.burst.saturating_sub(buckets) as f64);
         self.reserve_at_ns = now_ns;
         for c in self.clients.values_mut() {
@@ -316,14 +370,16 @@ impl Tier {
     }
 
     /// The call to send at `now_ns`: the burst held (declared full: the clients' buckets
-    /// are not known; shrunk towards what is wanted), the burst wanted (what the reserve should hold plus the clients'
-    /// buckets: 0.7 s of demand, two tokens a client at least), and the clients' demand.
+    /// are not known; shrunk towards what is wanted), the burst wanted (what the reserve
+    /// should hold plus the clients' buckets: 0.8 s of demand, two tokens a client at
+    /// least), and the clients' demand.
     pub fn call(&mut self, p: &BucketParams, now_ns: u64) -> Op {
         self.settle(now_ns);
-        let demand = self.demand_milli();
         let live = self.clients.values().filter(|c| !c.gone).count() as u64;
+        self.fair = p.rate.per_sec_f64() / live.max(1) as f64;
+        let demand = self.demand_milli();
         let overhang = demand as f64 * OVERHANG_NS as f64 / 1e12;
-        let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS) as f64 / 1e12)
+        let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS + RESERVE_SPARE_NS) as f64 / 1e12)
             .max(overhang + (MIN_BUCKET * live) as f64)
             .ceil() as u64)
             .clamp(1, p.capacity);
@@ -410,14 +466,14 @@ impl Tier {
         };
         let demand: f64 = (self.clients.values())
             .filter(|c| !c.gone)
-            .map(|c| c.demand)
+            .map(|c| self.demand_of(c))
             .sum();
         if demand <= 0.0 || self.share <= 0.0 {
             return Vec::new();
         }
         // A thirty-second of the share refills the reserve while it holds less than the
-        // share's overhang past a renewal and a few new buckets.
-        let wanted = self.share * OVERHANG_NS as f64 / 1e9;
+        // share's overhang past a renewal and a spare.
+        let wanted = self.share * (OVERHANG_NS + RESERVE_SPARE_NS) as f64 / 1e9;
         let give = if self.reserve < wanted {
             self.share * (1.0 - 1.0 / 32.0)
         } else {
@@ -438,7 +494,7 @@ impl Tier {
             if c.gone {
                 continue;
             }
-            let part = give * c.demand / demand;
+            let part = give * self.demand_of(c) / demand;
             let Some(fresh) = Strategy::at_most(part, bucket_ns) else {
                 continue;
             };

@@ -105,6 +105,9 @@ struct Outcome {
     utilisation: f64,
     /// Store calls a second.
     calls_per_sec: f64,
+    /// Admitted over the run's second half-second to its second second, against `r`
+    /// (new buckets: their first reports say nothing of their demand).
+    early: f64,
     /// Pushes a second.
     pushes_per_sec: f64,
 }
@@ -177,13 +180,13 @@ fn run(r: &Run) -> Outcome {
                 let elapsed = if first { 1_000 } else { now - c.reported_ns };
                 let s = &mut servers[c.server];
                 if now < s.dead_after_ns {
-                    s.tier.report(ci as u64, c.allowed, c.denied, elapsed);
+                    s.tier.report(ci as u64, c.allowed, c.denied, elapsed, now);
                 } else {
                     // The stream broke: the client reconnects to the next server.
                     c.server = (c.server + 1) % r.servers;
                     servers[c.server]
                         .tier
-                        .report(ci as u64, c.allowed, c.denied, elapsed);
+                        .report(ci as u64, c.allowed, c.denied, elapsed, now);
                 }
                 c.allowed = 0;
                 c.denied = 0;
@@ -252,7 +255,9 @@ fn run(r: &Run) -> Outcome {
     let half = admitted.len() / 2;
     let late: u64 = admitted[half..].iter().sum();
     let secs = r.total_ns as f64 / 1e9;
+    let early: u64 = admitted[500..2_000].iter().sum();
     Outcome {
+        early: early as f64 / (rate * 1.5),
         excess,
         utilisation: late as f64 / (rate * (admitted.len() - half) as f64 / 1_000.0),
         calls_per_sec: calls as f64 / secs,
@@ -274,11 +279,12 @@ fn sixty_four_clients_on_one_server_keep_the_bound_and_use_the_rate() {
         seed: 1,
     });
     println!(
-        "1 server, 64 clients, 1.2x: excess {:.1}, utilisation {:.4}, {:.1} calls/s, {:.0} pushes/s",
-        o.excess, o.utilisation, o.calls_per_sec, o.pushes_per_sec
+        "1 server, 64 clients, 1.2x: excess {:.1}, utilisation {:.4} (0.5-2 s: {:.3}), {:.1} calls/s, {:.0} pushes/s",
+        o.excess, o.utilisation, o.early, o.calls_per_sec, o.pushes_per_sec
     );
     assert!(o.excess <= 0.0, "excess {}", o.excess);
     assert!(o.utilisation >= 0.95, "utilisation {}", o.utilisation);
+    assert!(o.early >= 0.8, "utilisation from 0.5 s to 2 s: {}", o.early);
     assert!(o.calls_per_sec <= 10.0, "{} calls/s", o.calls_per_sec);
 }
 

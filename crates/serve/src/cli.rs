@@ -55,7 +55,8 @@ pub struct Args {
     /// The store (default: embedded, in this process).
     #[command(flatten)]
     pub store: StoreArgs,
-    /// Serve the Envoy rate limit service v3 (gRPC) here.
+    /// Serve the Envoy rate limit service v3 and the rate limit quota service (RLQS), both
+    /// gRPC, here.
     #[arg(long, env = "LEASEHOLD_GRPC", value_name = "ADDR")]
     pub grpc: Option<SocketAddr>,
     /// Serve the HTTP check API, /metrics, /health and /ready here.

@@ -29,7 +29,7 @@
 //!
 //! Each `rate_limit` becomes a token bucket with r = requests_per_unit per unit and
 //! B = requests_per_unit, unless the descriptor's `leasehold` block says otherwise
-//! (`capacity`, `rate`, `on_failure`, `leasing`, `lease_ttl`, `lease_max`, `timeout`,
+//! (`capacity`, `rate`, `on_failure`, `leasing`, `term`, `lease_ttl`, `lease_max`, `timeout`,
 //! `replicas`, `mode`, `max_outstanding`, `emergency_rate`), and `leasehold.subject`
 //! names the descriptor keys whose values tell buckets apart (default: every entry of
 //! the request's descriptor, as ratelimit keys its counters). Unlike ratelimit's fixed
@@ -114,6 +114,7 @@ struct Extras {
     on_failure: Option<String>,
     emergency_rate: Option<String>,
     leasing: Option<String>,
+    term: Option<String>,
     lease_ttl: Option<String>,
     lease_max: Option<u64>,
     timeout: Option<String>,
@@ -541,6 +542,7 @@ impl Domains {
                     o.on_failure.clone_from(&x.on_failure);
                     o.emergency_rate.clone_from(&x.emergency_rate);
                     o.leasing.clone_from(&x.leasing);
+                    o.term.clone_from(&x.term);
                     o.lease_ttl.clone_from(&x.lease_ttl);
                     o.lease_max = x.lease_max;
                     o.timeout.clone_from(&x.timeout);

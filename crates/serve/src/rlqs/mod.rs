@@ -463,6 +463,7 @@ async fn stream(
                     usage.num_requests_allowed,
                     usage.num_requests_denied,
                     elapsed,
+                    shared.now_ns(),
                 );
                 drop(s);
                 if !t.started.swap(true, Ordering::AcqRel) {

@@ -190,6 +190,22 @@ impl Shared {
         self.start.elapsed().as_nanos() as u64
     }
 
+    /// Sends `op` of tier `t` to the store, counted.
+    async fn call(
+        &self,
+        store: &leasehold_store::Store,
+        t: &KeyTier,
+        op: leasehold_core::model::Op,
+    ) -> Result<leasehold_core::model::Reply, leasehold_store::StoreError> {
+        let req = Request {
+            agent: t.agent,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
+            op,
+        };
+        self.decider.count_tier_call();
+        store.call(&t.key, &t.params, &req).await
+    }
+
     /// The bucket `id` of `domain`: a tier of its key (its task started by the stream
     /// once it reported to it), or a blanket rule.
     fn bucket(self: &Arc<Self>, domain: &str, id: &BucketId) -> Result<Bucket, Status> {
@@ -263,13 +279,7 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
             }
         };
         if let Some(op) = release {
-            let req = Request {
-                agent: t.agent,
-                seq: shared.seq.fetch_add(1, Ordering::Relaxed) + 1,
-                op,
-            };
-            shared.decider.count_tier_call();
-            if let Err(e) = store.call(&t.key, &t.params, &req).await {
+            if let Err(e) = shared.call(&store, &t, op).await {
                 tracing::debug!(key = %t.key.for_logs(), error = %e, "RLQS tier: release failed; the record expires");
             }
             return;
@@ -282,13 +292,7 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
             return;
         }
         if let Some(op) = op {
-            let req = Request {
-                agent: t.agent,
-                seq: shared.seq.fetch_add(1, Ordering::Relaxed) + 1,
-                op,
-            };
-            shared.decider.count_tier_call();
-            match store.call(&t.key, &t.params, &req).await {
+            match shared.call(&store, &t, op).await {
                 Ok(reply) => {
                     let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
                     let now = shared.now_ns();

@@ -161,8 +161,8 @@ struct Given {
 
 #[derive(Clone, Debug, Default)]
 struct Client {
-    /// Smoothed demand, tokens a second: `requests` over `covered_ns`.
-    demand: f64,
+    /// Requests reported and the time their reports cover, older reports weighing less:
+    /// its demand is one over the other ([`Client::demand`]).
     requests: f64,
     covered_ns: f64,
     /// Its assignments that may still run, the last pushed last: a client applies one at a
@@ -173,6 +173,15 @@ struct Client {
 }
 
 impl Client {
+    /// Its demand, tokens a second.
+    fn demand(&self) -> f64 {
+        if self.covered_ns > 0.0 {
+            self.requests * 1e9 / self.covered_ns
+        } else {
+            0.0
+        }
+    }
+
     /// The last assignment pushed, if a push sent at `now_ns` surely reaches the client
     /// while it still runs (an extension of one that ended would be a new bucket).
     fn current(&self, now_ns: u64) -> Option<Strategy> {
@@ -239,22 +248,15 @@ impl Tier {
         let keep = 1.0 - DEMAND_WEIGHT as f64 / 1_000.0;
         c.requests = c.requests * keep + (allowed + denied) as f64;
         c.covered_ns = c.covered_ns * keep + elapsed_ns.max(MIN_REPORT_NS) as f64;
-        c.demand = c.requests * 1e9 / c.covered_ns;
     }
 
     /// The client went away (its stream ended): its assignments count until they end.
     pub fn gone(&mut self, client: u64) {
         if let Some(c) = self.clients.get_mut(&client) {
             c.gone = true;
-            c.demand = 0.0;
             c.requests = 0.0;
             c.covered_ns = 0.0;
         }
-    }
-
-    /// Clients known, gone or not.
-    pub fn clients(&self) -> usize {
-        self.clients.len()
     }
 
     /// Whether no client holds anything at `now_ns`: none is known but those gone whose
@@ -275,9 +277,9 @@ impl Tier {
         if c.gone {
             0.0
         } else if c.covered_ns < KNOWN_AFTER_NS {
-            c.demand.max(self.fair)
+            c.demand().max(self.fair)
         } else {
-            c.demand
+            c.demand()
         }
     }
 
@@ -294,18 +296,13 @@ impl Tier {
             && self
                 .clients
                 .values()
-                .any(|c| !c.gone && (c.demand > 0.0 || c.covered_ns < KNOWN_AFTER_NS))
+                .any(|c| !c.gone && (c.demand() > 0.0 || c.covered_ns < KNOWN_AFTER_NS))
             && now_ns >= self.renew_at_ns
     }
 
     /// When the lease is next due (tier clock, ns).
     pub fn renew_at_ns(&self) -> u64 {
         self.renew_at_ns
-    }
-
-    /// The lease's deadline (tier clock, ns; 0: none).
-    pub fn deadline_ns(&self) -> u64 {
-        self.deadline_ns
     }
 
     /// The committed rates and buckets at `now_ns`.
@@ -479,16 +476,16 @@ impl Tier {
         } else {
             self.share
         };
-        // Each client's part by demand. Its assignment is extended while within a third
-        // over or a quarter under its part (a new one costs a bucket, and reports are noisy), else replaced;
-        // then, while the assignments add up to more than the share, the one furthest over
-        // its part is brought down to it. Decreases go first, extensions next, increases
-        // last, each only while the reserve covers what the commitments need (increases
-        // also only while the committed rates stay within the share; a decrease's
-        // replaced assignment counts until it ends).
         // The buckets share what the burst holds beside the overhang.
         let room = self.burst as f64 - self.share * OVERHANG_NS as f64 / 1e9;
         let bucket_ns = ((room / self.share * 1e9) as u64).clamp(MIN_BUCKET_NS, BUCKET_NS);
+        // Each client's part by demand. Its assignment is extended while within a third
+        // over or a quarter under its part (a new one costs a bucket, and reports are
+        // noisy), else replaced; then, while the assignments add up to more than the
+        // share, the one furthest over its part is brought down to it. Decreases go
+        // first, extensions next, increases last, each only while the reserve covers what
+        // the commitments need (increases also only while the committed rates stay
+        // within the share; a decrease's replaced assignment counts until it ends).
         let mut plan: Vec<(Step, u64, Strategy, f64)> = Vec::new();
         for (&id, c) in &self.clients {
             if c.gone {

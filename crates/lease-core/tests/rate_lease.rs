@@ -103,20 +103,9 @@ impl Store {
     }
 }
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 struct Agent {
     id: AgentId,
@@ -170,7 +159,7 @@ struct Setup {
 /// the bound), the utilisation of `r` over the run, and how many tokens the taker got.
 fn run(s: &Setup) -> (f64, f64, u64) {
     let (rule, p) = params(s.capacity, s.rate, s.term_us);
-    let mut rng = Rng(s.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::new(s.seed);
     let mut store = Store::new();
     let rate_per_sec = rule.rate().per_sec_f64();
     let mut restarts = 0u64;
@@ -179,9 +168,9 @@ fn run(s: &Setup) -> (f64, f64, u64) {
             id: AgentId(i as u64 + 1),
             local: LocalRate::default(),
             seq: 0,
-            offset_ns: (rng.next() % 3_600_000_000_000) as i64,
-            ppm: (rng.next() % 1_001) as i64 - 500,
-            next_call_us: rng.next() % s.term_us.max(1),
+            offset_ns: (rng.next_u64() % 3_600_000_000_000) as i64,
+            ppm: (rng.next_u64() % 1_001) as i64 - 500,
+            next_call_us: rng.next_u64() % s.term_us.max(1),
             inflight: None,
             held: 0,
             tokens: 0,
@@ -192,7 +181,7 @@ fn run(s: &Setup) -> (f64, f64, u64) {
             demand_milli: (rate_per_sec * 1000.0 / s.agents as f64 * (0.1 + 3.8 * rng.unit()))
                 as u64,
             // Bursts: together about 80% of B.
-            want_burst: 1 + rng.next() % (s.capacity * 8 / 5 / s.agents as u64 + 1),
+            want_burst: 1 + rng.next_u64() % (s.capacity * 8 / 5 / s.agents as u64 + 1),
         })
         .collect();
     if let Some((ppm, demand_milli, burst)) = s.fixed {
@@ -235,7 +224,7 @@ fn run(s: &Setup) -> (f64, f64, u64) {
                         // The term granted may be shorter than the rule's (few shares).
                         let ttl = g.ttl_us;
                         a.next_call_us =
-                            (a.next_call_us).min(t + ttl / 2 + rng.next() % (ttl / 4).max(1));
+                            (a.next_call_us).min(t + ttl / 2 + rng.next_u64() % (ttl / 4).max(1));
                     }
                     // Lost: the next call retries the same request.
                     None => {
@@ -267,7 +256,7 @@ fn run(s: &Setup) -> (f64, f64, u64) {
                 );
                 let lost = rng.unit() < s.lose;
                 a.inflight = Some((sent_ns, a.held, (!lost).then_some(r), t + s.rtt_us));
-                a.next_call_us = t + s.term_us / 2 + rng.next() % (s.term_us / 4).max(1);
+                a.next_call_us = t + s.term_us / 2 + rng.next_u64() % (s.term_us / 4).max(1);
             }
             if rng.unit() < s.crash {
                 a.down_until_us = t + s.term_us * 2;
@@ -545,7 +534,7 @@ fn shifting(term_us: u64, seed: u64) -> (f64, f64) {
                     ideal = ideal.take(1);
                     ideal_admitted += 1;
                 }
-                if local[i].try_spend(1, now_ns + rng.next() % 1_000) {
+                if local[i].try_spend(1, now_ns + rng.next_u64() % 1_000) {
                     admitted += 1;
                 }
             }

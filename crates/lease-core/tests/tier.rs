@@ -13,20 +13,9 @@ use leasehold_core::tier::{Assignment, PUSH_MARGIN_NS, Strategy, Tier};
 const T0_US: u64 = 1_700_000_000_000_000;
 const MS: u64 = 1_000_000;
 
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 /// A client as Envoy's filter behaves (times in ns of the one clock).
 #[derive(Default)]

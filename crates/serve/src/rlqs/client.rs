@@ -109,7 +109,7 @@ impl Held {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Bucket {
     id: BucketId,
     held: Held,
@@ -165,19 +165,7 @@ impl QuotaClient {
         let state = Arc::new(Mutex::new(State::default()));
         if let Some(p) = previous {
             let old = p.state.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut s = state.lock().unwrap_or_else(PoisonError::into_inner);
-            for (k, b) in &old.buckets {
-                s.buckets.insert(
-                    k.clone(),
-                    Bucket {
-                        id: b.id.clone(),
-                        held: b.held.clone(),
-                        allowed: b.allowed,
-                        denied: b.denied,
-                        reported: b.reported,
-                    },
-                );
-            }
+            state.lock().unwrap_or_else(PoisonError::into_inner).buckets = old.buckets.clone();
         }
         let this = Self {
             domain: domain.to_owned(),

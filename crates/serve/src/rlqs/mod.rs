@@ -259,7 +259,7 @@ impl Shared {
 async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
     let store = shared.decider.limiter().store().clone();
     loop {
-        let (op, release) = {
+        let (op, closing) = {
             let mut s = t.state.lock().unwrap_or_else(PoisonError::into_inner);
             let now = shared.now_ns();
             if s.tier.idle(now) {
@@ -273,22 +273,17 @@ async fn drive(shared: Arc<Shared>, t: Arc<KeyTier>) {
                 }
                 // Nothing assigned runs any more: the share goes back at once (a process
                 // killed leaves it to expire with its record).
-                (None, s.tier.release(now))
+                (s.tier.release(now), true)
             } else {
-                (s.tier.due(now).then(|| s.tier.call(&t.params, now)), None)
+                (s.tier.due(now).then(|| s.tier.call(&t.params, now)), false)
             }
         };
-        if let Some(op) = release {
-            if let Err(e) = shared.call(&store, &t, op).await {
+        if closing {
+            if let Some(op) = op
+                && let Err(e) = shared.call(&store, &t, op).await
+            {
                 tracing::debug!(key = %t.key.for_logs(), error = %e, "RLQS tier: release failed; the record expires");
             }
-            return;
-        }
-        if t.state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .closed
-        {
             return;
         }
         if let Some(op) = op {

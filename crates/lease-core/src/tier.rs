@@ -27,13 +27,16 @@
 //! keeps an expired assignment (Envoy's `reuse_last_assignment`) is outside the bound.
 //!
 //! **Sizing.** The tier reports the sum of its clients' demands (smoothed over their
-//! reports) and renews at a third of its term; the store sizes its share as any agent's.
-//! The share is divided by demand; while `R` holds less than the share's overhang a
-//! thirty-second of the share refills it. A client's bucket holds half a second of its
-//! rate while the burst has room (down to 50 ms). An assignment is extended unchanged
-//! while its rate is within a third over or a quarter under the client's part (a new one
-//! costs a bucket, and reports are noisy), and replaced otherwise; increases wait for
-//! rate that no commitment holds.
+//! reports, a significant rise counting at once), or the rates it has committed if more,
+//! and renews at a third of its term; the store sizes its share as any agent's. The share
+//! is divided by demand, no client's part more than the store's headroom over its demand;
+//! while `R` holds less than the share's overhang a thirty-second of the share refills
+//! it. A client's bucket holds half a second of its rate while the burst has room (down
+//! to 50 ms). An assignment is extended unchanged while its rate is within a third over
+//! or a quarter under the client's part (a new one costs a bucket, and reports are
+//! noisy), and replaced otherwise; the replacements of a fall share what `R` can fund
+//! (smaller buckets rather than none for some), and increases wait for rate that no
+//! commitment holds.
 //!
 //! On the virtual clock (`tests/tier.rs`: clients as Envoy's filter, Poisson arrivals,
 //! pushes up to the margin late): 64 clients on one tier at 1.2x r use 0.97 of r with
@@ -43,7 +46,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::model::{Op, Reply, rate_scale};
+use crate::model::{Op, RATE_HEADROOM, Reply, rate_scale};
 use crate::rate_lease::{RATE_MARGIN_PPM, RateGrant};
 use crate::rule::BucketParams;
 
@@ -75,6 +78,11 @@ const DEADLINE_MARGIN_NS: u64 = 50_000_000;
 /// (per mille).
 const DEMAND_WEIGHT: u64 = 250;
 
+/// A client's last report counts alone when this much over its smoothed demand, and by
+/// more than four standard deviations of Poisson arrivals: a rise, not noise (the larger
+/// of the two: noise upwards moved the parts, and replacing buckets cost the rate).
+const RISE: f64 = 1.25;
+
 /// A report counts as covering this long at least (ns): Envoy's shortest reporting
 /// interval.
 const MIN_REPORT_NS: u64 = 100_000_000;
@@ -89,6 +97,11 @@ const KNOWN_AFTER_NS: f64 = 1e9;
 /// the overhang exactly, a share a little smaller at a renewal left it short, and no
 /// assignment could be extended (0.8x r: a quarter of the rate refused for a second).
 const RESERVE_SPARE_NS: u64 = 100_000_000;
+
+/// An assignment is extended while its rate is at least this much of the client's part
+/// (and at most a third over it): a new one costs a bucket, and reports are noisy. (At
+/// three quarters, a client whose demand rose ran a quarter under what it was due.)
+const KEEP_UNDER: f64 = 0.75;
 
 /// A tier's first call waits this long after its first client (ns).
 const GATHER_NS: u64 = 20_000_000;
@@ -165,6 +178,10 @@ struct Client {
     /// its demand is one over the other ([`Client::demand`]).
     requests: f64,
     covered_ns: f64,
+    /// The last report: requests, and the seconds it covers if at least
+    /// [`MIN_REPORT_NS`]. A rise counts at once ([`RISE`]; smoothed, a client three times
+    /// busier was held to its old part for seconds).
+    last: (f64, f64),
     /// Its assignments that may still run, the last pushed last: a client applies one at a
     /// time, but which of them it holds is not known.
     given: Vec<Given>,
@@ -176,7 +193,14 @@ impl Client {
     /// Its demand, tokens a second.
     fn demand(&self) -> f64 {
         if self.covered_ns > 0.0 {
-            self.requests * 1e9 / self.covered_ns
+            let smoothed = self.requests * 1e9 / self.covered_ns;
+            let (n, secs) = self.last;
+            let expected = smoothed * secs;
+            if secs > 0.0 && n > expected * RISE && n > expected + 4.0 * expected.sqrt() {
+                n / secs
+            } else {
+                smoothed
+            }
         } else {
             0.0
         }
@@ -191,19 +215,38 @@ impl Client {
             .map(|g| g.strategy)
     }
 
-    /// Its committed rate, bucket and end at `now_ns`: the largest of its assignments that
-    /// may still run.
-    fn committed(&self, now_ns: u64) -> (f64, u64, u64) {
+    /// Its committed rate and bucket at `now_ns`: the largest of its assignments that may
+    /// still run.
+    fn committed(&self, now_ns: u64) -> (f64, u64) {
         self.given
             .iter()
             .filter(|g| g.until_ns > now_ns)
-            .fold((0.0, 0, 0), |(r, m, u), g| {
-                (
-                    r.max(g.strategy.rate()),
-                    m.max(g.strategy.max_tokens),
-                    u.max(g.until_ns),
-                )
+            .fold((0.0, 0), |(r, m), g| {
+                (r.max(g.strategy.rate()), m.max(g.strategy.max_tokens))
             })
+    }
+
+    /// The most its assignments can spend after `at_ns` (tokens): at each moment, at the
+    /// largest rate of those still running. (The largest rate until the latest end read
+    /// a replaced assignment's rate as running as long as its replacement: the reserve
+    /// looked short, and half the extensions after a fall in demand were refused.)
+    fn spend_after(&self, at_ns: u64) -> f64 {
+        let mut spend = 0.0;
+        let mut from = at_ns;
+        let mut ends: Vec<u64> = self.given.iter().map(|g| g.until_ns).collect();
+        ends.sort_unstable();
+        for end in ends {
+            if end <= from {
+                continue;
+            }
+            let rate = (self.given.iter())
+                .filter(|g| g.until_ns >= end)
+                .map(|g| g.strategy.rate())
+                .fold(0.0, f64::max);
+            spend += rate * (end - from) as f64 / 1e9;
+            from = end;
+        }
+        spend
     }
 }
 
@@ -247,7 +290,12 @@ impl Tier {
         c.gone = false;
         let keep = 1.0 - DEMAND_WEIGHT as f64 / 1_000.0;
         c.requests = c.requests * keep + (allowed + denied) as f64;
-        c.covered_ns = c.covered_ns * keep + elapsed_ns.max(MIN_REPORT_NS) as f64;
+        c.covered_ns = c.covered_ns * keep + elapsed_ns as f64;
+        c.last = if elapsed_ns >= MIN_REPORT_NS {
+            ((allowed + denied) as f64, elapsed_ns as f64 / 1e9)
+        } else {
+            (0.0, 0.0)
+        };
     }
 
     /// The client went away (its stream ended): its assignments count until they end.
@@ -277,7 +325,12 @@ impl Tier {
         if c.gone {
             0.0
         } else if c.covered_ns < KNOWN_AFTER_NS {
-            c.demand().max(self.fair)
+            let reported = if c.covered_ns >= MIN_REPORT_NS as f64 {
+                c.demand()
+            } else {
+                0.0
+            };
+            reported.max(self.fair)
         } else {
             c.demand()
         }
@@ -308,7 +361,7 @@ impl Tier {
     /// The committed rates and buckets at `now_ns`.
     fn committed(&self, now_ns: u64) -> (f64, u64) {
         self.clients.values().fold((0.0, 0), |(r, m), c| {
-            let (cr, cm, _) = c.committed(now_ns);
+            let (cr, cm) = c.committed(now_ns);
             (r + cr, m + cm)
         })
     }
@@ -320,9 +373,8 @@ impl Tier {
         let mut over = 0.0;
         let mut past = 0.0;
         for c in self.clients.values() {
-            let (rate, _, until) = c.committed(now_ns);
-            over += rate;
-            past += rate * until.saturating_sub(self.renew_at_ns.max(now_ns)) as f64 / 1e9;
+            over += c.committed(now_ns).0;
+            past += c.spend_after(self.renew_at_ns.max(now_ns));
         }
         let to_renewal = self.renew_at_ns.saturating_sub(now_ns) as f64 / 1e9;
         (over - self.share).max(0.0) * to_renewal + past
@@ -374,7 +426,13 @@ impl Tier {
         self.settle(now_ns);
         let live = self.clients.values().filter(|c| !c.gone).count() as u64;
         self.fair = p.rate.per_sec_f64() / live.max(1) as f64;
-        let demand = self.demand_milli();
+        // It asks for the rates it has committed while they run, if more than its clients
+        // want: a share sized on a fall in demand came back below the assignments still
+        // running, they drained the reserve, and their replacements and extensions were
+        // refused (0.3x r: a tenth of the rate admitted for a quarter second). Its parts
+        // are sized on demand ([`Tier::assign`]), so the commitments follow it down.
+        let (committed, _) = self.committed(now_ns);
+        let demand = self.demand_milli().max((committed * 1_000.0) as u64);
         let overhang = demand as f64 * OVERHANG_NS as f64 / 1e12;
         let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS + RESERVE_SPARE_NS) as f64 / 1e12)
             .max(overhang + (MIN_BUCKET * live) as f64)
@@ -491,12 +549,13 @@ impl Tier {
             if c.gone {
                 continue;
             }
-            let part = give * self.demand_of(c) / demand;
+            let wants = self.demand_of(c);
+            let part = (give * wants / demand).min(wants * RATE_HEADROOM);
             let Some(fresh) = Strategy::at_most(part, bucket_ns) else {
                 continue;
             };
             match c.current(now_ns) {
-                Some(s) if s.rate() <= part * 4.0 / 3.0 && s.rate() >= part * 0.75 => {
+                Some(s) if s.rate() <= part * 4.0 / 3.0 && s.rate() >= part * KEEP_UNDER => {
                     plan.push((Step::Keep, id, s, part));
                 }
                 Some(s) if fresh.rate() < s.rate() => plan.push((Step::Down, id, fresh, part)),
@@ -519,6 +578,39 @@ impl Tier {
             *e = (Step::Down, e.1, fresh, e.3);
         }
         plan.sort_by_key(|e| e.0);
+        // New buckets come out of the reserve beside what the commitments need: when it
+        // cannot give them all a full one, each gets the same fraction of its own (at
+        // least MIN_BUCKET_NS of its rate). Given full, the first half of the clients
+        // whose part fell got theirs, and the others none: their assignments ran out and
+        // a quarter of the rate was refused for a second.
+        for &(_, id, strategy, _) in &plan {
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.given.push(Given {
+                    strategy,
+                    until_ns: ends,
+                });
+            }
+        }
+        let spare = self.reserve - self.needed(now_ns);
+        for &(_, id, ..) in &plan {
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.given.pop();
+            }
+        }
+        let full: f64 = (plan.iter())
+            .filter(|e| e.0 == Step::Down)
+            .map(|e| e.2.max_tokens as f64)
+            .sum();
+        if full > spare {
+            let scale = (spare / full).max(0.0);
+            for e in plan.iter_mut().filter(|e| e.0 == Step::Down) {
+                let least = (e.2.rate() * MIN_BUCKET_NS as f64 / 1e9).ceil() as u64;
+                e.2.max_tokens = ((e.2.max_tokens as f64 * scale).floor() as u64)
+                    .max(least)
+                    .max(MIN_BUCKET)
+                    .min(e.2.max_tokens);
+            }
+        }
         let mut out = Vec::new();
         for (step, id, strategy, _) in plan {
             let (up, new) = (step == Step::Up, step != Step::Keep);

@@ -42,6 +42,7 @@ mod tests;
 use std::fmt;
 
 pub use batch::{BatchLog, BatchRecord, ExactOutcome, ExactReply, MAX_BATCH_COSTS, validate_exact};
+pub(crate) use ops::RATE_HEADROOM;
 pub use ops::validate;
 pub use split::{MAX_PARTS, PartTerm, RESERVATION, Split};
 pub use state::{AgentRecord, BucketState, View, rate_scale};

@@ -420,7 +420,7 @@ pub(super) fn acquire(
 
 /// Headroom over an agent's demand in its rate lease's share while the demands are at
 /// most 0.8 r: a quarter more (as a multiplier, the same operation in the Lua).
-const RATE_HEADROOM: f64 = 1.25;
+pub(crate) const RATE_HEADROOM: f64 = 1.25;
 
 /// The shortest term of a rate lease, µs.
 pub(crate) const RATE_MIN_TERM_US: u64 = 400_000;

@@ -478,6 +478,27 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
              the bucket a little better."
         );
     }
-    println!("{} rule(s), {overrides} override(s) ok", rules.len());
+    // Descriptors that decide without a bucket: no rule, so not in the table.
+    let mut fixed = 0;
+    for (key, l) in domains.limits() {
+        let what = match l.action {
+            leasehold_serve::config::Action::Unlimited => "unlimited: always OK, not counted",
+            leasehold_serve::config::Action::DenyAll => "requests_per_unit: 0: always OVER_LIMIT",
+            leasehold_serve::config::Action::Rule(_) => continue,
+        };
+        let shadow = if l.shadow {
+            " (shadow_mode: reported, never enforced)"
+        } else {
+            ""
+        };
+        println!("{key:<36} {what}{shadow}");
+        fixed += 1;
+    }
+    let fixed = if fixed > 0 {
+        format!(", {fixed} descriptor(s) without a bucket")
+    } else {
+        String::new()
+    };
+    println!("{} rule(s), {overrides} override(s){fixed} ok", rules.len());
     ExitCode::SUCCESS
 }

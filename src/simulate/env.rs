@@ -196,6 +196,22 @@ pub(super) fn rss_mb() -> f64 {
         .map_or(0.0, |kb| kb / 1000.0)
 }
 
+/// Removes `ids` from the agents the store knows (best effort: the run is over, and the
+/// coordinator prunes what stays).
+pub(super) async fn forget_agents(target: &Target, ids: &[leasehold::core::model::AgentId]) {
+    use leasehold::agent::{RedisStore, StoreConfig};
+    let store = match target {
+        Target::Embedded(_) => return,
+        Target::Redis(url) => RedisStore::connect(url, StoreConfig::default()).await,
+        Target::Cluster(nodes) => RedisStore::connect_cluster(nodes, StoreConfig::default()).await,
+    };
+    if let Ok(store) = store {
+        for &id in ids {
+            let _ = store.forget_agent(id).await;
+        }
+    }
+}
+
 /// The store of one system's run, started fresh for it so that faults in one run never
 /// leak into the next.
 pub(super) enum Env {

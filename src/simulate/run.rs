@@ -11,7 +11,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
-use super::env::{Env, Target, rss_mb};
+use super::env::{self, Env, Target, rss_mb};
 use super::report::{self};
 use super::scenario::{Pace, Scenario};
 use super::systems::{Outcome, RULE, System};
@@ -459,10 +459,15 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             if let Some(q) = sys.rlqs_summary(run.start.elapsed().as_secs_f64()) {
                 rlqs = Some(q);
             }
-            sys.finish().await;
+            let ids = sys.finish().await;
             if let Some(c) = coordinator.as_mut() {
                 c.stop().await;
                 summary = Some(c.summary.clone());
+            }
+            // On an operator's store, the run's agents leave no entry behind (their bucket
+            // records expire by themselves).
+            if let Env::External(t) = &env {
+                env::forget_agents(t, &ids).await;
             }
             let mut report = report::analyze(
                 all,

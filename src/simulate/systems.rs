@@ -411,7 +411,10 @@ impl System {
         }
     }
 
-    pub(super) async fn finish(&self) {
+    /// Stops the system's servers and agents; the ids of the agents that reported to the
+    /// store.
+    pub(super) async fn finish(&self) -> Vec<leasehold::core::model::AgentId> {
+        let mut ids = Vec::new();
         if let Self::Rlqs(r) = self {
             // The servers stop (their streams end, so their tiers call no more), then
             // their limiters.
@@ -420,14 +423,17 @@ impl System {
                     let _ = stop.send(());
                 }
                 d.limiter().shutdown().await;
+                ids.push(d.limiter().agent_id());
             }
         }
         if let Self::Leasehold { agents, .. } = self {
             let limiters: Vec<Limiter> = agents.iter().filter_map(|a| a.lock().clone()).collect();
             for l in limiters {
                 l.shutdown().await;
+                ids.push(l.agent_id());
             }
         }
+        ids
     }
 }
 

@@ -955,3 +955,28 @@ fn rate_limit_headers_agree_between_the_tower_layer_and_serve() {
         serving.stop().await;
     });
 }
+
+/// The HTTP check API with the YAML, its store gone: a descriptor that fails closed is a
+/// 503 whose body says `UNAVAILABLE` (the limit is not what refused it), one that fails
+/// open is a 200.
+#[test]
+fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
+    let mut server = support::server();
+    support::runtime().block_on(async {
+        let yaml = "domain: d\ndescriptors:\n  - key: closed\n    rate_limit: {unit: second, requests_per_unit: 5}\n  - key: open\n    rate_limit: {unit: second, requests_per_unit: 5}\n    leasehold: {on_failure: fail_open}\n";
+        let serving = Serving::start(&server, yaml, Default::default(), false).await;
+        let check = |key: &str| {
+            format!(r#"{{"domain":"d","descriptors":[{{"entries":[{{"key":"{key}","value":"v"}}]}}]}}"#)
+        };
+        let (status, _, body) = post(serving.http, "/v1/check", &check("closed")).await;
+        assert_eq!(status, 200, "{body}");
+        server.kill();
+        let (status, _, body) = post(serving.http, "/v1/check", &check("closed")).await;
+        assert_eq!(status, 503, "{body}");
+        assert!(body.contains(r#""overall_code":"UNAVAILABLE""#), "{body}");
+        let (status, _, body) = post(serving.http, "/v1/check", &check("open")).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains(r#""overall_code":"OK""#), "{body}");
+        serving.stop().await;
+    });
+}

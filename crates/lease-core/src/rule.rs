@@ -604,9 +604,22 @@ impl Rule {
             };
             let d = parse_duration(text)
                 .map_err(|e| err(format!("not a duration ({e}): write it as 4s, 500ms or 2m")))?;
-            if d < Duration::from_millis(1) || d > max {
+            // A term has its own least (why: below); one message for both ends.
+            let min = if field == "term" {
+                MIN_TERM
+            } else {
+                Duration::from_millis(1)
+            };
+            if d < min || d > max {
+                let why = if field == "term" {
+                    ": a rate lease is renewed at three quarters of its term, and a shorter \
+                     one calls the store more often than leases of tokens do"
+                } else {
+                    ""
+                };
                 return Err(err(format!(
-                    "must be between 1ms and {}",
+                    "must be between {} and {}{why}",
+                    humantime::format_duration(min),
                     humantime::format_duration(max)
                 )));
             }
@@ -731,20 +744,7 @@ impl Rule {
                     ),
                 ));
             }
-            let term = dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?;
-            if term < MIN_TERM {
-                return Err(RuleError::Duration {
-                    rule: rule(),
-                    field: "term",
-                    value: spec.term.clone().unwrap_or_default(),
-                    why: format!(
-                        "at least {}: a rate lease is renewed at three quarters of its term, \
-                         and a shorter one calls the store more often than leases of tokens do",
-                        humantime::format_duration(MIN_TERM)
-                    ),
-                });
-            }
-            term
+            dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?
         } else {
             if let Some(t) = &spec.term {
                 return Err(conflict(
@@ -1325,8 +1325,11 @@ mod tests {
         t.mode = Some("relaxed".into());
         refused(&t, "strict mode only");
         let mut t = r.clone();
-        t.term = Some("50ms".into());
-        refused(&t, "at least 100ms");
+        // The same message whatever side of the least, or zero.
+        for short in ["50ms", "0s"] {
+            t.term = Some(short.into());
+            refused(&t, "must be between 100ms and 1h: a rate lease is renewed");
+        }
         t.term = Some("abc".into());
         refused(&t, "write it as 4s, 500ms or 2m");
         let mut t = r.clone();

@@ -8,7 +8,8 @@
 //!   `limit`: `{"requests_per_unit":10,"unit":"second"}`; the request's `hits_addend`).
 //!   200 when OK, 429 when over the limit (with `Retry-After`, unless more hits were asked
 //!   than the limit holds: no wait helps), 503 when the store is unreachable and a limit
-//!   fails closed; the body has `overall_code` and per descriptor `code`,
+//!   fails closed; the body has `overall_code` (`OK`, `OVER_LIMIT`, or `UNAVAILABLE`
+//!   with the 503) and per descriptor `code`,
 //!   `current_limit`, `limit_remaining`, `duration_until_reset_ms`; the headers are the
 //!   gRPC answer's.
 //! - `GET /v1/auth?domain=D&descriptor=K1,K2=V2` for nginx `auth_request` (one
@@ -256,7 +257,15 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
         })
         .collect();
     let mut json = serde_json::json!({
-        "overall_code": if verdict.over_limit { "OVER_LIMIT" } else { "OK" },
+        // A 503 says why: the store, not the limit (over gRPC it is OVER_LIMIT, the
+        // only refusal the protocol has).
+        "overall_code": if verdict.unavailable {
+            "UNAVAILABLE"
+        } else if verdict.over_limit {
+            "OVER_LIMIT"
+        } else {
+            "OK"
+        },
         "statuses": statuses,
     });
     if let Some(m) = verdict.metadata {

@@ -122,6 +122,21 @@ impl RedisStore {
         self.query::<i64>(&prune).await.map(drop)
     }
 
+    /// Forgets `agent` at once: its entry in the live set and its report (a run that
+    /// leaves the store to others, such as `simulate` on an operator's Redis, where no
+    /// coordinator may prune them).
+    pub async fn forget_agent(
+        &self,
+        agent: leasehold_core::model::AgentId,
+    ) -> Result<(), StoreError> {
+        let mut rem = redis::cmd("ZREM");
+        rem.arg(AGENTS_KEY).arg(agent.to_string());
+        self.query::<i64>(&rem).await?;
+        self.query::<i64>(redis::cmd("DEL").arg(report_key(agent)))
+            .await
+            .map(drop)
+    }
+
     /// `agent`'s last report (see [`crate::report`]), if it has not expired.
     pub async fn agent_report(&self, agent: AgentId) -> Result<Option<String>, StoreError> {
         self.query(redis::cmd("GET").arg(report_key(agent))).await

@@ -148,6 +148,8 @@ impl Strategy {
 enum Step {
     Down,
     Keep,
+    /// A client with nothing running.
+    Start,
     Up,
 }
 
@@ -433,8 +435,17 @@ impl Tier {
         // are sized on demand ([`Tier::assign`]), so the commitments follow it down.
         let (committed, _) = self.committed(now_ns);
         let demand = self.demand_milli().max((committed * 1_000.0) as u64);
-        let overhang = demand as f64 * OVERHANG_NS as f64 / 1e12;
-        let want = ((demand as f64 * (BUCKET_NS + OVERHANG_NS + RESERVE_SPARE_NS) as f64 / 1e12)
+        // The burst is sized on the rate the tier may hand out: the demand, but no more
+        // than its share grows at a renewal once it has one. (Sized on the demand, three
+        // tiers whose clients were not known yet each asked for 0.8 s of the key's whole
+        // rate: the first one's burst held most of B, and the others got no burst, so no
+        // share, for a second.)
+        let mut basis = demand as f64 / 1e3;
+        if self.share > 0.0 {
+            basis = basis.min(self.share * RATE_HEADROOM);
+        }
+        let overhang = basis * OVERHANG_NS as f64 / 1e9;
+        let want = ((basis * (BUCKET_NS + OVERHANG_NS + RESERVE_SPARE_NS) as f64 / 1e9)
             .max(overhang + (MIN_BUCKET * live) as f64)
             .ceil() as u64)
             .clamp(1, p.capacity);
@@ -559,7 +570,8 @@ impl Tier {
                     plan.push((Step::Keep, id, s, part));
                 }
                 Some(s) if fresh.rate() < s.rate() => plan.push((Step::Down, id, fresh, part)),
-                _ => plan.push((Step::Up, id, fresh, part)),
+                Some(_) => plan.push((Step::Up, id, fresh, part)),
+                None => plan.push((Step::Start, id, fresh, part)),
             }
         }
         let mut total: f64 = plan.iter().map(|e| e.2.rate()).sum();
@@ -579,10 +591,13 @@ impl Tier {
         }
         plan.sort_by_key(|e| e.0);
         // New buckets come out of the reserve beside what the commitments need: when it
-        // cannot give them all a full one, each gets the same fraction of its own (at
-        // least MIN_BUCKET_NS of its rate). Given full, the first half of the clients
-        // whose part fell got theirs, and the others none: their assignments ran out and
-        // a quarter of the rate was refused for a second.
+        // cannot give a full one to every replacement of a fall and every client with
+        // nothing running, each of those gets the same fraction of its own (at least
+        // MIN_BUCKET_NS of its rate). Given full, the first half of the clients whose part
+        // fell got theirs and the others none (their assignments ran out: a quarter of the
+        // rate refused for a second), and a tier whose burst was not paid started its
+        // clients two or three a renewal. (Increases of running assignments wait for a
+        // full bucket: scaled too, they held less than the reserve dropped.)
         for &(_, id, strategy, _) in &plan {
             if let Some(c) = self.clients.get_mut(&id) {
                 c.given.push(Given {
@@ -597,14 +612,27 @@ impl Tier {
                 c.given.pop();
             }
         }
+        // Starts share while most clients have nothing running (a tier starting, or
+        // after its share fell): else one at a time, full (scaled in steady state too,
+        // a bucket kept short overflowed between requests, and its client used less
+        // than its rate).
+        let starts = plan.iter().filter(|e| e.0 == Step::Start).count();
+        let starting = starts * 2 > plan.len();
+        let shared =
+            |e: &(Step, u64, Strategy, f64)| e.0 == Step::Down || (starting && e.0 == Step::Start);
         let full: f64 = (plan.iter())
-            .filter(|e| e.0 == Step::Down)
+            .filter(|e| shared(e))
             .map(|e| e.2.max_tokens as f64)
             .sum();
         if full > spare {
             let scale = (spare / full).max(0.0);
-            for e in plan.iter_mut().filter(|e| e.0 == Step::Down) {
-                let least = (e.2.rate() * MIN_BUCKET_NS as f64 / 1e9).ceil() as u64;
+            for e in plan.iter_mut().filter(|e| shared(e)) {
+                // A start half its bucket at least.
+                let least = if e.0 == Step::Start {
+                    e.2.max_tokens / 2
+                } else {
+                    (e.2.rate() * MIN_BUCKET_NS as f64 / 1e9).ceil() as u64
+                };
                 e.2.max_tokens = ((e.2.max_tokens as f64 * scale).floor() as u64)
                     .max(least)
                     .max(MIN_BUCKET)
@@ -613,7 +641,7 @@ impl Tier {
         }
         let mut out = Vec::new();
         for (step, id, strategy, _) in plan {
-            let (up, new) = (step == Step::Up, step != Step::Keep);
+            let (up, new) = (matches!(step, Step::Start | Step::Up), step != Step::Keep);
             let cost = if new { strategy.max_tokens as f64 } else { 0.0 };
             let Some(c) = self.clients.get_mut(&id) else {
                 continue;

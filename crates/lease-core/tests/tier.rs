@@ -420,3 +420,44 @@ fn clients_under_the_rate_get_what_they_ask_from_the_start_and_when_it_moves() {
         }
     }
 }
+
+/// Three serve instances on a new key: each has a third of the clients, none of them
+/// known at first. Each gets its part within a second or two, and then what is asked.
+/// (Each first asked for 0.8 s of the whole rate as its burst: the first held most of B,
+/// the others got no burst, so no share, and a third of the clients nothing for a second;
+/// then started two or three a renewal.)
+#[test]
+fn three_servers_start_a_new_key_together() {
+    for load in [0.3, 0.8, 1.2] {
+        let o = run(&Run {
+            servers: 3,
+            clients: 64,
+            load,
+            total_ns: 5_000 * MS,
+            kill_at_ns: None,
+            taker: false,
+            seed: 9,
+            rate: 20_000,
+            then: None,
+        });
+        let s: Vec<String> = o.series.iter().map(|x| format!("{x:.2}")).collect();
+        println!(
+            "3 servers, 64 clients, {load}x of 20 000/s, per 100 ms: {}",
+            s.join(" ")
+        );
+        assert!(o.excess <= 0.0, "{load}x: excess {}", o.excess);
+        let mean =
+            |from: usize, to: usize| o.series[from..to].iter().sum::<f64>() / (to - from) as f64;
+        let asked = load.min(1.0);
+        assert!(
+            mean(3, 20) >= asked * 0.7,
+            "{load}x: {:.2} of r from 0.3 s to 2 s",
+            mean(3, 20)
+        );
+        assert!(
+            mean(20, 50) >= asked * 0.95,
+            "{load}x: {:.2} of r from 2 s to 5 s",
+            mean(20, 50)
+        );
+    }
+}

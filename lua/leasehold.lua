@@ -111,6 +111,11 @@ local function params(args)
   return params_of(args[7], v, 0)
 end
 
+-- Whether key is a bucket key as key.rs builds it, lh:{RULE|SUBJECT}.
+local function bucket_key(key)
+  return #key <= 512 and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil
+end
+
 -- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
 -- a split part's, lh:{RULE|SUBJECT|SALT.PART}, or a region's, lh:{RULE|SUBJECT|region}.
 -- Part arguments come with a part key and only with one; a region's key takes its floor
@@ -974,7 +979,9 @@ end
 -- batch (same agent, seq and keys) is answered from it (I2). A new key is made compact,
 -- and a compact key stays so. A key that is split, or is a part, is answered "moved" and
 -- left untouched: its decisions go through lh_exact. Everything is validated, and every
--- key read, before anything is written.
+-- key read, before anything is written. A compact key none of whose costs is admitted
+-- is not written (its state read back later is the same bucket), and a hash with nothing
+-- but a level (its leases, demand and split gone) is made compact again.
 --
 -- KEYS: the dedup key, KEYS[2] .. ':b:' .. agent .. ':' .. seq (so in KEYS[2]'s slot),
 --       then the bucket keys, each once.
@@ -982,6 +989,8 @@ end
 --       2^53 - 1): seq, rules, then per rule: capacity, rate_tokens, rate_period_us,
 --       grace_us, max_outstanding; then per key: rule (1-based), count, cost x count.
 --       (struct.unpack reads them at a fraction of what tonumber costs per number.)
+--       Then, optionally, 'first': no call with this seq was sent before, so there is no
+--       dedup key to look for (an agent's retry omits it, and finds its answer there).
 -- Reply: one string of little-endian unsigned 64-bit integers: server_now_us, then per
 --        key 4 + count: status (0 decided, 1 moved), now_us - server_now_us, remaining,
 --        scale_ppm, then per cost its retry_us (0 = admitted). Lua spends as long on each
@@ -1080,6 +1089,13 @@ local function exact_one(key, p, cost, first, count, server_now, s, rt, out)
   end
   local at
   s.tok, s.car, s.ts, at = decide_cold(p, s.tok, s.car, s.ts, server_now, cost, first, count, out)
+  if s.sg == 0 and s.mx == 0 and s.out == 0 and s.ds == 0 and s.sh == 0 and s.sn == 0
+      and s.su == 0 and s.ru == 0 and s.rq == 0 and s.rr == 0 then
+    -- Nothing but a level left (never split, no record ever to drop, no share, no
+    -- term): compact again, in one SET, which replaces the hash.
+    redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, s.tok, s.car, s.ts, p.per), 'PXAT', at)
+    return
+  end
   redis.call('HSET', key, STATE, pack_state(s))
   redis.call('PEXPIREAT', key, fmt(at))
 end
@@ -1087,16 +1103,26 @@ end
 -- One compact key (v: its value), or a new one (v false): decided, then written back with
 -- its expiry in one SET. Its answer is appended to out.
 local function exact_compact(key, p, cost, first, count, server_now, v, out)
-  local tok, car, ts = p.cap, 0, server_now
+  local tok, car, ts, same = p.cap, 0, server_now, false
   if v then
     local per
     tok, car, ts, per = compact_of(key, v)
     -- Advance: a rule with another period restarts the carry.
-    if per ~= p.per then car = 0 end
+    same = per == p.per
+    if not same then car = 0 end
   end
   local now, at
   tok, car, now, at = decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
-  redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT', fmt(at))
+  -- Nothing admitted on a key that exists, in the same period: nothing to write (its
+  -- refill from ts reads the same later).
+  if same then
+    local n = #out
+    for i = n - count + 1, n do
+      if out[i] == 0 then same = false break end
+    end
+    if same then return end
+  end
+  redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT', at)
 end
 
 -- The formats of struct.unpack by count (at most UNPACK_AT a call: the Lua stack).
@@ -1164,7 +1190,7 @@ local function kept_reply(kept, seq)
 end
 
 -- The batch of agent id over its numbers (see ARGV); its reply, packed.
-local function exact_batch(keys, id, args)
+local function exact_batch(keys, id, args, first)
   local seq = num(args[1], 'seq', MAX)
   local nkeys = #keys
   local nrules = num(args[2], 'rules', nkeys)
@@ -1207,9 +1233,7 @@ local function exact_batch(keys, id, args)
     end
     total = total + count
     i = i + 2 + count
-    if #key > 512 or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then
-      fail('LH_ARG not a bucket key: ' .. clip(key))
-    end
+    if not bucket_key(key) then fail('LH_ARG not a bucket key: ' .. clip(key)) end
     if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
     seen[key] = true
   end
@@ -1220,10 +1244,12 @@ local function exact_batch(keys, id, args)
   end
   local t = redis.call('TIME')
   local server_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local kept = redis.call('GET', dkey)
-  if kept then
-    local reply = kept_reply(kept, seq)
-    if reply then return reply end
+  if not first then
+    local kept = redis.call('GET', dkey)
+    if kept then
+      local reply = kept_reply(kept, seq)
+      if reply then return reply end
+    end
   end
   -- Every key read before any is written: a compact value (GET), none (false), or a hash
   -- (GET fails; a key of any other type is refused here, and a hash whose state field is
@@ -1270,8 +1296,11 @@ end
 -- lh_exact_batch: the batch, its numbers packed, its reply packed (what agents send).
 local function exact_packed(keys, args)
   local id = batch_agent(args)
-  if args[3] ~= nil then fail('LH_ARG ' .. fmt(#args - 2) .. ' arguments left over') end
-  return exact_batch(keys, id, packed(args[2]))
+  local first = args[3] == 'first'
+  if (args[3] ~= nil and not first) or args[4] ~= nil then
+    fail('LH_ARG ' .. fmt(#args - 2) .. ' arguments left over')
+  end
+  return exact_batch(keys, id, packed(args[2]), first)
 end
 
 -- The operations by their number in lh_call, each with its own arguments' names and bounds.

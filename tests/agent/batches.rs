@@ -141,7 +141,7 @@ fn cold_batches_on_a_cluster() {
                 })
                 .collect();
             let out = st
-                .exact_many(AgentId(0xC1), seq, &items)
+                .exact_many(AgentId(0xC1), seq, &items, true)
                 .await
                 .unwrap_or_else(|e| panic!("batch of {}: {e}", items.len()));
             assert_eq!(out.len(), items.len());

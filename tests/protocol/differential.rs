@@ -161,13 +161,17 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                     .then(|| (0..rng.random_range(1..=3)).map(|_| cost(rng)).collect());
                 (p, costs, other_costs)
             };
-            let b = match (rng.random_range(0..10), &last_batch[i]) {
-                (0..3, Some(b)) => b.clone(),
+            // A batch sent again says so (it is not a first): its answer may be kept.
+            let (b, first) = match (rng.random_range(0..10), &last_batch[i]) {
+                (0..3, Some(b)) => (b.clone(), false),
                 // An older batch arriving again, as it was sent: its own dedup key (if
                 // still there) answers it, else it is decided like a new one.
                 (3, Some(_)) if sent[i].len() > 1 => {
                     batches.older += 1;
-                    sent[i][rng.random_range(0..sent[i].len() - 1)].clone()
+                    (
+                        sent[i][rng.random_range(0..sent[i].len() - 1)].clone(),
+                        false,
+                    )
                 }
                 _ => {
                     let (p, costs, other_costs) = fresh(rng);
@@ -179,7 +183,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                         other_costs,
                     };
                     sent[i].push(b.clone());
-                    b
+                    (b, true)
                 }
             };
             let ctx = format!("in case {} step {step}: exact batch {b:?}", case.name);
@@ -192,6 +196,7 @@ async fn run_case(server: &RedisServer, case: &Case, rng: &mut StdRng) {
                 &st,
                 agents[i],
                 &b,
+                first,
                 logs.entry((i, b.seq)).or_default(),
                 &mut keys,
                 &mut last_now,
@@ -317,6 +322,7 @@ async fn exact_batch(
     st: &leasehold_agent::RedisStore,
     agent: AgentId,
     b: &Batch,
+    first: bool,
     log: &mut BatchLog,
     keys: &mut [(&BucketKey, &mut GlobalBucket, &Vec<u64>)],
     last_now: &mut u64,
@@ -332,7 +338,7 @@ async fn exact_batch(
         })
         .collect();
     let outs = st
-        .exact_many(agent, b.seq, &items)
+        .exact_many(agent, b.seq, &items, first)
         .await
         .unwrap_or_else(|e| panic!("store error {e} {ctx}"));
     counts.calls += 1;

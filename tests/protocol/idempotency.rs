@@ -168,7 +168,7 @@ fn i2_retried_exact_batch_after_lost_reply_debits_once() {
             .collect();
         let agent = AgentId(0xB47C);
         proxy.set(Fault::DropReplies);
-        let lost = st.exact_many(agent, 9, &items).await;
+        let lost = st.exact_many(agent, 9, &items, true).await;
         assert!(
             matches!(&lost, Err(e) if e.is_retryable()),
             "the reply was swallowed, yet the call returned {lost:?}"
@@ -182,7 +182,7 @@ fn i2_retried_exact_batch_after_lost_reply_debits_once() {
         proxy.set(Fault::Pass);
         let mut answer = None;
         for _ in 0..50 {
-            match st.exact_many(agent, 9, &items).await {
+            match st.exact_many(agent, 9, &items, false).await {
                 Ok(a) => {
                     answer = Some(a);
                     break;
@@ -207,7 +207,7 @@ fn i2_retried_exact_batch_after_lost_reply_debits_once() {
             );
         }
         // Sent again later (another lost reply): still the same answer, nothing debited.
-        let again = st.exact_many(agent, 9, &items).await.expect("again");
+        let again = st.exact_many(agent, 9, &items, false).await.expect("again");
         assert_eq!(again, answer);
         let after_again: Vec<_> = keys.iter().map(|k| hash(&server, k.as_str())).collect();
         assert_eq!(after_again, after_first, "a replay changed a bucket");

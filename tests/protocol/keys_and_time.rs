@@ -237,14 +237,14 @@ fn i7_each_call_touches_exactly_its_own_key() {
         );
     }
     let batch = LIBRARY
-        .split("local function exact_batch(keys, id, args)")
+        .split("local function exact_batch(keys, id, args, first)")
         .nth(1)
         .and_then(|body| body.split("\nend\n").next())
         .expect("exact_batch");
-    assert!(
-        batch
-            .contains("if #key > 512 or string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') == nil then")
-    );
+    assert!(batch.contains("if not bucket_key(key) then fail("));
+    assert!(LIBRARY.contains(
+        "  return #key <= 512 and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil\n"
+    ));
     let check = "if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then";
     assert!(batch.contains(check));
     assert!(

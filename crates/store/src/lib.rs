@@ -82,9 +82,10 @@ impl Store {
         agent: AgentId,
         seq: u64,
         items: &[ExactItem<'_>],
+        first: bool,
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         match self {
-            Self::Redis(s) => s.exact_many(agent, seq, items).await,
+            Self::Redis(s) => s.exact_many(agent, seq, items, first).await,
             Self::Embedded(s) => s.exact_many(agent, seq, items),
         }
     }

@@ -456,7 +456,14 @@ pub struct ExactItem<'a> {
 /// little-endian unsigned 64-bit integers ([`pack_numbers`]): seq, the distinct rule
 /// parameters (capacity, rate tokens, rate period µs, grace µs, max outstanding), then
 /// per key its rule's index (from 1), its number of costs and the costs. Every key once.
-pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec<Vec<u8>> {
+/// Then, on a `first` attempt (no call with this `seq` was sent before), `first`: the
+/// function has no dedup key to look for.
+pub fn exact_many_args(
+    agent: AgentId,
+    seq: u64,
+    items: &[ExactItem<'_>],
+    first: bool,
+) -> Vec<Vec<u8>> {
     let mut rules: Vec<&BucketParams> = Vec::new();
     let mut index = Vec::with_capacity(items.len());
     for it in items {
@@ -499,7 +506,11 @@ pub fn exact_many_args(agent: AgentId, seq: u64, items: &[ExactItem<'_>]) -> Vec
             num(c);
         }
     }
-    vec![agent.to_string().into_bytes(), pack_numbers(&numbers)]
+    let mut args = vec![agent.to_string().into_bytes(), pack_numbers(&numbers)];
+    if first {
+        args.push(b"first".to_vec());
+    }
+    args
 }
 
 /// Integers as `lh_exact_batch` reads its numbers: little-endian, 8 bytes each.

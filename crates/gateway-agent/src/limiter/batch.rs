@@ -272,7 +272,7 @@ impl Limiter {
         let mut attempt = 0;
         loop {
             first.entry.counters.incr(Counter::StoreCalls);
-            let call = self.inner.store.exact_many(self.inner.agent, seq, &calls);
+            let call = (self.inner.store).exact_many(self.inner.agent, seq, &calls, attempt == 0);
             let Ok(reply) = timeout_at(deadline, call).await else {
                 drop(permit);
                 return None;

@@ -114,11 +114,20 @@ impl GlobalBucket {
         {
             return Ok(ExactOutcome::Moved);
         }
-        // A new key is stored compact; a compact key stays so, a hash stays a hash.
-        let mut s = self.state.take().unwrap_or_else(|| BucketState {
+        // A new key is stored compact; a compact key stays so; a hash with nothing but a
+        // level (no record, demand, share, split or term, never split) is made compact
+        // again; any other hash stays a hash.
+        let stored = self.state.take();
+        let unchanged = stored.clone();
+        let mut s = stored.unwrap_or_else(|| BucketState {
             compact: true,
             ..BucketState::fresh(p, server_now_us)
         });
+        let was_compact = unchanged.as_ref().is_some_and(|u| u.compact);
+        let same_period = s.period_us == super::state::carry_period(p);
+        if !s.compact && same_period && s.only_a_level() {
+            s.compact = true;
+        }
         let now = server_now_us.max(s.updated_us);
         s.advance(p, now);
         // Agents lease this key: say so, with their proportional scale (at least 1).
@@ -127,7 +136,7 @@ impl GlobalBucket {
         } else {
             0
         };
-        let retry_us = costs
+        let retry_us: Vec<u64> = costs
             .iter()
             .map(|&cost| {
                 if s.level.tokens >= cost {
@@ -145,13 +154,21 @@ impl GlobalBucket {
         // record does, a grace after the call (a key used again soon is not made again).
         let busy = s.last_drop_us.max(now + p.grace_us);
         s.expire_at_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
+        let nothing_admitted = retry_us.iter().all(|&r| r > 0);
         let reply = ExactReply {
             now_us: now,
             remaining: s.level.tokens,
             scale_ppm,
             retry_us,
         };
-        self.state = Some(s);
+        // A compact key that existed, in the same period, none of whose costs was
+        // admitted, is not written: it keeps what it held (its refill from there reads
+        // the same later).
+        self.state = if was_compact && same_period && nothing_admitted {
+            unchanged
+        } else {
+            Some(s)
+        };
         Ok(ExactOutcome::Decided(reply))
     }
 }

@@ -138,6 +138,27 @@ pub(super) fn carry_period(p: &BucketParams) -> u64 {
 }
 
 impl BucketState {
+    /// Whether the hash holds nothing but a level: no record (none ever to drop), demand,
+    /// share, split (nor ever one), part or region term. An exact batch stores such a
+    /// bucket compact again (the Lua's `exact_one`).
+    pub(super) fn only_a_level(&self) -> bool {
+        self.agents.is_empty()
+            && self.next_drop_us == 0
+            && self.last_drop_us == 0
+            && self.outstanding == 0
+            && self.demand_sum == 0
+            && self.next_stale_us == 0
+            && self.split.is_none()
+            && self.last_split_us == 0
+            && self.part.is_none()
+            && self.shared == 0
+            && self.share_records == 0
+            && self.share_unit == 0
+            && self.term_until_us == 0
+            && self.deposit_seq == 0
+            && self.region_rate_milli == 0
+    }
+
     /// A key that does not exist: a full bucket.
     /// A region's bucket starts empty: its tokens come from deposits.
     pub(super) fn fresh(p: &BucketParams, now_us: u64) -> Self {

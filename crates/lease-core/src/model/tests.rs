@@ -486,3 +486,40 @@ fn a_region_bucket_is_never_split_or_batched_and_deposits_need_one() {
             .is_err()
     );
 }
+
+#[test]
+fn an_exact_batch_writes_nothing_it_did_not_change_and_compacts_a_hash_left_a_level() {
+    let p = params(10, "1/s");
+    let mut b = GlobalBucket::new();
+    // A new key: compact, 9 left.
+    decided(b.exact_many(&p, T0, &[1]).unwrap());
+    assert!(b.state().unwrap().compact);
+    decided(b.exact_many(&p, T0 + 1, &[9]).unwrap());
+    let empty = b.clone();
+    // Nothing admitted: the key keeps what it held, its time and expiry too.
+    let r = decided(b.exact_many(&p, T0 + 500_000, &[1, 2]).unwrap());
+    assert!(r.retry_us.iter().all(|&w| w > 0), "{r:?}");
+    assert_eq!(b, empty);
+    // A lease makes it a hash; once its record has dropped, a batch makes it compact.
+    let acquire = Request {
+        agent: AgentId(1),
+        seq: 1,
+        op: Op::Acquire {
+            held: 0,
+            want: 1,
+            min: 1,
+            demand: 0,
+        },
+    };
+    b.apply(&p, T0 + 2_000_000, &acquire).unwrap();
+    assert!(!b.state().unwrap().compact);
+    // Within the record's life, still a hash.
+    decided(b.exact_many(&p, T0 + 2_000_001, &[1]).unwrap());
+    assert!(!b.state().unwrap().compact);
+    // Long after (the record dropped, a later batch found no record left).
+    let later = T0 + 2_000_000 + p.lease_ttl_us + p.grace_us + 1;
+    decided(b.exact_many(&p, later, &[1]).unwrap());
+    decided(b.exact_many(&p, later + 1, &[1]).unwrap());
+    let s = b.state().unwrap();
+    assert!(s.compact && s.agents.is_empty(), "{s:?}");
+}

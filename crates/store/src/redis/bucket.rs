@@ -142,23 +142,27 @@ impl RedisStore {
     /// within the call timeout: one outcome per item. The keys should lie on one node (a
     /// single Redis, or one cluster primary); should the cluster refuse the batch (a slot
     /// moved), it is sent again per slot (each group with its own dedup key). A retry of
-    /// the same items with the same `seq` replays (I2).
+    /// the same items with the same `seq` replays (I2); `first` says no call with this
+    /// `seq` went out before (the function then does not look for a dedup key: a caller
+    /// that says so of a retry could be debited twice).
     pub async fn exact_many(
         &self,
         agent: AgentId,
         seq: u64,
         items: &[ExactItem<'_>],
+        first: bool,
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         validate_batch(seq, items)?;
         self.not_refused()?;
         let limit = self.config.call_timeout;
         tokio::time::timeout(limit, async {
-            match self.exact_many_once(agent, seq, items).await {
+            match self.exact_many_once(agent, seq, items, first).await {
                 Err(StoreError::Server { code, .. })
                     if matches!(self.link.conn.get(), Some(Conn::Cluster(_)))
                         && matches!(code.as_str(), "MOVED" | "ASK" | "CROSSSLOT" | "TRYAGAIN") =>
                 {
-                    self.exact_many_by_slot(agent, seq, items).await
+                    // Refused whole, so not applied: each group's first call is a first.
+                    self.exact_many_by_slot(agent, seq, items, first).await
                 }
                 other => other,
             }
@@ -172,6 +176,7 @@ impl RedisStore {
         agent: AgentId,
         seq: u64,
         items: &[ExactItem<'_>],
+        first: bool,
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg("lh_exact_batch")
@@ -180,7 +185,7 @@ impl RedisStore {
         for it in items {
             cmd.arg(it.key.as_str());
         }
-        cmd.arg(wire::exact_many_args(agent, seq, items));
+        cmd.arg(wire::exact_many_args(agent, seq, items, first));
         let v = self.query_loaded(&cmd).await?;
         let nums = match &v {
             Value::BulkString(b) => wire::unpack_numbers(b),
@@ -202,6 +207,7 @@ impl RedisStore {
         agent: AgentId,
         seq: u64,
         items: &[ExactItem<'_>],
+        first: bool,
     ) -> Result<Vec<ExactOutcome>, StoreError> {
         let mut slots: Vec<(u16, Vec<usize>)> = Vec::new();
         for (i, it) in items.iter().enumerate() {
@@ -216,7 +222,7 @@ impl RedisStore {
             let group: Vec<ExactItem<'_>> = idx.iter().map(|&i| items[i]).collect();
             for (&i, o) in idx
                 .iter()
-                .zip(self.exact_many_once(agent, seq, &group).await?)
+                .zip(self.exact_many_once(agent, seq, &group, first).await?)
             {
                 out[i] = Some(o);
             }

@@ -974,6 +974,7 @@ fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
         let (status, _, body) = post(serving.http, "/v1/check", &check("closed")).await;
         assert_eq!(status, 503, "{body}");
         assert!(body.contains(r#""overall_code":"UNAVAILABLE""#), "{body}");
+        assert!(body.contains(r#""code":"UNAVAILABLE""#), "{body}");
         let (status, _, body) = post(serving.http, "/v1/check", &check("open")).await;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains(r#""overall_code":"OK""#), "{body}");

@@ -399,17 +399,25 @@ impl Domains {
             }
             None => Node::default(),
         };
-        self.load(&mut node, shown, &root.domain, &root.descriptors)?;
+        self.load(
+            &mut node,
+            shown,
+            &root.domain,
+            &root.descriptors,
+            &mut Vec::new(),
+        )?;
         self.domains.insert(root.domain, node);
         Ok(())
     }
 
+    /// Loads `descriptors` under `parent`, whose path has the descriptor keys `above`.
     fn load(
         &mut self,
         into: &mut Node,
         shown: &str,
         parent: &str,
         descriptors: &[YamlDescriptor],
+        above: &mut Vec<String>,
     ) -> Result<(), ConfigError> {
         for d in descriptors {
             let bad = |descriptor: &str, why: String| ConfigError::Descriptor {
@@ -458,6 +466,7 @@ impl Domains {
                     "share_threshold applies only to a value with a * wildcard".into(),
                 ));
             }
+            above.push(d.key.clone());
             let limit = match &d.rate_limit {
                 Some(rl) => Some(self.limit(shown, &full, d, rl)?),
                 None => {
@@ -479,7 +488,23 @@ impl Domains {
                 share_threshold: d.share_threshold,
                 ..Node::default()
             };
-            self.load(&mut node, shown, &full, &d.descriptors)?;
+            // A subject names keys of the request's entries for this descriptor: its own
+            // and those above it (another would match no entry, and every value of the
+            // descriptor would share one bucket).
+            if let Some(keys) = node.limit.as_ref().and_then(|l| l.subject_keys.as_ref())
+                && let Some(k) = keys.iter().find(|k| !above.contains(k))
+            {
+                return Err(bad(
+                    &full,
+                    format!(
+                        "leasehold.subject names {k:?}, which is not a key of this descriptor \
+                         or those above it ({})",
+                        above.join(", ")
+                    ),
+                ));
+            }
+            self.load(&mut node, shown, &full, &d.descriptors, above)?;
+            above.pop();
             into.children.insert(final_key, node);
         }
         Ok(())
@@ -985,6 +1010,13 @@ descriptors:
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n    leasehold: {on_failure: maybe}\n").unwrap_err();
         assert!(
             e.contains("descriptor d.a") && e.contains("on_failure"),
+            "{e}"
+        );
+        // A subject key the descriptor does not have would put every value in one bucket.
+        let e = load("domain: d\ndescriptors:\n  - key: route\n    descriptors:\n      - key: api_key\n        rate_limit: {unit: second, requests_per_unit: 5}\n        leasehold: {subject: [tenant]}\n").unwrap_err();
+        assert!(
+            e.contains("descriptor d.route.api_key")
+                && e.contains("\"tenant\", which is not a key of this descriptor or those above it (route, api_key)"),
             "{e}"
         );
     }

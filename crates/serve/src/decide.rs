@@ -41,6 +41,9 @@ pub struct Options {
 pub struct Status {
     /// Over the limit (not in shadow mode). In quota mode the request may still be OK.
     pub over_limit: bool,
+    /// Refused because its store could not be reached and its rule fails closed (then
+    /// `over_limit` too: over gRPC the only refusal is OVER_LIMIT).
+    pub unavailable: bool,
     /// The limit applied, if any: requests per unit, unit, name.
     pub limit: Option<(u32, Unit, Option<String>)>,
     /// What is left: `u32::MAX` for an unlimited descriptor; 0 where no limit applies
@@ -226,6 +229,7 @@ impl Decider {
             metrics::counter!("leasehold_serve_unknown_domain_total").increment(1);
             let ok = Status {
                 over_limit: false,
+                unavailable: false,
                 limit: None,
                 remaining: 0,
                 reset: None,
@@ -265,6 +269,7 @@ impl Decider {
             .enumerate()
             .map(|(i, m)| Status {
                 over_limit: false,
+                unavailable: false,
                 limit: m.as_ref().filter(|_| counted(i)).and_then(|m| {
                     Some((
                         m.limit.requests_per_unit,
@@ -351,6 +356,7 @@ impl Decider {
                 Decision::Denied { retry_after } => over(s, shadow, Some(retry_after)),
                 Decision::Unavailable { retry_after } => {
                     unavailable = true;
+                    s.unavailable = true;
                     s.metered = false;
                     over(s, shadow, Some(retry_after));
                 }
@@ -411,8 +417,9 @@ impl Decider {
             if let Decision::Denied { retry_after } | Decision::Unavailable { retry_after } = d {
                 s.reset = Some(retry_after);
             }
-            unavailable |= matches!(d, Decision::Unavailable { .. });
-            s.metered = !matches!(d, Decision::Unavailable { .. });
+            s.unavailable = matches!(d, Decision::Unavailable { .. });
+            unavailable |= s.unavailable;
+            s.metered = !s.unavailable;
             if !quota(i) {
                 break;
             }

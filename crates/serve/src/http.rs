@@ -9,7 +9,7 @@
 //!   200 when OK, 429 when over the limit (with `Retry-After`, unless more hits were asked
 //!   than the limit holds: no wait helps), 503 when the store is unreachable and a limit
 //!   fails closed; the body has `overall_code` (`OK`, `OVER_LIMIT`, or `UNAVAILABLE`
-//!   with the 503) and per descriptor `code`,
+//!   with the 503) and per descriptor `code` (the same three),
 //!   `current_limit`, `limit_remaining`, `duration_until_reset_ms`; the headers are the
 //!   gRPC answer's.
 //! - `GET /v1/auth?domain=D&descriptor=K1,K2=V2` for nginx `auth_request` (one
@@ -240,7 +240,13 @@ async fn check_descriptors(api: &Api, body: RlsBody) -> Response {
         .iter()
         .map(|s| {
             let mut o = serde_json::json!({
-                "code": if s.over_limit { "OVER_LIMIT" } else { "OK" },
+                "code": if s.unavailable {
+                    "UNAVAILABLE"
+                } else if s.over_limit {
+                    "OVER_LIMIT"
+                } else {
+                    "OK"
+                },
                 "limit_remaining": s.remaining,
             });
             if let Some((rpu, unit, name)) = &s.limit {

@@ -57,3 +57,47 @@ fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
         assert_eq!(field(&server, key, "sn"), 0, "shares given up when idle");
     });
 }
+
+/// What a rate lease's admissions report as remaining (the quota headers, serve's
+/// `limit_remaining`): what the agent can still admit, falling with each admission. (It
+/// read the rate reply's burst as the bucket's level: 4, 3, 2, then 5, 5 with a reset of 0,
+/// then a refusal.)
+#[test]
+fn a_rate_lease_reports_what_it_has_left() {
+    let server = server();
+    support::runtime().block_on(async {
+        let rules = "[rules.rl]\ncapacity = 5\nrate = \"5/s\"\nleasing = \"rate\"\nterm = \"2s\"\n";
+        let l = support::limiter(&server.url(), rules).await;
+        let check = [leasehold_agent::Check::new(&"rl".into(), "k1", 1)];
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            let mut each = Vec::new();
+            let (d, _) = l.check_all_each(&check, &mut each).await.unwrap();
+            seen.push(d);
+            // 20 a second against 5: the lease comes in after a few exact calls.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            seen.iter().any(|d| matches!(
+                d,
+                leasehold_agent::Decision::Allowed {
+                    via: leasehold_agent::Admission::Lease,
+                    ..
+                }
+            )),
+            "no admission from the lease: {seen:?}"
+        );
+        // Each admission takes one and at most one comes back between two (one per 200
+        // ms): what is said to be left never rises, and a refusal follows nothing left.
+        let mut last = u64::MAX;
+        for d in &seen {
+            match *d {
+                leasehold_agent::Decision::Allowed { remaining, .. } => {
+                    assert!(remaining <= last, "{seen:?}");
+                    last = remaining;
+                }
+                _ => assert!(last <= 1, "refused with {last} said to be left: {seen:?}"),
+            }
+        }
+    });
+}

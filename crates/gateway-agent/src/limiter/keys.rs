@@ -177,9 +177,14 @@ impl KeyState {
     /// at the rule's rate, at most its capacity, plus what the agent's seat of the key
     /// holds when the rule has a local share. (Other agents' leases are not seen: on a
     /// key many agents lease, the bucket's own level is low while their leases hold
-    /// tokens.)
+    /// tokens.) A rate lease's key: what its cell holds (its store replies name its
+    /// burst, not the bucket's level, and the rule's rate is shared).
     pub(super) fn quota_left(&self, now: u64) -> u64 {
-        let BucketParams { capacity, rate, .. } = self.entry.load().params;
+        let entry = self.entry.load();
+        if entry.rule.leasing() == leasehold_core::rule::Leasing::Rate {
+            return self.hot().lease.held().min(entry.params.capacity) + self.seat_level(now);
+        }
+        let BucketParams { capacity, rate, .. } = entry.params;
         // A reply being installed takes a few instructions; a reader that keeps meeting
         // one (its writer preempted) takes the figure as it reads it.
         let mut tries = 0;

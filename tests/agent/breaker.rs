@@ -112,3 +112,37 @@ fn a_cancelled_probe_does_not_keep_the_breaker_open() {
         println!("probe cancelled, store healed: admitted again after {took:?}");
     });
 }
+
+/// A store killed outright refuses connections at once: every decision, the breaker's
+/// probes included, is answered by the failure policy at once rather than after the
+/// rule's timeout. (Each probe waited out the connection manager's reconnect backoff,
+/// 0.3-0.4 s here and the whole timeout in serve, 50 ms: past Envoy's 20 ms, which then
+/// failed the request open despite fail_closed.)
+#[test]
+fn with_the_store_killed_probes_answer_at_once() {
+    let mut server = crate::support::server();
+    crate::support::runtime().block_on(async {
+        let rules =
+            "[rules.ex]\ncapacity = 5\nrate = \"5/s\"\nleasing = \"exact\"\ntimeout = \"1s\"\n";
+        let l = crate::support::limiter(&server.url(), rules).await;
+        let rule = l.rule("ex").unwrap();
+        l.check(&rule, "k", 1).await.unwrap();
+        server.kill();
+        // 2 s of decisions, 20 a second: four probes or so (the breaker's cooldown).
+        let mut slow = Vec::new();
+        for i in 0..40 {
+            let t = std::time::Instant::now();
+            let d = l.check(&rule, format!("k{i}"), 1).await.unwrap();
+            assert!(
+                matches!(d, leasehold_agent::Decision::Unavailable { .. }),
+                "{d:?}"
+            );
+            if t.elapsed() > std::time::Duration::from_millis(150) {
+                slow.push(t.elapsed());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        // One slow answer allowed for a busy machine; every probe was slow before.
+        assert!(slow.len() <= 1, "answers slower than 150 ms: {slow:?}");
+    });
+}

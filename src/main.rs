@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use leasehold::core::rule::{FailurePolicy, Leasing, Mode};
+use leasehold::core::rule::Leasing;
 
 #[derive(Parser)]
 #[command(
@@ -369,61 +369,21 @@ fn usage(message: &str) -> ExitCode {
 }
 
 fn print_rule(label: &str, r: &leasehold::core::Rule) {
-    let mode = match r.mode() {
-        Mode::Strict => "strict".to_owned(),
-        Mode::Relaxed { max_outstanding } => format!("relaxed/{max_outstanding}"),
-    };
-    let failure = match r.failure_policy() {
-        FailurePolicy::FailOpen => "fail_open".to_owned(),
-        FailurePolicy::FailClosed => "fail_closed (503)".to_owned(),
-        FailurePolicy::LocalEmergency { rate: Some(rate) } => {
-            format!("local_emergency at {rate}")
-        }
-        FailurePolicy::LocalEmergency { rate: None } => "local_emergency (last share)".to_owned(),
-    };
-    // A rate lease's term is its lease ttl (the longest: shorter while few agents share
-    // the key); `lease_max` does nothing for it.
-    let (lease_max, ttl) = match r.leasing() {
-        Leasing::Rate => ("-".to_owned(), format!("<= {:?}", r.lease_ttl())),
-        _ => (r.lease_max().to_string(), format!("{:?}", r.lease_ttl())),
-    };
-    // Tokens a second while that reads well; a slow rate as written ("1/1h", not 0.000).
-    let per_sec = r.rate().per_sec_f64();
-    let rate = if per_sec >= 0.01 {
-        format!("{per_sec:.3}/s")
-    } else {
-        r.rate().to_string()
-    };
-    let leasing = match r.leasing() {
-        Leasing::Auto => "auto",
-        Leasing::Lease => "lease",
-        Leasing::Exact => "exact",
-        Leasing::Rate => "rate",
-    };
+    let s = leasehold::store::rules::RuleSummary::of(label, r);
     println!(
         "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  {}",
-        label,
-        r.capacity(),
-        rate,
-        lease_max,
-        leasing,
-        ttl,
-        mode,
-        if r.shadow() { "yes" } else { "no" },
-        failure
+        s.name,
+        s.capacity,
+        s.rate,
+        s.lease_max,
+        s.leasing,
+        s.ttl,
+        s.mode,
+        if s.shadow { "yes" } else { "no" },
+        s.on_failure
     );
-    if let Some(l) = r.local() {
-        let g = r.global_part();
-        println!(
-            "{:<36} local share {}%: {} seats of {} tokens at {:.3}/s; the store keeps {} at {:.3}/s",
-            "",
-            l.percent,
-            l.agents,
-            l.capacity,
-            l.rate.per_sec_f64(),
-            g.capacity(),
-            g.rate().per_sec_f64()
-        );
+    if let Some(local) = s.local {
+        println!("{:<36} {local}", "");
     }
 }
 

@@ -9,5 +9,6 @@ mod support;
 mod agent_metrics;
 mod chaos_smoke;
 mod cli;
+mod operator_page;
 mod ops_binaries;
 mod simulate_smoke;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use leasehold_redis_harness::RedisServer;
 
 /// A binary run as a process, its output in files; killed on drop.
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
     out: PathBuf,
     err: PathBuf,
@@ -19,7 +19,7 @@ struct Proc {
 }
 
 impl Proc {
-    fn start(exe: &Path, args: &[&str]) -> Self {
+    pub(crate) fn start(exe: &Path, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
         let child = Command::new(exe)
@@ -39,7 +39,7 @@ impl Proc {
     }
 
     /// The address printed after `prefix` on stdout, once it is (the process is up).
-    fn address(&mut self, prefix: &str) -> SocketAddr {
+    pub(crate) fn address(&mut self, prefix: &str) -> SocketAddr {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let out = std::fs::read_to_string(&self.out).unwrap_or_default();
@@ -58,7 +58,7 @@ impl Proc {
         }
     }
 
-    fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         std::fs::read_to_string(&self.err).unwrap_or_default()
     }
 
@@ -75,7 +75,7 @@ impl Proc {
         }
     }
 
-    fn running(&mut self) -> bool {
+    pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 }
@@ -89,7 +89,7 @@ impl Drop for Proc {
 
 /// The `leasehold` binary and the example gateway (cargo test builds the examples beside
 /// the binaries).
-fn binaries() -> (PathBuf, PathBuf) {
+pub(crate) fn binaries() -> (PathBuf, PathBuf) {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_leasehold"));
     let gateway = exe
         .parent()
@@ -105,7 +105,13 @@ fn binaries() -> (PathBuf, PathBuf) {
 }
 
 /// One HTTP/1.1 request: the status and the body.
-fn http(addr: SocketAddr, method: &str, path: &str, headers: &[&str], body: &str) -> (u16, String) {
+pub(crate) fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &str,
+) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
@@ -127,7 +133,7 @@ fn http(addr: SocketAddr, method: &str, path: &str, headers: &[&str], body: &str
     (status, body)
 }
 
-fn wait_ready(addr: SocketAddr, what: &str) {
+pub(crate) fn wait_ready(addr: SocketAddr, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (status, body) = http(addr, "GET", "/ready", &[], "");

@@ -75,6 +75,24 @@ pub struct KeyStats {
     pub overshoot: f64,
     /// The largest overshoot seen since the coordinator started.
     pub worst_overshoot: f64,
+    /// The last settled second: tokens admitted, the bound `B + r` they are held to,
+    /// and the overshoot against it (0 within).
+    pub window_1s: Window,
+    /// The last ten settled seconds, as `window_1s` (`B + 10 r`).
+    pub window_10s: Window,
+}
+
+/// Admissions over a window of whole seconds against the bound of one bucket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Window {
+    /// Seconds covered (fewer than asked while the key is new to the coordinator).
+    pub secs: u64,
+    /// Tokens admitted in it.
+    pub admitted: u64,
+    /// `B + r*W`.
+    pub bound: f64,
+    /// `(admitted - bound - slack) / bound`, floored at 0 (see [`SLACK_SECS`]).
+    pub overshoot: f64,
 }
 
 /// Capacity and rate of a key, for its bound.
@@ -187,6 +205,19 @@ impl Ledger {
             }
         }
         k.worst = k.worst.max(overshoot);
+        let slack = bound.rate_per_sec * SLACK_SECS;
+        let window = |w: u64| {
+            // The settled seconds since the key's first admissions (none yet: 0).
+            let secs = w.min((settled + 1).saturating_sub(first));
+            let admitted: u64 = (0..secs).map(|i| at(&k.admitted, settled - i)).sum();
+            let limit = bound.capacity as f64 + bound.rate_per_sec * secs as f64;
+            Window {
+                secs,
+                admitted,
+                bound: limit,
+                overshoot: ((admitted as f64 - limit - slack) / limit).max(0.0),
+            }
+        };
         let calls: u64 = (0..3)
             .map(|i| at(&k.calls, settled.saturating_sub(i)))
             .sum();
@@ -200,6 +231,8 @@ impl Ledger {
             held: k.held.values().sum(),
             overshoot,
             worst_overshoot: k.worst,
+            window_1s: window(1),
+            window_10s: window(MAX_WINDOW),
         })
     }
 }
@@ -212,7 +245,7 @@ mod tests {
     fn report(at_ms: u64, admitted: u64, calls: u64) -> Report {
         let mut r = Report {
             at_ms,
-            keys: HashMap::new(),
+            ..Report::default()
         };
         r.keys.insert(
             "k".into(),
@@ -252,6 +285,19 @@ mod tests {
             (st.overshoot - (600.0 - 355.0) / 350.0).abs() < 1e-9,
             "{st:?}"
         );
+        // The current windows: the last second (120 against 150) and the five seconds
+        // there are (600 against 350).
+        assert_eq!(
+            (
+                st.window_1s.secs,
+                st.window_1s.admitted,
+                st.window_1s.overshoot
+            ),
+            (1, 120, 0.0)
+        );
+        assert_eq!((st.window_10s.secs, st.window_10s.admitted), (5, 600));
+        assert_eq!(st.window_10s.bound, 350.0);
+        assert!((st.window_10s.overshoot - st.overshoot).abs() < 1e-9);
     }
 
     #[test]

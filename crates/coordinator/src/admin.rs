@@ -1,7 +1,15 @@
-//! The admin endpoint: `GET /health`, `GET /metrics` (Prometheus), `GET /keys` (the
-//! keys agents report, hottest first, with their accounting and split state) and
-//! `GET /keys/{rule}/{subject}` (the JSON [`KeyView`](crate::KeyView) of one bucket).
-//! It only reads, so any number of coordinators can serve it.
+//! The admin endpoint: `GET /` (the live page: `page.html`, which reads the two `/api`
+//! routes every second), `GET /api/overview` (rules, the hottest keys with their bound,
+//! gateways, store and region), `GET /api/key?k=KEY` (one bucket by its Redis key, with
+//! each gateway's share), `GET /health`, `GET /ready`, `GET /metrics` (Prometheus),
+//! `GET /keys` (the keys agents report, by store calls, with their accounting and split
+//! state) and `GET /keys/{rule}/{subject}` (the JSON [`KeyView`](crate::KeyView) of one
+//! bucket). It only reads, so any number of coordinators can serve it.
+//!
+//! With a token ([`Admin::with_token`]), every route but `/`, `/health`, `/ready` and
+//! `/metrics` wants `Authorization: Bearer TOKEN`; the page itself holds no data, and
+//! takes the token from its address's fragment (`/#token=TOKEN`, which browsers do not
+//! send to the server).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -30,6 +38,8 @@ pub struct Admin {
     rules: Arc<ArcSwap<Rules>>,
     prometheus: Option<PrometheusHandle>,
     snapshot: Option<Shared>,
+    region: Option<Arc<crate::broker::Broker>>,
+    token: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -50,7 +60,21 @@ impl Admin {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             prometheus: None,
             snapshot: None,
+            region: None,
+            token: None,
         }
+    }
+
+    /// Also shows what this region's broker holds.
+    pub fn with_broker(mut self, broker: Option<Arc<crate::broker::Broker>>) -> Self {
+        self.region = broker;
+        self
+    }
+
+    /// Wants `Authorization: Bearer TOKEN` on the routes that show keys and rules.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token.filter(|t| !t.is_empty()).map(Arc::from);
+        self
     }
 
     /// Reads the rules from `rules` (a coordinator's, which reloads them) instead.
@@ -73,12 +97,21 @@ impl Admin {
 
     /// The routes.
     pub fn router(self) -> Router {
+        let guarded = Router::new()
+            .route("/api/overview", get(overview))
+            .route("/api/key", get(one_key))
+            .route("/keys", get(keys))
+            .route("/keys/{rule}/{subject}", get(key))
+            .route_layer(axum::middleware::from_fn_with_state(
+                self.token.clone(),
+                bearer,
+            ));
         Router::new()
+            .route("/", get(page))
             .route("/health", get(health))
             .route("/ready", get(ready))
             .route("/metrics", get(metrics_text))
-            .route("/keys", get(keys))
-            .route("/keys/{rule}/{subject}", get(key))
+            .merge(guarded)
             .with_state(self)
     }
 }
@@ -92,6 +125,180 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let limits = leasehold_net::Limits::default().max_connections(256);
     leasehold_net::serve("admin", listener, admin.router(), limits, shutdown).await
+}
+
+/// The live page: no data of its own, no external assets.
+const PAGE: &str = include_str!("page.html");
+
+async fn page() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (axum::http::header::CACHE_CONTROL, "no-store"),
+        ],
+        PAGE,
+    )
+        .into_response()
+}
+
+/// Lets a request through when no token is set or it carries `Bearer TOKEN`.
+async fn bearer(
+    State(token): State<Option<Arc<str>>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &token {
+        let given = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let ok = given.is_some_and(|g| {
+            // Compared in time independent of where they differ.
+            g.len() == token.len()
+                && g.bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0
+        });
+        if !ok {
+            let mut r = error(
+                StatusCode::UNAUTHORIZED,
+                "this endpoint wants Authorization: Bearer TOKEN (the coordinator's \
+                 --admin-token); the page takes it as /#token=TOKEN"
+                    .into(),
+            );
+            r.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+            return r;
+        }
+    }
+    next.run(request).await
+}
+
+/// The keys the overview lists, by demand.
+pub const OVERVIEW_KEYS: usize = 100;
+
+/// One key in the overview.
+#[derive(serde::Serialize)]
+struct KeyLine<'a> {
+    #[serde(flatten)]
+    status: &'a crate::KeyStatus,
+    /// Tokens a second admitted over the last settled second.
+    admitted_per_sec: f64,
+    /// Offered minus admitted, tokens a second: what was refused (an agent's demand
+    /// counts what its callers asked, admitted or not).
+    refused_per_sec: f64,
+}
+
+async fn overview(State(admin): State<Admin>) -> Response {
+    let store = match readiness(&admin).await {
+        Ok(()) => "ready".to_owned(),
+        Err(why) => format!("degraded: {why}"),
+    };
+    let rules = admin.rules.load().summaries();
+    let region = admin.region.as_ref().map(|b| {
+        let st = b.stats();
+        let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        serde_json::json!({
+            "region": b.region(),
+            "keys": b.keys(),
+            "held": b.holdings(),
+            "global_calls": n(&st.global_calls),
+            "global_failures": n(&st.global_failures),
+            "granted": n(&st.granted),
+            "deposited": n(&st.deposited),
+            "keys_refused": n(&st.keys_refused),
+        })
+    });
+    let Some(snap) = &admin.snapshot else {
+        return Json(serde_json::json!({ "store": store, "rules": rules })).into_response();
+    };
+    let snap = snap.read();
+    let mut keys: Vec<KeyLine<'_>> = snap
+        .keys
+        .values()
+        .map(|k| {
+            let w = &k.stats.window_1s;
+            let admitted = w.admitted as f64 / w.secs.max(1) as f64;
+            KeyLine {
+                status: k,
+                admitted_per_sec: admitted,
+                refused_per_sec: (k.stats.demand_per_sec - admitted).max(0.0),
+            }
+        })
+        .collect();
+    keys.sort_by(|a, b| {
+        (b.status.stats.demand_per_sec)
+            .total_cmp(&a.status.stats.demand_per_sec)
+            .then_with(|| a.status.stats.key.cmp(&b.status.stats.key))
+    });
+    let total = keys.len();
+    keys.truncate(OVERVIEW_KEYS);
+    let worst = snap
+        .keys
+        .values()
+        .map(|k| k.stats.worst_overshoot)
+        .fold(0.0, f64::max);
+    Json(serde_json::json!({
+        "at_ms": snap.at_ms,
+        "leader": snap.leader,
+        "agents": snap.agents,
+        "splits_started": snap.splits_started,
+        "worst_overshoot": worst,
+        "store": store,
+        "rules": rules,
+        "keys_total": total,
+        "keys": keys,
+        "gateways": snap.gateways,
+        "region": region,
+    }))
+    .into_response()
+}
+
+/// `GET /api/key?k=KEY`: the bucket of a Redis key as the overview lists it.
+async fn one_key(State(admin): State<Admin>, uri: Uri) -> Response {
+    let raw = uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|p| p.strip_prefix("k="))
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&percent_decoded(&raw.replace('+', " "))).into_owned();
+    let Some((key, rule)) = BucketKey::parse(&text) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "k={:?} is not a bucket's key (lh:{{RULE|SUBJECT}}, as /api/overview lists them)",
+                text.chars().take(120).collect::<String>()
+            ),
+        );
+    };
+    let found = match admin.rules.load().resolve_key(rule.as_str(), &key) {
+        Ok(r) => r.clone(),
+        Err(e) => return error(StatusCode::NOT_FOUND, e.to_string()),
+    };
+    match admin.store.bucket(&key).await {
+        Ok((fields, pttl, now)) => {
+            let mut view = key_view(&key, &found, &fields, pttl, now);
+            let mut names = serde_json::Map::new();
+            if let Some(snap) = &admin.snapshot {
+                let snap = snap.read();
+                view.accounting = snap.keys.get(key.as_str()).map(|s| s.stats.clone());
+                for a in &view.agents {
+                    if let Some(g) = snap.gateways.get(&a.id) {
+                        names.insert(a.id.clone(), serde_json::to_value(g).unwrap_or_default());
+                    }
+                }
+            }
+            let mut v = serde_json::to_value(&view).unwrap_or_default();
+            v["gateways"] = serde_json::Value::Object(names);
+            Json(v).into_response()
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
 }
 
 /// `ready` while the store answers a `PING`, else `degraded: REASON`, as serve's and the

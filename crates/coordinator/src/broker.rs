@@ -53,6 +53,20 @@ pub struct BrokerStats {
     pub keys_refused: AtomicU64,
 }
 
+/// What a region holds of one global key.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Holding {
+    /// The global key.
+    pub key: String,
+    /// Tokens the region holds from its last grant.
+    pub held: u64,
+    /// Tokens granted to the region since the broker started.
+    pub granted: u64,
+    /// The region's demand, tokens a second.
+    pub demand_per_sec: f64,
+}
+
 /// A region's broker.
 #[derive(Debug)]
 pub struct Broker {
@@ -120,6 +134,25 @@ impl Broker {
     /// Keys brokered now.
     pub fn keys(&self) -> usize {
         self.keys.lock().len()
+    }
+
+    /// What the region holds of its busiest global keys (at most 20, most held first):
+    /// per key, tokens held from the last grant and tokens granted in all.
+    pub fn holdings(&self) -> Vec<Holding> {
+        let mut v: Vec<Holding> = self
+            .totals
+            .lock()
+            .iter()
+            .map(|(k, t)| Holding {
+                key: k.clone(),
+                held: t.held,
+                granted: t.admitted,
+                demand_per_sec: t.demand_milli as f64 / 1000.0,
+            })
+            .collect();
+        v.sort_by(|a, b| b.held.cmp(&a.held).then_with(|| a.key.cmp(&b.key)));
+        v.truncate(20);
+        v
     }
 
     fn now_us(&self) -> u64 {
@@ -213,7 +246,16 @@ impl Broker {
                 reported_s = wall_ms / 1000;
                 let text = {
                     let totals = self.totals.lock();
-                    Report::encode(wall_ms, totals.iter().map(|(k, r)| (k.as_str(), *r)))
+                    let name = format!("region {} (broker)", self.region);
+                    let lines = leasehold_store::report::AgentLines {
+                        health: None,
+                        name: Some(&name),
+                    };
+                    Report::encode_with(
+                        wall_ms,
+                        lines,
+                        totals.iter().map(|(k, r)| (k.as_str(), *r)),
+                    )
                 };
                 if let Err(e) = self.global.report(self.id, wall_ms, &text).await {
                     tracing::debug!(error = %e, "report to the global store failed");

@@ -24,6 +24,11 @@ pub struct Args {
     /// Where to serve the admin endpoint (keep it on loopback unless fronted).
     #[arg(long, default_value = "127.0.0.1:9470", env = "LEASEHOLD_LISTEN")]
     pub listen: std::net::SocketAddr,
+    /// A bearer token the admin endpoint's page and JSON want (`Authorization: Bearer
+    /// TOKEN`; the page at `/#token=TOKEN`). `/health`, `/ready` and `/metrics` stay
+    /// open. Set it when the endpoint listens beyond loopback.
+    #[arg(long, env = "LEASEHOLD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Split a key whose store calls exceed this many per second (its per-shard budget).
     #[arg(long, default_value_t = 5000.0, env = "LEASEHOLD_SPLIT_ABOVE")]
     pub split_above: f64,
@@ -122,6 +127,13 @@ pub async fn run(
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("listen {}: {e}", args.listen))?;
+    if !args.listen.ip().is_loopback() && args.admin_token.as_deref().unwrap_or("").is_empty() {
+        tracing::warn!(
+            listen = %args.listen,
+            "the admin endpoint listens beyond loopback without --admin-token: anyone who \
+             reaches it sees the keys and rules"
+        );
+    }
     let config = CoordinatorConfig {
         split: SplitPolicy {
             split_above: args.split_above,
@@ -170,6 +182,8 @@ pub async fn run(
     let admin = Admin::new(store.clone(), rules)
         .with_rules(coordinator.rules())
         .with_snapshot(coordinator.snapshot())
+        .with_broker(coordinator.broker().cloned())
+        .with_token(args.admin_token.clone())
         .with_metrics(crate::admin::install_prometheus()?);
     println!(
         "coordinator admin endpoint on http://{}",

@@ -81,6 +81,23 @@ pub struct Snapshot {
     pub keys: BTreeMap<String, KeyStatus>,
     /// Splits started by this instance.
     pub splits_started: u64,
+    /// The live agents, by id.
+    pub gateways: BTreeMap<String, GatewayStatus>,
+}
+
+/// What a live agent's last report said of it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct GatewayStatus {
+    /// Its host and process (`HOST/PID`), when it said.
+    pub name: Option<String>,
+    /// Its health line (`ready`, or `degraded: REASON` with the breakers open), when it
+    /// said.
+    pub health: Option<String>,
+    /// When it wrote the report, wall-clock ms.
+    pub report_ms: u64,
+    /// Leased keys in the report.
+    pub keys: usize,
 }
 
 /// The coordinator.
@@ -217,11 +234,21 @@ impl Coordinator {
                 .await?;
         }
         let reports = self.store.agent_reports(&agents).await?;
+        let mut gateways = BTreeMap::new();
         for (agent, text) in agents.iter().zip(reports) {
             if let Some(text) = text {
-                self.ledger
-                    .lock()
-                    .record(&agent.to_string(), &Report::parse(&text));
+                let report = Report::parse(&text);
+                let id = agent.to_string();
+                self.ledger.lock().record(&id, &report);
+                gateways.insert(
+                    id,
+                    GatewayStatus {
+                        name: report.name,
+                        health: report.health,
+                        report_ms: report.at_ms,
+                        keys: report.keys.len(),
+                    },
+                );
             }
         }
         let mut statuses = BTreeMap::new();
@@ -348,6 +375,7 @@ impl Coordinator {
         snap.at_ms = now_ms;
         snap.keys = statuses;
         snap.splits_started += started_splits;
+        snap.gateways = gateways;
         metrics::histogram!("leasehold_coordinator_tick_seconds")
             .record(started.elapsed().as_secs_f64());
         Ok(())

@@ -301,6 +301,9 @@ pub struct Limit {
     pub full_key: String,
     /// `leasehold.subject`: the keys whose values name the bucket.
     pub subject_keys: Option<Vec<String>>,
+    /// The descriptor's entries from the domain down, as configured: key and value (a
+    /// key alone matches any value; a value may hold a `*` wildcard).
+    pub entries: Vec<(String, Option<String>)>,
 }
 
 #[derive(Debug, Default)]
@@ -417,7 +420,7 @@ impl Domains {
         shown: &str,
         parent: &str,
         descriptors: &[YamlDescriptor],
-        above: &mut Vec<String>,
+        above: &mut Vec<(String, Option<String>)>,
     ) -> Result<(), ConfigError> {
         for d in descriptors {
             let bad = |descriptor: &str, why: String| ConfigError::Descriptor {
@@ -466,9 +469,9 @@ impl Domains {
                     "share_threshold applies only to a value with a * wildcard".into(),
                 ));
             }
-            above.push(d.key.clone());
+            above.push((d.key.clone(), d.value.clone().filter(|v| !v.is_empty())));
             let limit = match &d.rate_limit {
-                Some(rl) => Some(self.limit(shown, &full, d, rl)?),
+                Some(rl) => Some(self.limit(shown, &full, d, rl, above)?),
                 None => {
                     if d.leasehold.is_some() {
                         return Err(bad(&full, "leasehold settings need a rate_limit".into()));
@@ -492,14 +495,18 @@ impl Domains {
             // and those above it (another would match no entry, and every value of the
             // descriptor would share one bucket).
             if let Some(keys) = node.limit.as_ref().and_then(|l| l.subject_keys.as_ref())
-                && let Some(k) = keys.iter().find(|k| !above.contains(k))
+                && let Some(k) = keys.iter().find(|k| !above.iter().any(|(a, _)| a == *k))
             {
                 return Err(bad(
                     &full,
                     format!(
                         "leasehold.subject names {k:?}, which is not a key of this descriptor \
                          or those above it ({})",
-                        above.join(", ")
+                        above
+                            .iter()
+                            .map(|(k, _)| k.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 ));
             }
@@ -516,6 +523,7 @@ impl Domains {
         full: &str,
         d: &YamlDescriptor,
         rl: &YamlRateLimit,
+        entries: &[(String, Option<String>)],
     ) -> Result<Limit, ConfigError> {
         let bad = |why: String| ConfigError::Descriptor {
             path: shown.to_owned(),
@@ -598,6 +606,7 @@ impl Domains {
             detailed_metric: d.detailed_metric,
             full_key: full.to_owned(),
             subject_keys: extras.and_then(|x| x.subject.clone()),
+            entries: entries.to_vec(),
         })
     }
 

@@ -510,6 +510,11 @@ impl Decider {
                 metadata: None,
                 full_key: full_key.clone(),
                 subject_keys: None,
+                entries: d
+                    .entries
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), Some((*v).to_owned())))
+                    .collect(),
             }),
             subject: serde_json::to_string(&pairs).unwrap_or_default(),
             metric_key: full_key,

@@ -30,7 +30,8 @@
 //!   (the body is JSON whatever its `Content-Type`), 413 for a body over 2 MB.
 //! - `GET /v1/auth?rule=R&subject=S[&cost=N]`: 204, or 403 as above.
 //!
-//! And: `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
+//! And: `GET /`: a page of the rules in force and how to address each ([`crate::page`]).
+//! `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
 //! store follow the failure policies (liveness: the process answers). `GET /ready`: the
 //! same line, 503 while degraded (readiness). `GET /metrics`: Prometheus text.
 
@@ -61,9 +62,22 @@ impl Api {
     }
 }
 
-/// The router: `/v1/check`, `/v1/auth`, `/health`, `/ready`, `/metrics`.
+/// The router: `/v1/check`, `/v1/auth`, `/health`, `/ready`, `/metrics`, and `/` (the
+/// page of the rules in force: [`crate::page`]).
 pub fn router(decider: Arc<Decider>, metrics: Option<PrometheusHandle>) -> Router {
     Router::new()
+        .route(
+            "/",
+            get(|State(api): State<Api>| async move {
+                (
+                    [
+                        (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                        (axum::http::header::CACHE_CONTROL, "no-store"),
+                    ],
+                    crate::page::render(&api.decider),
+                )
+            }),
+        )
         .route("/v1/check", post(check))
         .route("/v1/auth", get(auth))
         .route(

@@ -8,7 +8,8 @@
 //!   (`envoy.service.rate_limit_quota.v3`, [`rlqs`]): token buckets Envoy enforces itself;
 //! - an HTTP check API: `POST /v1/check` with JSON, and `GET /v1/auth` for nginx
 //!   `auth_request` ([`http`]);
-//! - `/metrics` (Prometheus) and `/health` on the HTTP listener.
+//! - `/metrics` (Prometheus), `/health` and a page of the rules in force and how to
+//!   address them (`/`, [`page`]) on the HTTP listener.
 #![forbid(unsafe_code)]
 
 pub mod cli;
@@ -16,6 +17,7 @@ pub mod config;
 pub mod decide;
 pub mod grpc;
 pub mod http;
+pub mod page;
 pub mod rlqs;
 
 pub use config::{ConfigError, Domains};

@@ -4,7 +4,10 @@
 //! with one `SET lh:agent:{ID} ... PX` (atomic, one key): a first line with the report's
 //! wall-clock time in ms, then a line per leased bucket it used recently (the parent key
 //! of a split bucket; cold keys' exact decisions cannot overshoot), `KEY admitted,calls,demand,held`, running totals. Bucket keys are
-//! escaped, so they hold no whitespace. The report expires unless renewed, and the
+//! escaped, so they hold no whitespace. Lines `=health LINE` and `=name NAME` (the
+//! agent's health as its probes say it, and its host and process) may follow the
+//! first; a coordinator of an earlier version skips them as lines it does not
+//! understand. The report expires unless renewed, and the
 //! agent's id is scored with its time in the sorted set `lh:agents`, so the coordinator
 //! finds live agents without a keyspace scan: its work per tick is one read per live
 //! agent and one entry per (agent, key).
@@ -77,12 +80,57 @@ pub struct Report {
     pub at_ms: u64,
     /// Bucket key to totals.
     pub keys: HashMap<String, KeyReport>,
+    /// The agent's health line (`ready`, `degraded: REASON`), when it said.
+    pub health: Option<String>,
+    /// The agent's host and process, when it said.
+    pub name: Option<String>,
+}
+
+/// What an agent says of itself in its report.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AgentLines<'a> {
+    /// Its health line.
+    pub health: Option<&'a str>,
+    /// Its host and process.
+    pub name: Option<&'a str>,
+}
+
+/// One line of free text: no line breaks, at most 200 bytes (cut on a character).
+fn one_line(text: &str) -> String {
+    let mut s: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if s.len() > 200 {
+        let mut end = 200;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+    s
 }
 
 impl Report {
     /// The stored text.
     pub fn encode<'a>(at_ms: u64, keys: impl IntoIterator<Item = (&'a str, KeyReport)>) -> String {
+        Self::encode_with(at_ms, AgentLines::default(), keys)
+    }
+
+    /// The stored text, with what the agent says of itself.
+    pub fn encode_with<'a>(
+        at_ms: u64,
+        agent: AgentLines<'_>,
+        keys: impl IntoIterator<Item = (&'a str, KeyReport)>,
+    ) -> String {
         let mut text = at_ms.to_string();
+        for (tag, value) in [("=health ", agent.health), ("=name ", agent.name)] {
+            if let Some(v) = value {
+                text.push('\n');
+                text.push_str(tag);
+                text.push_str(&one_line(v));
+            }
+        }
         for (key, r) in keys {
             text.push('\n');
             text.push_str(key);
@@ -96,13 +144,25 @@ impl Report {
     pub fn parse(text: &str) -> Self {
         let mut lines = text.lines();
         let at_ms = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
-        let keys = lines
-            .filter_map(|l| {
-                let (key, totals) = l.split_once(' ')?;
-                Some((key.to_owned(), KeyReport::parse(totals)?))
-            })
-            .collect();
-        Self { at_ms, keys }
+        let mut report = Self {
+            at_ms,
+            ..Self::default()
+        };
+        for line in lines {
+            let Some((key, rest)) = line.split_once(' ') else {
+                continue;
+            };
+            match key {
+                "=health" => report.health = Some(rest.to_owned()),
+                "=name" => report.name = Some(rest.to_owned()),
+                _ => {
+                    if let Some(totals) = KeyReport::parse(rest) {
+                        report.keys.insert(key.to_owned(), totals);
+                    }
+                }
+            }
+        }
+        report
     }
 }
 
@@ -128,5 +188,28 @@ mod tests {
         assert_eq!(back.at_ms, 7);
         assert_eq!(back.keys.len(), 2);
         assert_eq!(back.keys["lh:{a|c}"], r);
+        assert_eq!((back.health, back.name), (None, None));
+        let lines = AgentLines {
+            health: Some("degraded: store unreachable\n(breaker open: a)"),
+            name: Some("gw-1/42"),
+        };
+        let text = Report::encode_with(7, lines, [("lh:{a|b}", r)]);
+        let back = Report::parse(&text);
+        assert_eq!(back.keys.len(), 1);
+        assert_eq!(
+            back.health.as_deref(),
+            Some("degraded: store unreachable (breaker open: a)")
+        );
+        assert_eq!(back.name.as_deref(), Some("gw-1/42"));
+        // What a coordinator of the previous version read: the agent lines skipped.
+        let old: HashMap<_, _> = text
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let (k, t) = l.split_once(' ')?;
+                Some((k, KeyReport::parse(t)?))
+            })
+            .collect();
+        assert_eq!(old.len(), 1);
     }
 }

@@ -593,6 +593,120 @@ fn whole_numbers(text: &str, shown: &str) -> Result<(), RulesError> {
     Ok(())
 }
 
+/// A rule as listings show it (`check-config`, the coordinator's page), every field
+/// written as an operator reads it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RuleSummary {
+    /// The rule's name, or `override NAME` for an override.
+    pub name: String,
+    /// Capacity B.
+    pub capacity: u64,
+    /// Rate r in tokens a second while that reads well, else as written (`1/1h`).
+    pub rate: String,
+    /// Rate r, tokens a second.
+    pub rate_per_sec: f64,
+    /// `lease_max`, `-` for rate leasing (it does nothing there).
+    pub lease_max: String,
+    /// `auto`, `lease`, `exact` or `rate`.
+    pub leasing: &'static str,
+    /// The lease ttl; for rate leasing the longest term (`<= 4s`).
+    pub ttl: String,
+    /// `strict` or `relaxed/N`.
+    pub mode: String,
+    /// Shadow: decided and reported, never enforced.
+    pub shadow: bool,
+    /// What the rule does while the store is unreachable.
+    pub on_failure: String,
+    /// `single`, `global` or `region` (deployments in regions).
+    pub scope: &'static str,
+    /// With a local share: the seats and what the store keeps.
+    pub local: Option<String>,
+}
+
+impl RuleSummary {
+    /// The summary of `rule` under the label `name`.
+    pub fn of(name: &str, r: &Rule) -> Self {
+        use leasehold_core::rule::{FailurePolicy, Leasing, Mode, Scope};
+        let per_sec = r.rate().per_sec_f64();
+        let leasing = match r.leasing() {
+            Leasing::Auto => "auto",
+            Leasing::Lease => "lease",
+            Leasing::Exact => "exact",
+            Leasing::Rate => "rate",
+        };
+        // A rate lease's term is its lease ttl (the longest: shorter while few agents
+        // share the key); `lease_max` does nothing for it.
+        let (lease_max, ttl) = match r.leasing() {
+            Leasing::Rate => ("-".to_owned(), format!("<= {:?}", r.lease_ttl())),
+            _ => (r.lease_max().to_string(), format!("{:?}", r.lease_ttl())),
+        };
+        Self {
+            name: name.to_owned(),
+            capacity: r.capacity().get(),
+            rate: if per_sec >= 0.01 {
+                format!("{per_sec:.3}/s")
+            } else {
+                r.rate().to_string()
+            },
+            rate_per_sec: per_sec,
+            lease_max,
+            leasing,
+            ttl,
+            mode: match r.mode() {
+                Mode::Strict => "strict".to_owned(),
+                Mode::Relaxed { max_outstanding } => format!("relaxed/{max_outstanding}"),
+            },
+            shadow: r.shadow(),
+            on_failure: match r.failure_policy() {
+                FailurePolicy::FailOpen => "fail_open".to_owned(),
+                FailurePolicy::FailClosed => "fail_closed (503)".to_owned(),
+                FailurePolicy::LocalEmergency { rate: Some(rate) } => {
+                    format!("local_emergency at {rate}")
+                }
+                FailurePolicy::LocalEmergency { rate: None } => {
+                    "local_emergency (last share)".to_owned()
+                }
+            },
+            scope: match r.scope() {
+                Scope::Single => "single",
+                Scope::Global { .. } => "global",
+                Scope::Region { .. } => "region",
+            },
+            local: r.local().map(|l| {
+                let g = r.global_part();
+                format!(
+                    "local share {}%: {} seats of {} tokens at {:.3}/s; the store keeps {} at {:.3}/s",
+                    l.percent,
+                    l.agents,
+                    l.capacity,
+                    l.rate.per_sec_f64(),
+                    g.capacity(),
+                    g.rate().per_sec_f64()
+                )
+            }),
+        }
+    }
+}
+
+impl Rules {
+    /// Every rule and, after each, its overrides (labelled `override NAME`).
+    pub fn summaries(&self) -> Vec<RuleSummary> {
+        let mut out = Vec::new();
+        for r in self.iter() {
+            out.push(RuleSummary::of(r.name().as_str(), r));
+            for (subject, o) in self
+                .overrides(r.name().as_str())
+                .into_iter()
+                .flat_map(|o| o.iter())
+            {
+                out.push(RuleSummary::of(&format!("override {subject}"), o));
+            }
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -222,6 +222,20 @@ pub(super) async fn claim_seats(limiter: Limiter) {
     }
 }
 
+/// `HOST/PID`, for the coordinator's page to tell gateways apart.
+fn process_name() -> &'static str {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .map(|h| h.trim().to_owned())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "?".to_owned());
+        format!("{host}/{}", std::process::id())
+    })
+}
+
 pub(super) fn wall_ms() -> u64 {
     SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -286,7 +300,12 @@ pub(super) async fn report(limiter: Limiter) {
         };
         lines.push((ks.bucket.as_str().to_owned(), totals));
     }
-    let text = Report::encode(at_ms, lines.iter().map(|(k, r)| (k.as_str(), *r)));
+    let health = limiter.health().line();
+    let agent = crate::report::AgentLines {
+        health: Some(&health),
+        name: Some(process_name()),
+    };
+    let text = Report::encode_with(at_ms, agent, lines.iter().map(|(k, r)| (k.as_str(), *r)));
     if let Err(e) = store.report(limiter.inner.agent, at_ms, &text).await {
         tracing::debug!(error = %e, "report to the coordinator failed");
     }

@@ -417,6 +417,11 @@ impl Limiter {
         Some(ks.quota_left(self.now_ns()))
     }
 
+    /// The rules in force, as given (before a region's view of them).
+    pub fn rules(&self) -> crate::rules::Rules {
+        self.inner.rules.load().source.clone()
+    }
+
     /// Counters of one rule.
     pub fn stats(&self, rule: &str) -> Result<RuleStats, UnknownRule> {
         Ok(self.inner.rules.load().get(rule)?.base.counters.stats())

@@ -127,6 +127,8 @@ pub(super) struct RuleTable {
     pub(super) by_name: FastMap<Box<str>, RuleSet>,
     /// The seats of the rules with a local share, claimed by the background loop.
     pub(super) seats: FastMap<Box<str>, Arc<Seat>>,
+    /// The rules as given (for listings).
+    pub(super) source: Rules,
 }
 
 impl RuleTable {
@@ -184,7 +186,11 @@ impl RuleTable {
                 }
             }
         }
-        Ok(Self { by_name, seats })
+        Ok(Self {
+            by_name,
+            seats,
+            source: rules.clone(),
+        })
     }
 
     pub(super) fn get(&self, name: &str) -> Result<&RuleSet, UnknownRule> {

@@ -9,6 +9,7 @@ mod support;
 mod agent_metrics;
 mod chaos_smoke;
 mod cli;
+mod grafana;
 mod operator_page;
 mod ops_binaries;
 mod simulate_smoke;

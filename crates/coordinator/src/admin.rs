@@ -404,6 +404,26 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "counter",
         "Requests for one key's view on the admin endpoint.",
     ),
+    (
+        "leasehold_broker_global_calls_total",
+        "counter",
+        "Per region, a broker's calls to the global store.",
+    ),
+    (
+        "leasehold_broker_global_failures_total",
+        "counter",
+        "Per region, a broker's calls to the global store that failed or timed out.",
+    ),
+    (
+        "leasehold_broker_granted_tokens_total",
+        "counter",
+        "Per region, tokens the global store granted the region's broker.",
+    ),
+    (
+        "leasehold_broker_keys_refused_total",
+        "counter",
+        "Per region, global keys not brokered because --region-max-keys were.",
+    ),
 ];
 
 /// Installs a Prometheus recorder as the process's global recorder (time histograms
@@ -427,13 +447,8 @@ pub fn install_prometheus() -> Result<PrometheusHandle, String> {
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder)
                 .map_err(|_| "a global metrics recorder is already installed".to_owned())?;
-            for &(name, kind, help) in METRICS {
-                match kind {
-                    "counter" => metrics::describe_counter!(name, help),
-                    "histogram" => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
-                    _ => metrics::describe_gauge!(name, help),
-                }
-            }
+            leasehold_net::describe(METRICS);
+            leasehold_net::describe(leasehold_net::METRICS);
             Ok(handle)
         })
         .clone()

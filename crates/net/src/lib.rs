@@ -27,6 +27,33 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+/// What the listeners record: (name, kind, help). The binaries describe them to their
+/// recorder.
+pub const METRICS: &[(&str, &str, &str)] = &[
+    (
+        "leasehold_connections_open",
+        "gauge",
+        "Per listener, connections open now.",
+    ),
+    (
+        "leasehold_connections_rejected_total",
+        "counter",
+        "Per listener, connections closed at once because the listener's bound was reached.",
+    ),
+];
+
+/// Registers the help text of `metrics` ((name, kind, help), kind `counter`, `gauge` or
+/// `histogram` of seconds) with the installed recorder.
+pub fn describe(metrics: &[(&'static str, &str, &'static str)]) {
+    for &(name, kind, help) in metrics {
+        match kind {
+            "counter" => metrics::describe_counter!(name, help),
+            "histogram" => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+            _ => metrics::describe_gauge!(name, help),
+        }
+    }
+}
+
 use axum::extract::ConnectInfo;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};

@@ -199,6 +199,8 @@ pub async fn run(
         }),
     };
     let metrics = leasehold_agent::telemetry::install_prometheus()?;
+    leasehold_net::describe(crate::METRICS);
+    leasehold_net::describe(leasehold_net::METRICS);
     let limiter = builder
         .build()
         .await

@@ -26,6 +26,38 @@ pub use leasehold_agent::Limiter;
 
 use std::sync::Arc;
 
+/// What serve records besides the agent's metrics
+/// (`leasehold_agent::telemetry::METRICS`) and the listeners' (`leasehold_net::METRICS`):
+/// (name, kind, help).
+pub const METRICS: &[(&str, &str, &str)] = &[
+    (
+        "leasehold_serve_requests_total",
+        "counter",
+        "Requests by api (grpc, http) and outcome (ok, over_limit, unavailable).",
+    ),
+    (
+        "leasehold_serve_hits_total",
+        "counter",
+        "Per domain and descriptor key (as ratelimit's stats name them; a bounded number of \
+         keys), descriptors decided.",
+    ),
+    (
+        "leasehold_serve_shadow_total",
+        "counter",
+        "Per domain, descriptors over their limit in shadow mode (reported, not enforced).",
+    ),
+    (
+        "leasehold_serve_unknown_domain_total",
+        "counter",
+        "Requests naming a domain the configuration does not have.",
+    ),
+    (
+        "leasehold_rlqs_assignments_total",
+        "counter",
+        "RLQS bucket assignments pushed to filters, by kind (new, extension).",
+    ),
+];
+
 use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Serves the gRPC rate limit service on `grpc` and the HTTP API on `http` (either may

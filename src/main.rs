@@ -101,6 +101,10 @@ enum Command {
         /// Write an SVG plot of admitted rate vs the limit here.
         #[arg(long, env = "LEASEHOLD_PLOT")]
         plot: Option<PathBuf>,
+        /// Write an HTML report here: the settings, the table and what its columns mean,
+        /// the plot and the scenario, in one file to share.
+        #[arg(long, env = "LEASEHOLD_REPORT")]
+        report: Option<PathBuf>,
         /// Random seed of the workload.
         #[arg(long, default_value_t = 1, env = "LEASEHOLD_SEED")]
         seed: u64,
@@ -216,6 +220,7 @@ fn main() -> ExitCode {
             compare,
             json,
             plot,
+            report,
             seed,
             regions,
             region_rtt,
@@ -274,6 +279,18 @@ fn main() -> ExitCode {
                     None => simulate::StoreChoice::Embedded,
                 },
             };
+            // Written after the run: a path that cannot be written is refused before it.
+            for (flag, path) in [("--json", &json), ("--plot", &plot), ("--report", &report)] {
+                if let Some(p) = path {
+                    let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+                    if p.is_dir() || dir.is_some_and(|d| !d.is_dir()) {
+                        return usage(&format!(
+                            "{flag} {}: not a file in an existing directory",
+                            p.display()
+                        ));
+                    }
+                }
+            }
             let opts = simulate::Options {
                 scenario,
                 store,
@@ -282,6 +299,7 @@ fn main() -> ExitCode {
                 compare,
                 json,
                 plot,
+                report,
                 seed,
                 progress: true,
             };
@@ -295,6 +313,13 @@ fn main() -> ExitCode {
             match simulate::run(&opts) {
                 Ok(report) => {
                     print!("{}", simulate::table(&report));
+                    if let Some(path) = &opts.report {
+                        let page = simulate::html::report(&opts, &report);
+                        if let Err(e) = std::fs::write(path, page) {
+                            return fail(&format!("--report {}: {e}", path.display()));
+                        }
+                        println!("report written to {}", path.display());
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(&e),

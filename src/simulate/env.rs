@@ -23,6 +23,20 @@ pub(crate) enum StoreChoice {
     Cluster(Vec<String>),
 }
 
+impl StoreChoice {
+    /// How reports name it: never an address (it may hold a password).
+    pub(crate) fn shown(&self) -> &'static str {
+        match self {
+            Self::Embedded => "embedded",
+            Self::Spawn => "spawn (a private redis-server)",
+            Self::SpawnReplica => "spawn-replica (a private primary and replica)",
+            Self::ClusterSpawn => "cluster-spawn (a private 6-node cluster)",
+            Self::Redis(_) => "an external Redis",
+            Self::Cluster(_) => "an external Redis Cluster",
+        }
+    }
+}
+
 impl std::str::FromStr for StoreChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

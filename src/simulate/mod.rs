@@ -9,6 +9,7 @@
 //! limiter behind a load balancer.
 
 mod env;
+pub(crate) mod html;
 mod regions;
 mod report;
 mod run;
@@ -33,6 +34,8 @@ pub(crate) struct Options {
     pub(crate) compare: Vec<String>,
     pub(crate) json: Option<PathBuf>,
     pub(crate) plot: Option<PathBuf>,
+    /// The HTML report ([`html::report`]).
+    pub(crate) report: Option<PathBuf>,
     pub(crate) seed: u64,
     pub(crate) progress: bool,
 }
@@ -48,6 +51,8 @@ pub(crate) struct RunReport {
     pub(crate) agent_faults: Option<AgentFaults>,
     /// The rlqs run: servers, filters, and what went between them and the store.
     pub(crate) rlqs: Option<RlqsSummary>,
+    /// The plot of the admitted rate against the limit (SVG).
+    pub(crate) plot: String,
 }
 
 /// The rlqs system's run (over the whole run, warm-up included).
@@ -95,49 +100,70 @@ pub(super) fn systems_json(
         .collect()
 }
 
-/// Writes the JSON report and the plot the options ask for.
+/// Writes the JSON report and the plot the options ask for; returns the plot.
 pub(super) fn write_outputs(
     opts: &Options,
     json: &serde_json::Value,
     title: &str,
     rate: f64,
     systems: &[(String, SystemReport)],
-) -> Result<(), String> {
+) -> Result<String, String> {
     if let Some(path) = &opts.json {
         let text = serde_json::to_string_pretty(json).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
     }
+    let series: Vec<(String, Vec<f64>)> = systems
+        .iter()
+        .map(|(n, r)| (n.clone(), r.series.clone()))
+        .collect();
+    let plot = report::svg(title, rate, &series);
     if let Some(path) = &opts.plot {
-        let series: Vec<(String, Vec<f64>)> = systems
-            .iter()
-            .map(|(n, r)| (n.clone(), r.series.clone()))
-            .collect();
-        std::fs::write(path, report::svg(title, rate, &series))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+        std::fs::write(path, &plot).map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    Ok(())
+    Ok(plot)
 }
 
-/// The summary table.
-pub(crate) fn table(r: &RunReport) -> String {
-    let mut out = format!(
-        "{:<10} {:>13} {:>11} {:>11} {:>11} {:>12} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
-        "system",
-        "decisions/s",
-        "admitted",
-        "denied",
-        "below_limit",
-        "calls/1k",
-        "store us/dec",
-        "overshoot1s",
-        "overshoot10s",
-        "utilization",
-        "p50 ns",
-        "p99 ns",
-        "p99.9 ns",
-        "RSS MB",
-        "redis MB"
-    );
+/// The summary table's columns, with their widths in the text table.
+const COLUMNS: [(&str, usize); 15] = [
+    ("system", 10),
+    ("decisions/s", 13),
+    ("admitted", 11),
+    ("denied", 11),
+    ("below_limit", 11),
+    ("calls/1k", 12),
+    ("store us/dec", 12),
+    ("overshoot1s", 11),
+    ("overshoot10s", 12),
+    ("utilization", 11),
+    ("p50 ns", 9),
+    ("p99 ns", 9),
+    ("p99.9 ns", 10),
+    ("RSS MB", 8),
+    ("redis MB", 8),
+];
+
+/// What each column means, for the HTML report (the README explains them too).
+const COLUMN_HELP: [&str; 15] = [
+    "the system run: leasehold, or a baseline in the same run",
+    "decisions made per second of the measured window",
+    "tokens admitted",
+    "requests refused (429) or unavailable (503)",
+    "tokens one ideal bucket would have admitted that the system refused, counted only in \
+     seconds a key was offered at most its rate (-: no such second)",
+    "store calls per 1 000 decisions",
+    "store CPU (the Redis processes' user + system time) per decision, microseconds",
+    "worst (admitted - (B + r*W)) / (B + r*W) over 1 s windows, 0 within the bound",
+    "the same over 10 s windows",
+    "tokens admitted over what one ideal bucket with the same B and r would admit",
+    "decision latency, median",
+    "decision latency, 99th percentile",
+    "decision latency, 99.9th percentile",
+    "the process's resident memory at the end, and its growth during the run",
+    "the store's used memory at the end",
+];
+
+/// The summary table's rows: one per system, a cell per column.
+fn rows(r: &RunReport) -> Vec<Vec<String>> {
     // A figure that does not apply to the row (a region's own overshoot) shows as "-".
     let f4 = |v: f64| {
         if v.is_nan() {
@@ -146,38 +172,68 @@ pub(crate) fn table(r: &RunReport) -> String {
             format!("{v:.4}")
         }
     };
-    for (name, s) in &r.systems {
-        out.push_str(&format!(
-            "{:<10} {:>13.0} {:>11} {:>11} {:>11} {:>12.2} {:>12} {:>11} {:>12} {:>11} {:>9} {:>9} {:>10} {:>8} {:>8}\n",
-            name,
-            s.decisions_per_sec,
-            s.admitted,
-            s.denied + s.unavailable,
-            if s.seconds_within_limit == 0 {
-                "-".to_owned()
+    r.systems
+        .iter()
+        .map(|(name, s)| {
+            vec![
+                name.clone(),
+                format!("{:.0}", s.decisions_per_sec),
+                s.admitted.to_string(),
+                (s.denied + s.unavailable).to_string(),
+                if s.seconds_within_limit == 0 {
+                    "-".to_owned()
+                } else {
+                    s.denied_below_limit.to_string()
+                },
+                format!("{:.2}", s.redis_calls_per_1k_decisions),
+                s.store_cpu_us_per_decision
+                    .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),
+                f4(s.overshoot_1s),
+                f4(s.overshoot_10s),
+                f4(s.utilization),
+                s.latency_ns.p50.to_string(),
+                s.latency_ns.p99.to_string(),
+                s.latency_ns.p999.to_string(),
+                format!("{:.0}{:+.0}", s.rss_mb, s.rss_growth_mb),
+                s.store_mb
+                    .map_or_else(|| "-".to_owned(), |m| format!("{m:.0}")),
+            ]
+        })
+        .collect()
+}
+
+/// The summary table.
+pub(crate) fn table(r: &RunReport) -> String {
+    let line = |cells: &mut dyn Iterator<Item = String>| {
+        let mut out = String::new();
+        for (i, (cell, (_, w))) in cells.zip(COLUMNS).enumerate() {
+            if i == 0 {
+                out.push_str(&format!("{cell:<w$}"));
             } else {
-                s.denied_below_limit.to_string()
-            },
-            s.redis_calls_per_1k_decisions,
-            s.store_cpu_us_per_decision
-                .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),
-            f4(s.overshoot_1s),
-            f4(s.overshoot_10s),
-            f4(s.utilization),
-            s.latency_ns.p50,
-            s.latency_ns.p99,
-            s.latency_ns.p999,
-            format!("{:.0}{:+.0}", s.rss_mb, s.rss_growth_mb),
-            s.store_mb.map_or_else(|| "-".to_owned(), |m| format!("{m:.0}"))
-        ));
+                out.push_str(&format!(" {cell:>w$}"));
+            }
+        }
+        out.push('\n');
+        out
+    };
+    let mut out = line(&mut COLUMNS.iter().map(|(h, _)| (*h).to_owned()));
+    for row in rows(r) {
+        out.push_str(&line(&mut row.into_iter()));
     }
+    out.push_str(&notes(r).join(""));
+    out
+}
+
+/// The lines under the table: regions, faults, rlqs, coordinator.
+fn notes(r: &RunReport) -> Vec<String> {
+    let mut out = Vec::new();
     if let Some(g) = &r.regions {
         let rec: Vec<String> = g
             .recovery_ms
             .iter()
             .map(|m| m.map_or_else(|| "never".to_owned(), |m| format!("{m} ms")))
             .collect();
-        out.push_str(&format!(
+        out.push(format!(
             "across {} regions ({:.0} ms round trip to the global store): {} calls to it, \
              {:.1}/s, {:.3} per 1k decisions, {} key(s) brokered; back above 95% of the rate \
              after each phase change: {}; regions even again after each heal: {}\n",
@@ -204,7 +260,7 @@ pub(crate) fn table(r: &RunReport) -> String {
         ));
     }
     if let Some(f) = &r.agent_faults {
-        out.push_str(&format!(
+        out.push(format!(
             "agents (leasehold run): {} store errors, {} emergency activations, {} admitted under \
              the emergency limit, {} failing open, {} refused as unavailable\n",
             f.store_errors,
@@ -215,7 +271,7 @@ pub(crate) fn table(r: &RunReport) -> String {
         ));
     }
     if let Some(q) = &r.rlqs {
-        out.push_str(&format!(
+        out.push(format!(
             "rlqs: {} filter(s) on {} serve instance(s): {:.0} assignments a second pushed to \
              the filters (gRPC messages, set by the renewals, not the requests), {:.1} store \
              calls a second\n",
@@ -223,7 +279,7 @@ pub(crate) fn table(r: &RunReport) -> String {
         ));
     }
     if let Some(c) = &r.coordinator {
-        out.push_str(&format!(
+        out.push(format!(
             "coordinator (leasehold run, {} instance(s)): {} split(s) started; measured from agent \
              reports, each agent's first one its baseline: {} tokens admitted after it, worst \
              overshoot {:.4}\n",

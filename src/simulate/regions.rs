@@ -214,6 +214,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             .map(|f| even_after(&region_series, f.at, duration_ms))
             .collect();
         Ok(RunReport {
+            plot: String::new(),
             systems,
             coordinator: None,
             agent_faults: None,

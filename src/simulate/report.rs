@@ -326,6 +326,7 @@ pub(crate) fn svg(title: &str, rate: f64, systems: &[(String, Vec<f64>)]) -> Str
         secs = (n - 1) as f64 / 10.0,
         ly = y(rate),
         ly2 = y(rate) - 5.0,
+        title = super::html::escape(title),
     );
     for (i, (name, series)) in systems.iter().enumerate() {
         let c = colors[i % colors.len()];
@@ -336,10 +337,11 @@ pub(crate) fn svg(title: &str, rate: f64, systems: &[(String, Vec<f64>)]) -> Str
             .collect();
         out.push_str(&format!(
             "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"1.5\" points=\"{}\"/>\n\
-             <text x=\"{}\" y=\"{}\" fill=\"{c}\">{name}</text>\n",
+             <text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>\n",
             points.join(" "),
             pad + 10.0 + 140.0 * i as f64,
-            pad - 10.0
+            pad - 10.0,
+            super::html::escape(name)
         ));
     }
     out.push_str("</svg>\n");

@@ -318,8 +318,8 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             opts.scenario.name
         );
         let rate = opts.scenario.validate()?.rate().per_sec_f64();
-        write_outputs(opts, &json, &title, rate, &report.systems)?;
-        return Ok(report);
+        let plot = write_outputs(opts, &json, &title, rate, &report.systems)?;
+        return Ok(RunReport { plot, ..report });
     }
     let rule = opts.scenario.validate()?;
     let rules =
@@ -510,13 +510,14 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "{}: admitted tokens/s for tenant-0, {} agents, {} store",
         opts.scenario.name, opts.scenario.agents, store
     );
-    write_outputs(opts, &json, &title, rate, &systems)?;
+    let plot = write_outputs(opts, &json, &title, rate, &systems)?;
     Ok(RunReport {
         systems,
         coordinator: summary,
         regions: None,
         agent_faults,
         rlqs,
+        plot,
     })
 }
 

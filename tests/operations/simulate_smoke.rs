@@ -14,6 +14,7 @@ fn run(args: &[&str]) -> serde_json::Value {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let (json, plot) = (dir.path().join("report.json"), dir.path().join("plot.svg"));
+    let html = dir.path().join("report.html");
     let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
         .arg("simulate")
         .args(args)
@@ -21,6 +22,8 @@ fn run(args: &[&str]) -> serde_json::Value {
         .arg(&json)
         .arg("--plot")
         .arg(&plot)
+        .arg("--report")
+        .arg(&html)
         .output()
         .expect("run leasehold simulate");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -30,7 +33,15 @@ fn run(args: &[&str]) -> serde_json::Value {
         String::from_utf8_lossy(&out.stderr)
     );
     print!("{stdout}");
-    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg"));
+    // The HTML report: the table, the same plot inline, the scenario, the columns' meaning.
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains("<table id=\"results\">"), "{page}");
+    assert!(page.contains("<tr><td>leasehold</td>"), "{page}");
+    assert!(page.contains(&svg), "the plot inline");
+    assert!(page.contains("<pre id=\"scenario\">name = "), "{page}");
+    assert!(page.contains("<dt>below_limit</dt>"), "{page}");
     serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
 }
 

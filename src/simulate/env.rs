@@ -241,7 +241,7 @@ impl Env {
         let e = |e: leasehold_redis_harness::HarnessError| e.to_string();
         Ok(match choice {
             StoreChoice::Embedded => Self::Embedded(EmbeddedStore::new()),
-            // `hz 100`, as the README advises for a long tail of cold keys: Redis's
+            // `hz 100`, as docs/operating.md advises for a long tail of cold keys: Redis's
             // active expiry then pauses at most about 2.5 ms a cycle, not 25 ms.
             StoreChoice::Spawn => {
                 Self::Single(RedisServer::start_with(&["--hz", "100"]).map_err(e)?)

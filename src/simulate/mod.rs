@@ -142,7 +142,7 @@ const COLUMNS: [(&str, usize); 15] = [
     ("redis MB", 8),
 ];
 
-/// What each column means, for the HTML report (the README explains them too).
+/// What each column means, for the HTML report (docs/results.md explains them too).
 const COLUMN_HELP: [&str; 15] = [
     "the system run: leasehold, or a baseline in the same run",
     "decisions made per second of the measured window",

@@ -130,18 +130,19 @@ fn coordinator_reads_the_address_from_a_file_or_the_environment_and_hides_it() {
     assert!(!ok && stderr.contains("no store given"), "{stderr}");
 }
 
-/// The README's table of a bucket's hash lists every field `leasehold_core::schema` has.
+/// The protocol page's table of a bucket's hash lists every field `leasehold_core::schema`
+/// has.
 #[test]
-fn the_readme_describes_every_hash_field() {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("README.md");
+fn the_protocol_page_describes_every_hash_field() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/protocol.md"))
+        .expect("docs/protocol.md");
     for (name, _) in leasehold_core::schema::FIELDS {
         let cell = if name.starts_with(':') {
             format!("| `ID{name}` |")
         } else {
             format!("| `{name}` |")
         };
-        assert!(readme.contains(&cell), "README lacks {cell}");
+        assert!(readme.contains(&cell), "docs/protocol.md lacks {cell}");
     }
 }
 

@@ -826,20 +826,20 @@ async fn through(port: u16, key: Option<&str>) -> String {
     resp.to_ascii_lowercase()
 }
 
-/// The README's nginx recipe, as it is written there, in front of `leasehold serve`:
+/// The nginx recipe of `docs/serve.md`, as it is written there, in front of `leasehold serve`:
 /// the key's limit holds, the client gets 429 with Retry-After and the RateLimit headers,
 /// a key with spaces and `&cost=0` is just a key, and a missing key is 401, never 500.
 #[test]
-fn nginx_auth_request_recipe_from_the_readme() {
+fn nginx_auth_request_recipe_from_the_serve_page() {
     let server = support::server();
-    // The recipe, from the README, between its markers; the address is serve's here.
+    // The recipe, from the page, between its markers; the address is serve's here.
     let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/serve.md")).unwrap();
     let recipe = readme
         .split("```nginx\n")
         .nth(1)
         .and_then(|r| r.split("```").next())
-        .expect("the README's nginx recipe")
+        .expect("docs/serve.md's nginx recipe")
         .to_owned();
     support::runtime().block_on(async {
         let serving = Serving::start(&server, DROP_IN, Default::default(), false).await;

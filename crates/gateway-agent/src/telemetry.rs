@@ -5,7 +5,7 @@
 //! The agent never installs a global recorder by itself: the application owns it.
 
 /// Every metric the agent records, with its kind, unit and help text: the reference the
-/// README's metrics table is written from.
+/// metrics table of docs/operating.md is written from.
 pub const METRICS: &[(&str, Kind, &str)] = &[
     (
         "leasehold_decisions_total",

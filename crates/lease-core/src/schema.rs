@@ -1,5 +1,5 @@
 //! The hash that holds one bucket in Redis: every field, in one table that the
-//! coordinator's view of a key and the README share. `lua/leasehold.lua` stores the same
+//! coordinator's view of a key and docs/protocol.md share. `lua/leasehold.lua` stores the same
 //! fields packed: the bucket's in one field, each agent's record in one field named by
 //! its id, as 64-bit integers
 //! (`leasehold_store::wire::bucket_fields` reads them as these; the differential test

@@ -108,7 +108,7 @@ pub struct LimiterConfig {
     /// region's broker (`leasehold coordinator --region`), and rules of scope `region` the
     /// region's share. `None` (the default): no regions; every rule has one bucket.
     pub region: Option<String>,
-    /// A seat of a rule's local share (see `local_percent` in the README) that no decision
+    /// A seat of a rule's local share (see `local_percent` in docs/rules.md) that no decision
     /// of the rule wanted for this long goes back to the store, so a gateway with traffic
     /// can take it; the gateway claims one again once its decisions want it.
     pub seat_idle_after: Duration,

@@ -4,21 +4,7 @@
 
 use super::{COLUMN_HELP, COLUMNS, Options, RunReport, notes, rows};
 
-/// Text made safe inside HTML elements and attribute values.
-pub(crate) fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
+pub(crate) use leasehold_serve::page::escape;
 
 /// The page for `report` of the run `opts` describes.
 pub(crate) fn report(opts: &Options, report: &RunReport) -> String {

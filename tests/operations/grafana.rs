@@ -204,17 +204,7 @@ fn the_running_binaries_export_what_they_declare() {
         "domain: gw\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
     )
     .expect("yaml");
-    let mut serve = Proc::start(
-        &exe,
-        &[
-            "serve",
-            "--config",
-            yaml.to_str().unwrap(),
-            "--http",
-            "127.0.0.1:0",
-        ],
-    );
-    let at: SocketAddr = serve.address("http check API on ");
+    let (_serve, at) = Proc::serve_http(yaml.to_str().unwrap(), None);
     let body = r#"{"domain":"gw","descriptors":[{"entries":[{"key":"api_key","value":"k"}]}]}"#;
     for _ in 0..3 {
         http(at, "POST", "/v1/check", &[], body);

@@ -273,18 +273,7 @@ fn serve_s_page_lists_the_yaml_s_rules_and_the_addresses_it_shows_work() {
         "domain: gw\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: minute, requests_per_unit: 5}\n    descriptors:\n      - key: path\n        value: \"/v1/<b>\"\n        rate_limit: {unit: minute, requests_per_unit: 2}\n  - key: health\n    rate_limit: {unlimited: true}\n",
     )
     .expect("yaml");
-    let (exe, _) = binaries();
-    let mut serve = Proc::start(
-        &exe,
-        &[
-            "serve",
-            "--config",
-            yaml.to_str().unwrap(),
-            "--http",
-            "127.0.0.1:0",
-        ],
-    );
-    let addr: SocketAddr = serve.address("http check API on ");
+    let (serve, addr) = Proc::serve_http(yaml.to_str().unwrap(), None);
     let (status, page) = http(addr, "GET", "/", &[], "");
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("<code>gw.api_key</code>"), "{page}");

@@ -38,6 +38,18 @@ impl Proc {
         }
     }
 
+    /// `leasehold serve --config CONFIG [--redis URL] --http 127.0.0.1:0`, and its HTTP
+    /// address once it listens.
+    pub(crate) fn serve_http(config: &str, redis: Option<&str>) -> (Self, SocketAddr) {
+        let mut args = vec!["serve", "--config", config, "--http", "127.0.0.1:0"];
+        if let Some(url) = redis {
+            args.extend(["--redis", url]);
+        }
+        let mut serve = Self::start(&binaries().0, &args);
+        let at = serve.address("http check API on ");
+        (serve, at)
+    }
+
     /// The address printed after `prefix` on stdout, once it is (the process is up).
     pub(crate) fn address(&mut self, prefix: &str) -> SocketAddr {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -175,19 +187,7 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     let rules = rules.to_str().expect("utf-8");
     let (exe, gateway_exe) = binaries();
 
-    let mut serve = Proc::start(
-        &exe,
-        &[
-            "serve",
-            "--config",
-            rules,
-            "--redis",
-            &url,
-            "--http",
-            "127.0.0.1:0",
-        ],
-    );
-    let serve_at = serve.address("http check API on ");
+    let (mut serve, serve_at) = Proc::serve_http(rules, Some(&url));
     let mut coordinator = Proc::start(
         &exe,
         &[
@@ -542,20 +542,7 @@ fn a_wrong_password_is_named_as_such() {
         RedisServer::start_with(&["--requirepass", "right-Zq9"]).unwrap_or_else(|e| panic!("{e}"));
     let url = format!("redis://:wrong-Zq9@127.0.0.1:{}", redis.port());
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
-    let (exe, _) = binaries();
-    let mut serve = Proc::start(
-        &exe,
-        &[
-            "serve",
-            "--config",
-            example,
-            "--redis",
-            &url,
-            "--http",
-            "127.0.0.1:0",
-        ],
-    );
-    let at = serve.address("http check API on ");
+    let (mut serve, at) = Proc::serve_http(example, Some(&url));
     serve.wait_log("store refused the credentials: check the user and password");
     let (status, body) = http(at, "GET", "/ready", &[], "");
     assert_eq!(status, 503, "{body}");

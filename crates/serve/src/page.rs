@@ -11,8 +11,9 @@ use leasehold_store::rules::RuleSummary;
 use crate::config::{Action, Limit};
 use crate::decide::Decider;
 
-/// Text made safe inside HTML elements and attribute values.
-fn esc(text: &str) -> String {
+/// Text made safe inside HTML elements and attribute values (this page's and simulate's
+/// report's).
+pub fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -95,7 +96,7 @@ pub fn render(decider: &Decider) -> String {
         "<p>store: <span class=\"{class}\" id=\"health\">{}</span> · <a href=\"/metrics\">/metrics</a> · \
          <a href=\"/ready\">/ready</a> · keys shared by many gateways, their shares and the bound: \
          the coordinator's page</p>",
-        esc(&health)
+        escape(&health)
     );
     let limits = domains.limits();
     if !limits.is_empty() {
@@ -109,7 +110,7 @@ pub fn render(decider: &Decider) -> String {
              takes its value from the header <code>X-Leasehold-Value-KEY</code>).</p>\
              <table id=\"descriptors\"><tr><th>rule</th><th>limit</th><th>POST /v1/check body</th>\
              <th>GET (nginx)</th></tr>",
-            esc(&domains.domain_names().join(", "))
+            escape(&domains.domain_names().join(", "))
         );
         for (key, l) in &limits {
             let domain = key.split('.').next().unwrap_or_default();
@@ -134,10 +135,10 @@ pub fn render(decider: &Decider) -> String {
             let _ = write!(
                 out,
                 "<tr><td><code>{}</code></td><td>{}</td><td><code>{}</code></td><td><code>{}</code></td></tr>",
-                esc(&rule),
-                esc(&what),
-                esc(&check_body(domain, l)),
-                esc(&auth_query(domain, l))
+                escape(&rule),
+                escape(&what),
+                escape(&check_body(domain, l)),
+                escape(&auth_query(domain, l))
             );
         }
         out.push_str("</table>");
@@ -166,12 +167,12 @@ pub fn render(decider: &Decider) -> String {
             let _ = write!(
                 out,
                 "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><code>{}</code></td></tr>",
-                esc(&s.name),
+                escape(&s.name),
                 s.capacity,
-                esc(&s.rate),
+                escape(&s.rate),
                 s.leasing,
-                esc(&s.on_failure),
-                esc(&body)
+                escape(&s.on_failure),
+                escape(&body)
             );
         }
         out.push_str("</table>");
@@ -182,12 +183,12 @@ pub fn render(decider: &Decider) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::esc;
+    use super::escape;
 
     #[test]
     fn text_cannot_open_an_element() {
         assert_eq!(
-            esc("<script>\"a\"&'b'</script>"),
+            escape("<script>\"a\"&'b'</script>"),
             "&lt;script&gt;&quot;a&quot;&amp;&#39;b&#39;&lt;/script&gt;"
         );
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_redis_harness::RedisServer;
 
-use super::ops_binaries::{Proc, binaries, http};
+use super::ops_binaries::{Proc, http};
 
 /// Every metric the binaries declare (and describe to their recorders), with its kind.
 fn declared() -> BTreeMap<&'static str, &'static str> {
@@ -196,7 +196,6 @@ fn scrape_until(addr: SocketAddr, wanted: &[&str]) -> BTreeMap<String, String> {
 #[test]
 fn the_running_binaries_export_what_they_declare() {
     let declared = declared();
-    let (exe, _) = binaries();
     let dir = tempfile::tempdir().expect("tempdir");
     let yaml = dir.path().join("config.yaml");
     std::fs::write(
@@ -212,19 +211,7 @@ fn the_running_binaries_export_what_they_declare() {
     let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
     let rules = dir.path().join("rules.toml");
     std::fs::write(&rules, "[rules.api]\ncapacity = 10\nrate = \"10/s\"\n").expect("rules");
-    let mut coordinator = Proc::start(
-        &exe,
-        &[
-            "coordinator",
-            "--config",
-            rules.to_str().unwrap(),
-            "--redis",
-            &redis.url(),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let admin: SocketAddr = coordinator.address("admin endpoint on http://");
+    let (_coordinator, admin) = Proc::coordinator(rules.to_str().unwrap(), &redis.url(), &[]);
     for (addr, wanted) in [
         (
             at,

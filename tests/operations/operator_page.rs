@@ -4,7 +4,6 @@
 //! whose addresses are then used as they are shown.
 #![allow(clippy::expect_used, clippy::unwrap_used)] // tests fail by panicking
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use leasehold_redis_harness::RedisServer;
 
-use super::ops_binaries::{Proc, binaries, http};
+use super::ops_binaries::{Proc, http};
 use crate::support;
 
 const RULES: &str =
@@ -110,22 +109,11 @@ fn a_browser_shows_the_hot_key_its_gateways_shares_and_the_bound() {
     let dir = tempfile::tempdir().expect("tempdir");
     let rules = dir.path().join("rules.toml");
     std::fs::write(&rules, RULES).expect("rules");
-    let (exe, _) = binaries();
-    let mut coordinator = Proc::start(
-        &exe,
-        &[
-            "coordinator",
-            "--config",
-            rules.to_str().unwrap(),
-            "--redis",
-            &redis.url(),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-token",
-            TOKEN,
-        ],
+    let (mut coordinator, admin) = Proc::coordinator(
+        rules.to_str().unwrap(),
+        &redis.url(),
+        &["--admin-token", TOKEN],
     );
-    let admin: SocketAddr = coordinator.address("admin endpoint on http://");
 
     // Three gateways offering 1:2:3 of 6 000 tokens a second on one key whose rate is
     // 2 000: contended, so the bucket shares by demand and refuses the rest.

@@ -50,6 +50,24 @@ impl Proc {
         (serve, at)
     }
 
+    /// `leasehold coordinator --config RULES --redis URL --listen 127.0.0.1:0 EXTRA...`, and
+    /// its admin address once it listens.
+    pub(crate) fn coordinator(rules: &str, redis: &str, extra: &[&str]) -> (Self, SocketAddr) {
+        let mut args = vec![
+            "coordinator",
+            "--config",
+            rules,
+            "--redis",
+            redis,
+            "--listen",
+            "127.0.0.1:0",
+        ];
+        args.extend(extra);
+        let mut coordinator = Self::start(&binaries().0, &args);
+        let at = coordinator.address("admin endpoint on http://");
+        (coordinator, at)
+    }
+
     /// The address printed after `prefix` on stdout, once it is (the process is up).
     pub(crate) fn address(&mut self, prefix: &str) -> SocketAddr {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -185,22 +203,10 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
     )
     .expect("rules");
     let rules = rules.to_str().expect("utf-8");
-    let (exe, gateway_exe) = binaries();
+    let (_, gateway_exe) = binaries();
 
     let (mut serve, serve_at) = Proc::serve_http(rules, Some(&url));
-    let mut coordinator = Proc::start(
-        &exe,
-        &[
-            "coordinator",
-            "--config",
-            rules,
-            "--redis",
-            &url,
-            "--listen",
-            "127.0.0.1:0",
-        ],
-    );
-    let coordinator_at = coordinator.address("admin endpoint on http://");
+    let (mut coordinator, coordinator_at) = Proc::coordinator(rules, &url, &[]);
     let mut gateway = Proc::start(
         &gateway_exe,
         &[

@@ -149,6 +149,10 @@ fn a_browser_shows_the_hot_key_its_gateways_shares_and_the_bound() {
         "",
     );
     assert_eq!(status, 401, "{body}");
+    // The scheme is case-insensitive.
+    let lower = format!("Authorization: bearer {TOKEN}");
+    let (status, body) = http(admin, "GET", "/api/overview", &[&lower], "");
+    assert_eq!(status, 200, "{body}");
     let (status, page) = http(admin, "GET", "/", &[], "");
     assert_eq!(status, 200);
     assert!(page.contains("Leasehold coordinator") && !page.contains("tenant-7"));

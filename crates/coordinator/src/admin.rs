@@ -152,7 +152,9 @@ async fn bearer(
             .headers()
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            // The scheme is case-insensitive (RFC 9110, 11.1).
+            .and_then(|v| v.split_once(' '))
+            .and_then(|(scheme, t)| scheme.eq_ignore_ascii_case("bearer").then_some(t));
         let ok = given.is_some_and(|g| {
             // Compared in time independent of where they differ.
             g.len() == token.len()
@@ -260,6 +262,7 @@ async fn overview(State(admin): State<Admin>) -> Response {
 
 /// `GET /api/key?k=KEY`: the bucket of a Redis key as the overview lists it.
 async fn one_key(State(admin): State<Admin>, uri: Uri) -> Response {
+    metrics::counter!("leasehold_coordinator_key_views_total").increment(1);
     let raw = uri
         .query()
         .unwrap_or_default()

@@ -111,3 +111,83 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
         serving.await.unwrap().unwrap();
     });
 }
+
+/// In a fleet of a thousand agents (`lh:agents`), an agent reports every 5 s instead of
+/// every second, carrying each second's totals: the coordinator still places every
+/// second's admissions in its second, and settles it once the reports covering it are due.
+#[test]
+fn a_large_fleets_slower_reports_still_account_each_second() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let store = support::store(&server.url()).await;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        // The rest of the fleet: live entries without reports.
+        let mut fleet = redis::cmd("ZADD");
+        fleet.arg("lh:agents");
+        for i in 0..997u64 {
+            fleet
+                .arg(now_ms + 60_000)
+                .arg(format!("{:016x}", 0xf000_0000 + i));
+        }
+        store.query::<i64>(&fleet).await.unwrap();
+        let mut agents = Vec::new();
+        for _ in 0..3 {
+            agents.push(support::limiter(&server.url(), RULES).await);
+        }
+        let coordinator = Arc::new(Coordinator::new(
+            store.clone(),
+            support::rules(RULES),
+            CoordinatorConfig::default(),
+        ));
+        let running = coordinator.clone().spawn();
+        let stop = Arc::new(AtomicBool::new(false));
+        let admitted = Arc::new(AtomicU64::new(0));
+        let load: Vec<_> = agents
+            .iter()
+            .map(|l| support::hammer(l, "tenant-1", "api", &stop, &admitted))
+            .collect();
+        let key = "lh:{api|tenant-1}";
+        let report_key = format!("lh:agent:{{{}}}", agents[0].agent_id());
+        let waited = Instant::now();
+        let (text, stats) = loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let text: Option<String> = store
+                .query(redis::cmd("GET").arg(&report_key))
+                .await
+                .unwrap();
+            let snap = coordinator.snapshot().read().clone();
+            if let (Some(text), Some(k)) = (text, snap.keys.get(key))
+                && text.contains("\n=every 5")
+                && text.contains("\n=past ")
+                && k.stats.window_10s.secs >= 3
+            {
+                break (text, k.stats.clone());
+            }
+            assert!(
+                waited.elapsed() < Duration::from_secs(30),
+                "no slower cadence or no accounting: {snap:?}"
+            );
+        };
+        println!("after {:?}: {text}\n{stats:?}", waited.elapsed());
+        stop.store(true, Ordering::Relaxed);
+        for t in load {
+            t.await.unwrap();
+        }
+        running.stop().await;
+        // Saturated every second, and each second's admissions in their second: within
+        // one second's budget, and not spread thin by a report every 5 s.
+        assert_eq!(stats.overshoot, 0.0, "{stats:?}");
+        assert!(
+            (1500..=2500).contains(&stats.admitted_last_sec),
+            "{stats:?}"
+        );
+        let w = stats.window_10s;
+        assert!(
+            w.admitted as f64 >= 1500.0 * w.secs as f64 && w.overshoot == 0.0,
+            "{stats:?}"
+        );
+    });
+}

@@ -3,10 +3,12 @@
 //! sees the bound hold in production and not only in tests.
 //!
 //! Agents report running totals on the whole seconds of their wall clocks (see
-//! `leasehold_store::report`). The difference between two reports of one agent is what it
-//! admitted in between, credited to the seconds the interval covers (spread evenly when
-//! a report was missed). A second is settled once every report that covers it should
-//! have arrived; windows of 1 to 10 settled seconds are checked. Reports are taken a few
+//! `leasehold_store::report`), those of the seconds between two reports included when a
+//! large fleet reports less often. The difference between two totals of one agent is
+//! what it admitted in between, credited to the seconds the interval covers (spread
+//! evenly when a report was missed). A second is settled once every report that covers
+//! it should have arrived (later at a slower cadence, [`Ledger::cadence`]); windows of 1
+//! to 10 settled seconds are checked. Reports are taken a few
 //! ms apart on clocks that agree to within NTP's error, so the bound is given a slack of
 //! [`SLACK_SECS`] of refill.
 //!
@@ -30,8 +32,9 @@ pub const SLACK_SECS: f64 = 0.1;
 /// A key (or an agent's entry for it) unreported for this long is forgotten (ms).
 pub const FORGET_AFTER_MS: u64 = 60_000;
 
-/// A second is settled this long after it ends (ms): reports are written on the whole
-/// second and read half a second later.
+/// A second is settled this long after it ends (ms) when agents report every second:
+/// reports are written on the whole second and read half a second later. Each second
+/// more between an agent's reports adds a second.
 pub const SETTLE_MS: u64 = 1_500;
 
 #[derive(Clone, Copy, Debug)]
@@ -109,6 +112,8 @@ pub struct Bound {
 pub struct Ledger {
     last: HashMap<(String, String), Last>,
     keys: HashMap<String, KeyLedger>,
+    /// The slowest cadence of the agents' reports, seconds (0 read as 1).
+    every: u64,
 }
 
 fn credit(slots: &mut BTreeMap<u64, u64>, from_ms: u64, to_ms: u64, n: u64) {
@@ -132,34 +137,55 @@ impl Ledger {
         Self::default()
     }
 
-    /// Takes one agent's report. The first report of an (agent, key) only sets its
-    /// baseline; a report not newer than the last one changes nothing.
+    /// Takes one agent's report: the seconds it samples since its previous report, then
+    /// its totals now. The first totals of an (agent, key) only set its baseline; totals
+    /// not newer than the last ones change nothing.
     pub fn record(&mut self, agent: &str, report: &Report) {
-        for (key, totals) in &report.keys {
-            let k = self.keys.entry(key.clone()).or_default();
-            k.last_ms = k.last_ms.max(report.at_ms);
-            k.demand_milli.insert(agent.to_owned(), totals.demand_milli);
-            k.held.insert(agent.to_owned(), totals.held);
-            let now = Last {
-                at_ms: report.at_ms,
-                admitted: totals.admitted,
-                calls: totals.calls,
-            };
-            match self.last.get_mut(&(agent.to_owned(), key.clone())) {
-                None => {
-                    self.last.insert((agent.to_owned(), key.clone()), now);
-                }
-                Some(last) if report.at_ms > last.at_ms => {
-                    let admitted = totals.admitted.saturating_sub(last.admitted);
-                    let calls = totals.calls.saturating_sub(last.calls);
-                    credit(&mut k.admitted, last.at_ms, report.at_ms, admitted);
-                    credit(&mut k.calls, last.at_ms, report.at_ms, calls);
-                    k.total += admitted;
-                    *last = now;
-                }
-                Some(_) => {}
+        for (key, samples) in &report.past {
+            for s in samples {
+                self.take(agent, key, s.at_ms, s.admitted, s.calls);
             }
         }
+        for (key, totals) in &report.keys {
+            self.take(agent, key, report.at_ms, totals.admitted, totals.calls);
+            let k = self.keys.entry(key.clone()).or_default();
+            k.demand_milli.insert(agent.to_owned(), totals.demand_milli);
+            k.held.insert(agent.to_owned(), totals.held);
+        }
+    }
+
+    fn take(&mut self, agent: &str, key: &str, at_ms: u64, admitted: u64, calls: u64) {
+        let k = self.keys.entry(key.to_owned()).or_default();
+        k.last_ms = k.last_ms.max(at_ms);
+        let now = Last {
+            at_ms,
+            admitted,
+            calls,
+        };
+        match self.last.get_mut(&(agent.to_owned(), key.to_owned())) {
+            None => {
+                self.last.insert((agent.to_owned(), key.to_owned()), now);
+            }
+            Some(last) if at_ms > last.at_ms => {
+                let admitted = admitted.saturating_sub(last.admitted);
+                let calls = calls.saturating_sub(last.calls);
+                credit(&mut k.admitted, last.at_ms, at_ms, admitted);
+                credit(&mut k.calls, last.at_ms, at_ms, calls);
+                k.total += admitted;
+                *last = now;
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// The slowest cadence among the live agents' reports, seconds: a second is settled
+    /// once the last of them covering it is due.
+    pub fn cadence(&mut self, every: u64) {
+        self.every = every;
+    }
+
+    fn settle_ms(&self) -> u64 {
+        SETTLE_MS + self.every.saturating_sub(1) * 1000
     }
 
     /// Drops history older than [`SLOTS_KEPT`] seconds and keys (and agents' entries)
@@ -189,9 +215,10 @@ impl Ledger {
     /// The statistics of `key` at wall-clock `now_ms`, checked against `bound`; the
     /// worst overshoot seen is updated.
     pub fn stats(&mut self, key: &str, bound: Bound, now_ms: u64) -> Option<KeyStats> {
+        let settle_ms = self.settle_ms();
         let k = self.keys.get_mut(key)?;
         // The last settled second.
-        let settled = (now_ms.saturating_sub(SETTLE_MS) / 1000).checked_sub(1)?;
+        let settled = (now_ms.saturating_sub(settle_ms) / 1000).checked_sub(1)?;
         let at = |m: &BTreeMap<u64, u64>, s: u64| m.get(&s).copied().unwrap_or(0);
         let first = k.admitted.keys().next().copied().unwrap_or(settled);
         let mut overshoot: f64 = 0.0;
@@ -316,5 +343,40 @@ mod tests {
         assert_eq!(l.stats("k", BOUND, T + 5600).unwrap().admitted_total, 250);
         l.forget(T + 5600 + FORGET_AFTER_MS);
         assert!(l.stats("k", BOUND, T + 70_000).is_none());
+    }
+
+    #[test]
+    fn a_report_every_five_seconds_places_each_seconds_admissions() {
+        use leasehold_store::report::Sample;
+        let mut l = Ledger::new();
+        l.cadence(5);
+        l.record("a", &report(T, 0, 0));
+        // One report at T+5 s carrying the four seconds before it: 300 tokens in the
+        // second from T+2 s, 10 in the others. Spread evenly it would read 68 a second.
+        let mut r = report(T + 5000, 340, 5);
+        let admitted = [10, 20, 320, 330];
+        r.past.insert(
+            "k".into(),
+            (1..=4)
+                .map(|s| Sample {
+                    at_ms: T + s * 1000,
+                    admitted: admitted[s as usize - 1],
+                    calls: s,
+                })
+                .collect(),
+        );
+        l.record("a", &r);
+        // Not settled until the report covering it is due: five seconds more than at a
+        // report a second.
+        assert!(l.stats("k", BOUND, T + 5600).unwrap().window_1s.secs == 0);
+        let st = l.stats("k", BOUND, T + 5000 + SETTLE_MS + 4000).unwrap();
+        assert_eq!(st.admitted_last_sec, 10);
+        assert_eq!(st.window_10s.admitted, 340);
+        // 300 in one second against B + r = 150: an overshoot spreading would hide.
+        assert!(
+            (st.overshoot - (300.0 - 155.0) / 150.0).abs() < 1e-9,
+            "{st:?}"
+        );
+        assert_eq!(st.admitted_total, 340);
     }
 }

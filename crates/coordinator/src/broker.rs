@@ -248,8 +248,8 @@ impl Broker {
                     let totals = self.totals.lock();
                     let name = format!("region {} (broker)", self.region);
                     let lines = leasehold_store::report::AgentLines {
-                        health: None,
                         name: Some(&name),
+                        ..Default::default()
                     };
                     Report::encode_with(
                         wall_ms,

@@ -235,10 +235,12 @@ impl Coordinator {
         }
         let reports = self.store.agent_reports(&agents).await?;
         let mut gateways = BTreeMap::new();
+        let mut every = 1;
         for (agent, text) in agents.iter().zip(reports) {
             if let Some(text) = text {
                 let report = Report::parse(&text);
                 let id = agent.to_string();
+                every = every.max(report.every);
                 self.ledger.lock().record(&id, &report);
                 gateways.insert(
                     id,
@@ -254,6 +256,7 @@ impl Coordinator {
         let mut statuses = BTreeMap::new();
         {
             let mut ledger = self.ledger.lock();
+            ledger.cadence(every);
             ledger.forget(now_ms);
             if let Some(b) = &self.broker {
                 b.ensure(leader, ledger.keys());

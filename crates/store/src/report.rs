@@ -1,7 +1,7 @@
 //! What agents report to the coordinator, and where.
 //!
-//! Every second, on the whole second of its wall clock, an agent replaces its report
-//! with one `SET lh:agent:{ID} ... PX` (atomic, one key): a first line with the report's
+//! On the whole seconds of its wall clock, an agent replaces its report with one
+//! `SET lh:agent:{ID} ... PX` (atomic, one key): a first line with the report's
 //! wall-clock time in ms, then a line per leased bucket it used recently (the parent key
 //! of a split bucket; cold keys' exact decisions cannot overshoot), `KEY admitted,calls,demand,held`, running totals. Bucket keys are
 //! escaped, so they hold no whitespace. Lines `=health LINE` and `=name NAME` (the
@@ -11,8 +11,19 @@
 //! agent's id is scored with its time in the sorted set `lh:agents`, so the coordinator
 //! finds live agents without a keyspace scan: its work per tick is one read per live
 //! agent and one entry per (agent, key).
+//!
+//! **Cadence.** Each report is a network event for Redis, and a thousand agents writing
+//! once a second cost a Redis as much as a tenth of a naive per-request script's whole
+//! load. So an agent writes every [`every_secs`] seconds, one to five as the fleet grows
+//! (the size of `lh:agents`, read in the same round trip), on the seconds
+//! [`writes_at`] spreads across the fleet; it still samples its totals every whole
+//! second, and a report carries the samples since the last one as `=past KEY
+//! AT:ADMITTED:CALLS ...` lines, so the coordinator places every admission in its second
+//! whatever the cadence. `=every N` says the cadence: the coordinator settles a second
+//! only once every agent's report covering it is due. (A coordinator of an earlier
+//! version skips both lines and spreads admissions over the interval.)
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use leasehold_core::model::AgentId;
 
@@ -32,6 +43,27 @@ pub const REPORT_TTL_MS: u64 = 10_000;
 
 /// The most buckets one report carries (the most recently used first).
 pub const MAX_KEYS_PER_REPORT: usize = 4096;
+
+/// The longest interval between an agent's reports, seconds: two reports in a
+/// report's life ([`REPORT_TTL_MS`]).
+pub const MAX_EVERY_SECS: u64 = 5;
+
+/// Agents the fleet's reports are sized for per second: a fleet up to this size
+/// reports every second, a larger one at most about this many reports a second.
+pub const REPORTS_PER_SEC: u64 = 200;
+
+/// Seconds between an agent's reports in a fleet of `agents` (see the module's note).
+pub fn every_secs(agents: u64) -> u64 {
+    agents.div_ceil(REPORTS_PER_SEC).clamp(1, MAX_EVERY_SECS)
+}
+
+/// Whether `agent` writes its report on the whole second of `at_ms` (taken within half
+/// a second of it) at a cadence of `every` seconds: the fleet's writes spread evenly
+/// over the seconds.
+pub fn writes_at(at_ms: u64, agent: AgentId, every: u64) -> bool {
+    let second = (at_ms + 500) / 1000;
+    every <= 1 || (second + agent.0 % every).is_multiple_of(every)
+}
 
 /// The report key of `agent`.
 pub fn report_key(agent: AgentId) -> String {
@@ -73,6 +105,63 @@ impl KeyReport {
     }
 }
 
+/// A bucket's running totals at a whole second between two written reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sample {
+    /// When the agent took it (wall-clock ms).
+    pub at_ms: u64,
+    /// [`KeyReport::admitted`] then.
+    pub admitted: u64,
+    /// [`KeyReport::calls`] then.
+    pub calls: u64,
+}
+
+/// An agent's samples since its last written report, per bucket, oldest first.
+pub type Past = BTreeMap<String, Vec<Sample>>;
+
+/// The most samples a bucket keeps while writes fail.
+const MAX_SAMPLES: usize = 2 * MAX_EVERY_SECS as usize;
+
+/// What an agent keeps between the reports it writes.
+#[derive(Debug, Default)]
+pub struct Log {
+    past: Past,
+}
+
+impl Log {
+    /// Keeps the totals of the whole second of `at_ms`, for the next report.
+    pub fn keep<'a>(&mut self, at_ms: u64, keys: impl IntoIterator<Item = (&'a str, KeyReport)>) {
+        for (key, r) in keys {
+            let sample = Sample {
+                at_ms,
+                admitted: r.admitted,
+                calls: r.calls,
+            };
+            let v = self.past.entry(key.to_owned()).or_default();
+            v.push(sample);
+            if v.len() > MAX_SAMPLES {
+                v.remove(0);
+            }
+        }
+    }
+
+    /// The samples kept, for the report being written.
+    pub fn take(&mut self) -> Past {
+        std::mem::take(&mut self.past)
+    }
+
+    /// A report that could not be written: its samples go into the next one.
+    pub fn restore(&mut self, past: Past) {
+        for (key, mut older) in past {
+            let v = self.past.entry(key).or_default();
+            older.append(v);
+            let cut = older.len().saturating_sub(MAX_SAMPLES);
+            older.drain(..cut);
+            *v = older;
+        }
+    }
+}
+
 /// A report as read back: its time (wall-clock ms) and its buckets.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
@@ -80,6 +169,10 @@ pub struct Report {
     pub at_ms: u64,
     /// Bucket key to totals.
     pub keys: HashMap<String, KeyReport>,
+    /// The whole seconds since the previous report, per bucket (see the module's note).
+    pub past: Past,
+    /// Seconds until the agent's next report (1 when it did not say).
+    pub every: u64,
     /// The agent's health line (`ready`, `degraded: REASON`), when it said.
     pub health: Option<String>,
     /// The agent's host and process, when it said.
@@ -93,6 +186,10 @@ pub struct AgentLines<'a> {
     pub health: Option<&'a str>,
     /// Its host and process.
     pub name: Option<&'a str>,
+    /// Its cadence, seconds (0 or 1: every second, not said).
+    pub every: u64,
+    /// Its samples since the last report.
+    pub past: Option<&'a Past>,
 }
 
 /// One line of free text: no line breaks, at most 200 bytes (cut on a character).
@@ -131,11 +228,21 @@ impl Report {
                 text.push_str(&one_line(v));
             }
         }
+        if agent.every > 1 {
+            text.push_str(&format!("\n=every {}", agent.every));
+        }
         for (key, r) in keys {
             text.push('\n');
             text.push_str(key);
             text.push(' ');
             text.push_str(&r.encode());
+        }
+        for (key, samples) in agent.past.into_iter().flatten() {
+            text.push_str("\n=past ");
+            text.push_str(key);
+            for s in samples.iter().filter(|s| s.at_ms < at_ms) {
+                text.push_str(&format!(" {}:{}:{}", s.at_ms, s.admitted, s.calls));
+            }
         }
         text
     }
@@ -146,6 +253,7 @@ impl Report {
         let at_ms = lines.next().and_then(|l| l.parse().ok()).unwrap_or(0);
         let mut report = Self {
             at_ms,
+            every: 1,
             ..Self::default()
         };
         for line in lines {
@@ -155,6 +263,31 @@ impl Report {
             match key {
                 "=health" => report.health = Some(rest.to_owned()),
                 "=name" => report.name = Some(rest.to_owned()),
+                "=every" => {
+                    if let Ok(n) = rest.parse::<u64>() {
+                        report.every = n.clamp(1, MAX_EVERY_SECS);
+                    }
+                }
+                "=past" => {
+                    let mut it = rest.split(' ');
+                    let Some(key) = it.next() else { continue };
+                    let samples: Option<Vec<Sample>> = it
+                        .map(|t| {
+                            let mut n = t.split(':').map(|v| v.parse::<u64>().ok());
+                            let s = Sample {
+                                at_ms: n.next()??,
+                                admitted: n.next()??,
+                                calls: n.next()??,
+                            };
+                            n.next().is_none().then_some(s)
+                        })
+                        .collect();
+                    if let Some(mut samples) = samples {
+                        samples.retain(|s| s.at_ms < at_ms);
+                        samples.sort_by_key(|s| s.at_ms);
+                        report.past.insert(key.to_owned(), samples);
+                    }
+                }
                 _ => {
                     if let Some(totals) = KeyReport::parse(rest) {
                         report.keys.insert(key.to_owned(), totals);
@@ -192,6 +325,7 @@ mod tests {
         let lines = AgentLines {
             health: Some("degraded: store unreachable\n(breaker open: a)"),
             name: Some("gw-1/42"),
+            ..Default::default()
         };
         let text = Report::encode_with(7, lines, [("lh:{a|b}", r)]);
         let back = Report::parse(&text);
@@ -211,5 +345,79 @@ mod tests {
             })
             .collect();
         assert_eq!(old.len(), 1);
+    }
+
+    #[test]
+    fn a_slower_cadence_carries_every_second_and_an_older_reader_skips_it() {
+        assert_eq!(
+            [1, 200, 201, 1000, 5000].map(every_secs),
+            [1, 1, 2, 5, 5],
+            "every second up to 200 agents, then about 200 reports a second, at most 5 s"
+        );
+        // Every agent writes once every `every` seconds, the fleet's writes spread evenly.
+        for every in 1..=5 {
+            for agent in 0..20u64 {
+                let writes = (0..4 * every)
+                    .filter(|s| writes_at(s * 1000 + 3, AgentId(agent), every))
+                    .count();
+                assert_eq!(writes, 4);
+            }
+            let on_second_0 = (0..60u64)
+                .filter(|&a| writes_at(2, AgentId(a), every))
+                .count();
+            assert_eq!(on_second_0, 60 / every as usize);
+        }
+        let r = |admitted, calls| KeyReport {
+            admitted,
+            calls,
+            demand_milli: 1,
+            held: 0,
+        };
+        let mut log = Log::default();
+        log.keep(1_000, [("lh:{a|b}", r(10, 1))]);
+        log.keep(2_000, [("lh:{a|b}", r(25, 2)), ("lh:{a|c}", r(4, 1))]);
+        let past = log.take();
+        assert!(log.take().is_empty());
+        let lines = AgentLines {
+            every: 3,
+            past: Some(&past),
+            ..Default::default()
+        };
+        let text = Report::encode_with(3_000, lines, [("lh:{a|b}", r(40, 3))]);
+        let back = Report::parse(&text);
+        assert_eq!(back.every, 3);
+        assert_eq!(back.keys["lh:{a|b}"], r(40, 3));
+        let sample = |at_ms, admitted, calls| Sample {
+            at_ms,
+            admitted,
+            calls,
+        };
+        assert_eq!(
+            back.past["lh:{a|b}"],
+            [sample(1_000, 10, 1), sample(2_000, 25, 2)]
+        );
+        assert_eq!(back.past["lh:{a|c}"], [sample(2_000, 4, 1)]);
+        // An older coordinator reads the totals now and nothing else.
+        let old: Vec<_> = text
+            .lines()
+            .skip(1)
+            .filter_map(|l| KeyReport::parse(l.split_once(' ')?.1))
+            .collect();
+        assert_eq!(old, [r(40, 3)]);
+        // A failed write: its samples go into the next, oldest first, at most ten.
+        log.keep(4_000, [("lh:{a|b}", r(50, 4))]);
+        log.restore(past);
+        let v = &log.take()["lh:{a|b}"];
+        assert_eq!(
+            v.iter().map(|s| s.at_ms).collect::<Vec<_>>(),
+            [1_000, 2_000, 4_000]
+        );
+        for at in 0..30 {
+            log.keep(at * 1000, [("k", r(at, at))]);
+        }
+        assert_eq!(log.take()["k"].len(), 2 * MAX_EVERY_SECS as usize);
+        // Garbage in a sample drops the line, not the report.
+        let back = Report::parse("5000\n=past k 1000:1 2000:2:2\nk 1,1,1,1\n=every x");
+        assert!(back.past.is_empty() && back.keys.len() == 1 && back.every == 1);
     }
 }

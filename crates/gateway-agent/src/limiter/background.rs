@@ -243,9 +243,12 @@ pub(super) fn wall_ms() -> u64 {
 }
 
 /// Writes this agent's report for the coordinator (see [`crate::report`]): running
-/// totals of the leased buckets it used recently.
+/// totals of the leased buckets it used recently. On the seconds between two reports
+/// (a large fleet's cadence) the totals are kept for the next one.
 pub(super) async fn report(limiter: Limiter) {
-    use crate::report::{KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report};
+    use crate::report::{
+        KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report, every_secs, writes_at,
+    };
     let Store::Redis(store) = &limiter.inner.store else {
         return;
     };
@@ -300,14 +303,30 @@ pub(super) async fn report(limiter: Limiter) {
         };
         lines.push((ks.bucket.as_str().to_owned(), totals));
     }
+    let inner = &limiter.inner;
+    let every = inner.report_every.load(Ordering::Relaxed);
+    let lines = lines.iter().map(|(k, r)| (k.as_str(), *r));
+    if !writes_at(at_ms, inner.agent, every) {
+        inner.report_log.lock().keep(at_ms, lines);
+        return;
+    }
+    let past = inner.report_log.lock().take();
     let health = limiter.health().line();
     let agent = crate::report::AgentLines {
         health: Some(&health),
         name: Some(process_name()),
+        every,
+        past: Some(&past),
     };
-    let text = Report::encode_with(at_ms, agent, lines.iter().map(|(k, r)| (k.as_str(), *r)));
-    if let Err(e) = store.report(limiter.inner.agent, at_ms, &text).await {
-        tracing::debug!(error = %e, "report to the coordinator failed");
+    let text = Report::encode_with(at_ms, agent, lines);
+    match store.report(inner.agent, at_ms, &text).await {
+        Ok(fleet) => inner
+            .report_every
+            .store(every_secs(fleet), Ordering::Relaxed),
+        Err(e) => {
+            tracing::debug!(error = %e, "report to the coordinator failed");
+            inner.report_log.lock().restore(past);
+        }
     }
 }
 

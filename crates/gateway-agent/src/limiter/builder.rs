@@ -363,6 +363,8 @@ impl LimiterBuilder {
             keys_evicted: AtomicU64::new(0),
             prefetch: tx,
             swept: parking_lot::Mutex::new(Vec::new()),
+            report_log: parking_lot::Mutex::default(),
+            report_every: AtomicU64::new(1),
             sweep_cursor: AtomicUsize::new(0),
             policy: self.config.policy(),
             config: self.config,

@@ -211,6 +211,10 @@ struct Inner {
     swept: parking_lot::Mutex<Vec<Arc<KeyState>>>,
     /// The next shard the sweep's pass over the whole map visits.
     sweep_cursor: AtomicUsize,
+    /// The samples of the seconds since the last report written, and the seconds
+    /// between reports (see [`crate::report`], cadence).
+    report_log: parking_lot::Mutex<crate::report::Log>,
+    report_every: AtomicU64,
     config: LimiterConfig,
     /// The part of `config` the lease-core policy reads.
     policy: PolicyConfig,

@@ -24,13 +24,14 @@ impl RedisStore {
         self.query::<i64>(&add).await.map(|_| ())
     }
 
-    /// Replaces `agent`'s report (see [`crate::report`]) and scores it live at `at_ms`.
+    /// Replaces `agent`'s report (see [`crate::report`]) and scores it live at `at_ms`;
+    /// returns the size of the fleet, the agents in `lh:agents`.
     pub async fn report(
         &self,
         agent: leasehold_core::model::AgentId,
         at_ms: u64,
         text: &str,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let mut set = redis::cmd("SET");
         set.arg(report_key(agent))
             .arg(text)
@@ -38,11 +39,19 @@ impl RedisStore {
             .arg(REPORT_TTL_MS);
         let mut zadd = redis::cmd("ZADD");
         zadd.arg(AGENTS_KEY).arg(at_ms).arg(agent.to_string());
-        // Both in flight at once: the multiplexed connection writes them together, and
-        // Redis reads them in one go (a thousand agents report every second).
-        let (set, zadd) = tokio::join!(self.query::<()>(&set), self.query::<i64>(&zadd));
+        let mut card = redis::cmd("ZCARD");
+        card.arg(AGENTS_KEY);
+        // All in flight at once: the multiplexed connection writes them together, and
+        // Redis reads them in one go (one network event costs Redis more than the three
+        // commands).
+        let (set, zadd, card) = tokio::join!(
+            self.query::<()>(&set),
+            self.query::<i64>(&zadd),
+            self.query::<u64>(&card)
+        );
         set?;
-        zadd.map(drop)
+        zadd?;
+        card
     }
 
     /// The slot ranges of the store's primaries, named `host:port`: one range covering

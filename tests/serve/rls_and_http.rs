@@ -474,6 +474,14 @@ fn envoy_rls_and_http_check_on_redis() {
         let (status, body) = support::http_get(http_addr, "/metrics").await;
         assert_eq!(status, 200);
         assert!(body.contains("leasehold_serve_requests_total"), "{body}");
+        // The shadow limit's refusals above are counted: the three the agent let through
+        // (its shadow_denied) and the three decided before the store (named twice).
+        let shadow = body
+            .lines()
+            .find(|l| l.starts_with("leasehold_serve_shadow_total{domain=\"messaging\"}"))
+            .unwrap_or_else(|| panic!("no shadow count in {body}"));
+        let n: f64 = shadow.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(n >= 6.0, "{shadow}");
 
         serving.stop().await;
     });

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use leasehold_agent::headers::{self, Policy};
-use leasehold_agent::{Check, CheckError, Decision, Limiter, RuleRef};
+use leasehold_agent::{Admission, Check, CheckError, Decision, Limiter, RuleRef};
 use leasehold_core::rule::{Rule, RuleSpec};
 use leasehold_store::{Rules, RulesError};
 
@@ -287,11 +287,15 @@ impl Decider {
                 metered: true,
             })
             .collect();
+        // A descriptor in shadow mode over its limit: counted, let through.
+        let shadow_over = || {
+            metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
+                .increment(1);
+        };
         // Over the limit without taking: in shadow mode only counted.
         let over = |s: &mut Status, shadow: bool, reset: Option<Duration>| {
             if shadow {
-                metrics::counter!("leasehold_serve_shadow_total", "domain" => domain.to_owned())
-                    .increment(1);
+                shadow_over();
                 // Let through: what it reports is not the store's count.
                 s.metered = false;
             } else {
@@ -349,6 +353,9 @@ impl Decider {
             let s = &mut statuses[i];
             match limiter.peek(rule, subject, 1).await? {
                 Decision::Allowed { remaining, via } => {
+                    if via == Admission::Shadow {
+                        shadow_over();
+                    }
                     s.metered = via.is_metered();
                     s.remaining = clip(remaining);
                     s.reset = Some(refill_time(p.capacity.saturating_sub(remaining), p.rate));
@@ -399,6 +406,10 @@ impl Decider {
             if let Decision::Allowed { .. } = d {
                 for (t, d) in takes.iter().zip(&each) {
                     if let Some(Decision::Allowed { remaining, via }) = *d {
+                        if via == Admission::Shadow {
+                            // A shadow rule's refusal, let through by the agent.
+                            shadow_over();
+                        }
                         let s = &mut statuses[t.i];
                         s.metered = via.is_metered();
                         s.remaining = clip(remaining);

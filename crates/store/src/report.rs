@@ -94,15 +94,24 @@ impl KeyReport {
 
     /// The inverse of [`KeyReport::encode`]; `None` for anything else.
     pub fn parse(text: &str) -> Option<Self> {
-        let mut it = text.split(',').map(|v| v.parse::<u64>().ok());
-        let r = Self {
-            admitted: it.next()??,
-            calls: it.next()??,
-            demand_milli: it.next()??,
-            held: it.next()??,
-        };
-        it.next().is_none().then_some(r)
+        let [admitted, calls, demand_milli, held] = numbers(text, ',')?;
+        Some(Self {
+            admitted,
+            calls,
+            demand_milli,
+            held,
+        })
     }
+}
+
+/// Exactly `N` decimal numbers separated by `sep`; `None` for anything else.
+fn numbers<const N: usize>(text: &str, sep: char) -> Option<[u64; N]> {
+    let mut it = text.split(sep);
+    let mut out = [0; N];
+    for n in &mut out {
+        *n = it.next()?.parse().ok()?;
+    }
+    it.next().is_none().then_some(out)
 }
 
 /// A bucket's running totals at a whole second between two written reports.
@@ -273,13 +282,12 @@ impl Report {
                     let Some(key) = it.next() else { continue };
                     let samples: Option<Vec<Sample>> = it
                         .map(|t| {
-                            let mut n = t.split(':').map(|v| v.parse::<u64>().ok());
-                            let s = Sample {
-                                at_ms: n.next()??,
-                                admitted: n.next()??,
-                                calls: n.next()??,
-                            };
-                            n.next().is_none().then_some(s)
+                            let [at_ms, admitted, calls] = numbers(t, ':')?;
+                            Some(Sample {
+                                at_ms,
+                                admitted,
+                                calls,
+                            })
                         })
                         .collect();
                     if let Some(mut samples) = samples {

@@ -806,11 +806,15 @@ end
 -- (ops.rs, rate).
 local RATE_HEADROOM = 1.25
 
--- ops.rs, rate_term_us: the term of a rate lease while sn shares are live.
+-- ops.rs, rate_term_us: the term of a rate lease while sn shares are live, twice as long
+-- for a steady renewal (ops.rs, steady: it had a share, and its demand is within a quarter
+-- of the last one).
 local RATE_MIN_TERM_US = 400000
 local RATE_TERM_PER_SHARE_US = 4000
-local function rate_term(p, sn)
-  return math.min(p.ttl, math.max(RATE_MIN_TERM_US, sn * RATE_TERM_PER_SHARE_US))
+local function rate_term(p, sn, steady)
+  local per = RATE_TERM_PER_SHARE_US
+  if steady then per = 2 * per end
+  return math.min(p.ttl, math.max(RATE_MIN_TERM_US, sn * per))
 end
 
 -- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held) and the whole
@@ -859,10 +863,14 @@ local function rate(keys, p, held, want, tokens, demand)
   s.tok = s.tok - paid
   clamp(s, p)
   add_share(s, p, share)
-  local term = rate_term(p, s.sn)
+  local limited = share < part - divmod(part, 8)
+  local prior_q, prior_d = rec and rec.q or 0, rec and rec.demand or 0
+  local steady = not limited and prior_q > 0 and prior_d > 0 and demand * 4 <= prior_d * 5 and
+    demand * 5 >= prior_d * 4
+  local term = rate_term(p, s.sn, steady)
   local reply = new_reply(now, moved)
   reply[1], reply[2], reply[6] = paid, term, share
-  if share < part - divmod(part, 8) then reply[4] = 1 end
+  if limited then reply[4] = 1 end
   return finish(key, s, p, now, {held = burst, x = now + term + p.grace, demand = demand,
     credit = kept_credit(rec, p), q = share, says = burst}, reply)
 end

@@ -516,6 +516,60 @@ fn differential_lua_matches_model() {
     });
 }
 
+/// 120 rate leases on one key (4 ms of term per live share, 0.4 s at least): a renewal whose
+/// demand stays within a quarter of the last one gets twice the term, one whose demand
+/// moved or whose share was cut gets the plain one; Lua and the model agree on every
+/// reply and record.
+#[test]
+fn steady_rate_renewals_get_twice_the_term_in_lua_as_in_the_model() {
+    let server = server();
+    runtime().block_on(async {
+        let st = store(&server.url()).await;
+        let rule = RuleName::new("steady").expect("rule name");
+        let key = BucketKey::new(&rule, "tenant").expect("key");
+        let p = params(60_000, "12000/s", "10s", "1s", None);
+        let mut model = GlobalBucket::new();
+        let agents: Vec<AgentId> = (1..=120).map(AgentId).collect();
+        let mut last_now = 0;
+        let mut terms = Vec::new();
+        // First calls, then renewals at the same demand, then at twice it.
+        for (round, demand) in [(1, 50_000), (2, 55_000), (3, 110_000)] {
+            let mut ttls = Vec::new();
+            for a in &agents {
+                let req = Request {
+                    agent: *a,
+                    seq: round,
+                    op: Op::Rate {
+                        held: if round == 1 { 0 } else { 20 },
+                        want: 20,
+                        tokens: 0,
+                        demand,
+                    },
+                };
+                let ctx = format!("agent {a:?} round {round}");
+                let reply = call_same(&server, &st, &key, &mut model, &p, &req, last_now, &ctx)
+                    .await
+                    .expect("not stale");
+                last_now = last_now.max(reply.now_us);
+                ttls.push(reply.ttl_us);
+            }
+            terms.push(ttls);
+        }
+        // With 120 shares live: 0.48 s plain, 0.96 s steady.
+        assert!(terms[0].iter().all(|&t| t <= 480_000), "{:?}", terms[0]);
+        assert!(
+            terms[1].iter().all(|&t| t == 960_000),
+            "steady: {:?}",
+            terms[1]
+        );
+        assert!(
+            terms[2].iter().all(|&t| t == 480_000),
+            "demand doubled: {:?}",
+            terms[2]
+        );
+    });
+}
+
 /// A random operation of an agent on a bucket of parameters `p`; a split (the
 /// coordinator's) only when `split_from` gives the time its term is counted from; a rate
 /// lease where one may be (strict mode, not on a part).

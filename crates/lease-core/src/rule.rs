@@ -210,7 +210,7 @@ pub struct RuleSpec {
     pub timeout: Option<String>,
     /// `"auto"` (default), `"lease"`, `"exact"` or `"rate"`.
     pub leasing: Option<String>,
-    /// With `leasing = "rate"`: how long a rate lease runs (default `"4s"`); it takes
+    /// With `leasing = "rate"`: how long a rate lease runs at most (default `"8s"`); it takes
     /// `lease_ttl`'s place.
     pub term: Option<String>,
     /// Wait for this many replicas to acknowledge each call that grants tokens (Redis
@@ -744,7 +744,7 @@ impl Rule {
                     ),
                 ));
             }
-            dur("term", &spec.term, Duration::from_secs(4), MAX_LEASE_TTL)?
+            dur("term", &spec.term, Duration::from_secs(8), MAX_LEASE_TTL)?
         } else {
             if let Some(t) = &spec.term {
                 return Err(conflict(
@@ -1302,7 +1302,7 @@ mod tests {
         r.leasing = Some("rate".into());
         let rule = Rule::from_spec("r", &r).unwrap();
         assert_eq!(rule.leasing(), Leasing::Rate);
-        assert_eq!(rule.lease_ttl(), Duration::from_secs(4), "the default term");
+        assert_eq!(rule.lease_ttl(), Duration::from_secs(8), "the default term");
         r.term = Some("2s".into());
         assert_eq!(
             Rule::from_spec("r", &r)

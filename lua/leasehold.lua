@@ -807,8 +807,8 @@ end
 local RATE_HEADROOM = 1.25
 
 -- ops.rs, rate_term_us: the term of a rate lease while sn shares are live, twice as long
--- for a steady renewal (ops.rs, steady: it had a share, and its demand is within a quarter
--- of the last one).
+-- for a steady renewal (ops.rs, steady: it had a share, its demand is within a quarter of
+-- the last one, and its share in the same proportion to it within an eighth).
 local RATE_MIN_TERM_US = 400000
 local RATE_TERM_PER_SHARE_US = 4000
 local function rate_term(p, sn, steady)
@@ -865,8 +865,12 @@ local function rate(keys, p, held, want, tokens, demand)
   add_share(s, p, share)
   local limited = share < part - divmod(part, 8)
   local prior_q, prior_d = rec and rec.q or 0, rec and rec.demand or 0
-  local steady = not limited and prior_q > 0 and prior_d > 0 and demand * 4 <= prior_d * 5 and
-    demand * 5 >= prior_d * 4
+  local steady = false
+  if not limited and prior_q > 0 and prior_d > 0 and
+      math.abs(demand - prior_d) <= divmod(prior_d, 4) then
+    local was = prior_q * demand
+    steady = math.abs(share * prior_d - was) * 8 <= was
+  end
   local term = rate_term(p, s.sn, steady)
   local reply = new_reply(now, moved)
   reply[1], reply[2], reply[6] = paid, term, share

@@ -442,13 +442,18 @@ pub(crate) fn rate_term_us(p: &BucketParams, shares: u64, steady: bool) -> u64 {
         .min(RATE_MIN_TERM_US.max(shares.saturating_mul(per_share)))
 }
 
-/// Whether a renewal is steady (see [`rate_term_us`]): it had a share, and reports a
-/// demand within a quarter of the last one.
-fn steady(prior_share: u64, prior_demand: u64, demand: u64) -> bool {
-    prior_share > 0
-        && prior_demand > 0
-        && demand.saturating_mul(4) <= prior_demand.saturating_mul(5)
-        && demand.saturating_mul(5) >= prior_demand.saturating_mul(4)
+/// Whether a renewal is steady (see [`rate_term_us`]): it had a share, reports a demand
+/// within a quarter of the last one, and gets a share in the same proportion to it as
+/// before, within an eighth (a share cut, or swollen, by other demands in passing — the
+/// demands of a fleet whose load moved, counted until their agents renew — is renewed at
+/// the plain term). Floating point, the same operations as the Lua, so both round alike.
+fn steady(prior_share: u64, share: u64, prior_demand: u64, demand: u64) -> bool {
+    if prior_share == 0 || prior_demand == 0 || demand.abs_diff(prior_demand) > prior_demand / 4 {
+        return false;
+    }
+    let was = prior_share as f64 * demand as f64;
+    let is = share as f64 * prior_demand as f64;
+    (is - was).abs() * 8.0 <= was
 }
 
 /// A rate lease: the agent declares its burst (`held`), asks for `want`, and gets a share of
@@ -517,7 +522,7 @@ pub(super) fn rate(
     s.add_share(p, share);
     // Limited: less than seven eighths of its part (a shortfall worth another call).
     let limited = share < part - part / 8;
-    let steady = !limited && steady(prior_share, prior_demand, demand);
+    let steady = !limited && steady(prior_share, share, prior_demand, demand);
     let term = rate_term_us(p, s.share_records, steady);
     let mut reply = c.reply();
     reply.granted = paid;

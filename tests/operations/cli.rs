@@ -77,6 +77,16 @@ fn coordinator_names_what_is_wrong() {
         "/nonexistent.toml",
     ]);
     assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        example,
+        "--admin-token",
+        "",
+    ]);
+    assert!(!ok && stderr.contains("--admin-token is empty"), "{stderr}");
     // Nothing listening on the store's port is not an error: the coordinator starts and
     // retries (tests/operations/ops_binaries.rs).
 }

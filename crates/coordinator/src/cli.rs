@@ -113,6 +113,18 @@ pub async fn run(
             args.split_above
         ));
     }
+    // An empty token would leave the page open while the operator believes it closed.
+    if args
+        .admin_token
+        .as_deref()
+        .is_some_and(|t| t.trim().is_empty())
+    {
+        return Err(
+            "--admin-token is empty: give a token, or leave the flag out to serve the \
+             page without one"
+                .into(),
+        );
+    }
     if !(1..=3600).contains(&args.term) {
         return Err(format!(
             "--term {}: must be between 1 and 3600 seconds",

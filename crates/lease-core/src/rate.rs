@@ -104,7 +104,15 @@ impl Rate {
 }
 
 impl fmt::Display for Rate {
+    /// Per second when that is a whole number (`50/s`, kept in lowest terms as 1/20ms),
+    /// else per its own period (`1/1m`, `7/3s`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.period_us <= 1_000_000
+            && 1_000_000 % self.period_us == 0
+            && let Some(n) = self.tokens.checked_mul(1_000_000 / self.period_us)
+        {
+            return write!(f, "{n}/s");
+        }
         let d = Duration::from_micros(self.period_us);
         write!(f, "{}/{}", self.tokens, humantime::format_duration(d))
     }
@@ -185,5 +193,25 @@ mod tests {
         ));
         let msg = "0/s".parse::<Rate>().unwrap_err().to_string();
         assert!(msg.contains("at least one token"), "{msg}");
+    }
+
+    #[test]
+    fn rates_read_back_per_second_when_whole() {
+        for (text, shown) in [
+            ("50/s", "50/s"),
+            ("7/100ms", "70/s"),
+            ("1/s", "1/s"),
+            ("1/1m", "1/1m"),
+            ("7/3s", "7/3s"),
+            ("3/2500ms", "3/2s 500ms"),
+        ] {
+            let r: Rate = text.parse().unwrap();
+            assert_eq!(r.to_string(), shown, "{text}");
+            assert_eq!(
+                r.to_string().parse::<Rate>().unwrap(),
+                r,
+                "{text} reads back"
+            );
+        }
     }
 }

@@ -303,6 +303,10 @@ fn main() -> ExitCode {
                 seed,
                 progress: true,
             };
+            // A bad scenario is refused before anything is printed or started.
+            if let Err(e) = opts.scenario.validate() {
+                return usage(&e);
+            }
             println!(
                 "simulate: scenario {}, {} agents, {} s per system, built-in scenarios: {}",
                 opts.scenario.name,

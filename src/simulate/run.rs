@@ -379,7 +379,8 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                     &naive_offline,
                     opts.scenario.rlqs_servers,
                 )
-                .await?,
+                .await
+                .map_err(|e| format!("{name} on the store {}: {e}", env.describe()))?,
             );
             let run = Arc::new(Run {
                 keys: Keys::new(&opts.scenario),

@@ -264,6 +264,12 @@ fn simulate_refuses_bad_input_with_a_reason() {
             vec!["--scenario", "regions", "--region-rtt", "forever"],
             "region_rtt",
         ),
+        (vec!["--agents", "0"], "agents = 0"),
+        // Nothing listens on port 1: the error names the store, its password hidden.
+        (
+            vec!["--store", "redis://:hunter2@127.0.0.1:1", "--duration", "1"],
+            "on the store redis://***@127.0.0.1:1",
+        ),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
             .arg("simulate")
@@ -273,5 +279,10 @@ fn simulate_refuses_bad_input_with_a_reason() {
         assert!(!out.status.success(), "{args:?} accepted");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("hunter2"), "{args:?}: {err}");
+        // A bad scenario is refused before the run's header.
+        if args[0] == "--agents" {
+            assert!(out.stdout.is_empty(), "{args:?} printed before refusing");
+        }
     }
 }

@@ -289,6 +289,19 @@ fn main() -> ExitCode {
                             p.display()
                         ));
                     }
+                    // Opened once for writing now (a read-only directory, a file without
+                    // write permission), and left as it was.
+                    let existed = p.exists();
+                    let probe = std::fs::OpenOptions::new()
+                        .append(true)
+                        .create(true)
+                        .open(p);
+                    if let Err(e) = probe {
+                        return usage(&format!("{flag} {}: {e}", p.display()));
+                    }
+                    if !existed {
+                        let _ = std::fs::remove_file(p);
+                    }
                 }
             }
             let opts = simulate::Options {

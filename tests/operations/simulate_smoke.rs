@@ -265,6 +265,11 @@ fn simulate_refuses_bad_input_with_a_reason() {
             "region_rtt",
         ),
         (vec!["--agents", "0"], "agents = 0"),
+        // A file that cannot be created there: refused before the run, not after it.
+        (
+            vec!["--report", "/proc/leasehold-test.html"],
+            "--report /proc/leasehold-test.html",
+        ),
         // Nothing listens on port 1: the error names the store, its password hidden.
         (
             vec!["--store", "redis://:hunter2@127.0.0.1:1", "--duration", "1"],
@@ -281,7 +286,7 @@ fn simulate_refuses_bad_input_with_a_reason() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("hunter2"), "{args:?}: {err}");
         // A bad scenario is refused before the run's header.
-        if args[0] == "--agents" {
+        if args[0] == "--agents" || args[0] == "--report" {
             assert!(out.stdout.is_empty(), "{args:?} printed before refusing");
         }
     }

@@ -473,7 +473,8 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
     if rated {
         println!(
             "rate: each gateway holds a share of the rate and a burst for the term, renewed at \
-             three quarters of it; the term is shorter while few gateways share a key (0.4 s \
+             three quarters of it (a second before its end past 4 s); the term is shorter \
+             while few gateways share a key (0.4 s \
              up to 100, then 4 ms a gateway, twice that for a steady renewal, up to the term \
              shown). For keys shared by hundreds of gateways: the store's calls stay near \
              170-330 a second per key up to 1 000 gateways at the default 8 s term; with a \

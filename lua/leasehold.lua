@@ -805,6 +805,8 @@ end
 -- Headroom over an agent's demand in its share, while its proportional part is larger
 -- (ops.rs, rate).
 local RATE_HEADROOM = 1.25
+-- The part of the rate the parts may fill with their headroom (ops.rs, RATE_ROOM).
+local RATE_ROOM = 0.95
 
 -- ops.rs, rate_term_us: the term of a rate lease while sn shares are live, twice as long
 -- for a steady renewal (ops.rs, steady: it had a share, its demand is within a quarter of
@@ -843,7 +845,10 @@ local function rate(keys, p, held, want, tokens, demand)
   local part = 0
   if demand > 0 and not moved then
     local d = demand * p.per * scale / 1e9
-    part = math.min(d * RATE_HEADROOM, whole * demand / s.ds)
+    -- The headroom shrinks as the demands near the rate (ops.rs, RATE_ROOM).
+    local sum = s.ds * p.per * scale / 1e9
+    local headroom = math.min(math.max(RATE_ROOM * whole / sum, 1), RATE_HEADROOM)
+    part = math.min(d * headroom, whole * demand / s.ds)
   end
   part = math.floor(part)
   local share = math.min(part, math.max(whole - s.sh, 0))

@@ -422,6 +422,10 @@ pub(super) fn acquire(
 /// most 0.8 r: a quarter more (as a multiplier, the same operation in the Lua).
 pub(crate) const RATE_HEADROOM: f64 = 1.25;
 
+/// The part of the rate the demands' parts may fill with their headroom (the rest is left
+/// for the noise in measured demand).
+pub(crate) const RATE_ROOM: f64 = 0.95;
+
 /// The shortest term of a rate lease, µs.
 pub(crate) const RATE_MIN_TERM_US: u64 = 400_000;
 
@@ -493,7 +497,12 @@ pub(super) fn rate(
         0.0
     } else {
         let d = demand as f64 * per as f64 * scale as f64 / 1e9;
-        (d * RATE_HEADROOM).min(whole as f64 * demand as f64 / s.demand_sum as f64)
+        // The headroom shrinks as the demands near the rate, so their parts leave a
+        // twentieth of it for the noise in what each agent measures; never below the
+        // demand itself (under contention the proportional part rules).
+        let sum = s.demand_sum as f64 * per as f64 * scale as f64 / 1e9;
+        let headroom = (RATE_ROOM * whole as f64 / sum).max(1.0).min(RATE_HEADROOM);
+        (d * headroom).min(whole as f64 * demand as f64 / s.demand_sum as f64)
     };
     let part = part.floor() as u64;
     let mut share = part.min(whole.saturating_sub(s.shared));

@@ -501,7 +501,7 @@ pub(super) fn rate(
         // twentieth of it for the noise in what each agent measures; never below the
         // demand itself (under contention the proportional part rules).
         let sum = s.demand_sum as f64 * per as f64 * scale as f64 / 1e9;
-        let headroom = (RATE_ROOM * whole as f64 / sum).max(1.0).min(RATE_HEADROOM);
+        let headroom = (RATE_ROOM * whole as f64 / sum).clamp(1.0, RATE_HEADROOM);
         (d * headroom).min(whole as f64 * demand as f64 / s.demand_sum as f64)
     };
     let part = part.floor() as u64;

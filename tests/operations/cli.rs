@@ -29,6 +29,21 @@ fn check_config_accepts_the_example_file() {
     );
 }
 
+/// The envoyproxy/ratelimit file the README's and docs/serve.md's commands name.
+#[test]
+fn check_config_accepts_the_example_ratelimit_yaml() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ratelimit.yaml");
+    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("gw.api_key ")
+            && stdout.contains("gw.tenant_tenant-42")
+            && stdout.contains("fail_open")
+            && stdout.contains("3 rule(s), 0 override(s), 1 descriptor(s) without a bucket ok"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn check_config_names_what_is_wrong() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -15,33 +15,37 @@ fn leasehold(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The example files: the rules file, and the envoyproxy/ratelimit file the README's and
+/// docs/serve.md's serve commands name.
 #[test]
-fn check_config_accepts_the_example_file() {
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
-    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
-    assert!(ok, "{stderr}");
-    assert!(
-        stdout.contains("api.write")
-            && stdout.contains("override \"tenant-42\"")
-            && stdout.contains("4 rule(s), 2 override(s) ok")
-            && stdout.contains("local share 50%: 8 seats of 50 tokens at 250.000/s"),
-        "{stdout}"
-    );
-}
-
-/// The envoyproxy/ratelimit file the README's and docs/serve.md's commands name.
-#[test]
-fn check_config_accepts_the_example_ratelimit_yaml() {
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ratelimit.yaml");
-    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
-    assert!(ok, "{stderr}");
-    assert!(
-        stdout.contains("gw.api_key ")
-            && stdout.contains("gw.tenant_tenant-42")
-            && stdout.contains("fail_open")
-            && stdout.contains("3 rule(s), 0 override(s), 1 descriptor(s) without a bucket ok"),
-        "{stdout}"
-    );
+fn check_config_accepts_the_example_files() {
+    for (file, wants) in [
+        (
+            "limits.toml",
+            &[
+                "api.write",
+                "override \"tenant-42\"",
+                "4 rule(s), 2 override(s) ok",
+                "local share 50%: 8 seats of 50 tokens at 250.000/s",
+            ][..],
+        ),
+        (
+            "ratelimit.yaml",
+            &[
+                "gw.api_key ",
+                "gw.tenant_tenant-42",
+                "fail_open",
+                "3 rule(s), 0 override(s), 1 descriptor(s) without a bucket ok",
+            ][..],
+        ),
+    ] {
+        let example = format!("{}/examples/{file}", env!("CARGO_MANIFEST_DIR"));
+        let (ok, stdout, stderr) = leasehold(&["check-config", &example]);
+        assert!(ok, "{file}: {stderr}");
+        for want in wants {
+            assert!(stdout.contains(want), "{file}: {want:?} not in {stdout}");
+        }
+    }
 }
 
 #[test]
@@ -74,34 +78,22 @@ fn check_config_names_what_is_wrong() {
 #[test]
 fn coordinator_names_what_is_wrong() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
-    let (ok, _, stderr) = leasehold(&[
-        "coordinator",
-        "--redis",
-        "redis://127.0.0.1:1",
-        "--config",
-        example,
-        "--split-above",
-        "0",
-    ]);
-    assert!(!ok && stderr.contains("--split-above 0"), "{stderr}");
-    let (ok, _, stderr) = leasehold(&[
-        "coordinator",
-        "--redis",
-        "redis://127.0.0.1:1",
-        "--config",
-        "/nonexistent.toml",
-    ]);
-    assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
-    let (ok, _, stderr) = leasehold(&[
-        "coordinator",
-        "--redis",
-        "redis://127.0.0.1:1",
-        "--config",
-        example,
-        "--admin-token",
-        "",
-    ]);
-    assert!(!ok && stderr.contains("--admin-token is empty"), "{stderr}");
+    for (extra, want) in [
+        (
+            &["--config", example, "--split-above", "0"][..],
+            "--split-above 0",
+        ),
+        (&["--config", "/nonexistent.toml"][..], "/nonexistent.toml"),
+        (
+            &["--config", example, "--admin-token", ""][..],
+            "--admin-token is empty",
+        ),
+    ] {
+        let mut args = vec!["coordinator", "--redis", "redis://127.0.0.1:1"];
+        args.extend_from_slice(extra);
+        let (ok, _, stderr) = leasehold(&args);
+        assert!(!ok && stderr.contains(want), "{extra:?}: {stderr}");
+    }
     // Nothing listening on the store's port is not an error: the coordinator starts and
     // retries (tests/operations/ops_binaries.rs).
 }

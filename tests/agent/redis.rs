@@ -194,8 +194,20 @@ fn redis_killed_mid_run_follows_each_policy_within_its_timeout_and_recovers() {
         assert!((5..=7).contains(&emergency), "emergency limit of 5 (+refill at 5/s) admitted {emergency}");
         let s = l.stats("emergency").unwrap();
         assert_eq!(s.emergency_activations, 1);
+        assert!(matches!(l.health(), leasehold_agent::Health::Degraded(_)), "{:?}", l.health());
         server.restart().expect("restart");
         let restarted = Instant::now();
+        // With no decision to probe them, the breakers close by themselves: readiness
+        // comes back on a gateway without traffic.
+        while l.health() != leasehold_agent::Health::Ready {
+            assert!(
+                restarted.elapsed() < Duration::from_secs(10),
+                "still {:?} 10 s after the restart, with no traffic",
+                l.health()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        println!("ready again {:?} after the restart, no decision made", restarted.elapsed());
         for rule in ["closed", "open", "emergency"] {
             // Each rule's keys sit behind their own slot group's breaker: each recovers
             // on its first successful probe after the cooldown.

@@ -7,7 +7,9 @@
 //! keys on the other shards. A single Redis or the embedded store is one shard.
 //!
 //! A breaker opens after consecutive failures, lets one probe through after a cooldown
-//! (half-open), and closes on the probe's success. Every way out of a call ends it: the
+//! (half-open), and closes on the probe's success; the probe is the next decision's call,
+//! or, when none comes within a second, a `PING` to the shard from the agent's background
+//! task (readiness comes back on an idle gateway too). Every way out of a call ends it: the
 //! `Permit` is resolved as a success or a failure, and a permit dropped unresolved (the
 //! caller's future was cancelled, or the call never reached the store) frees the probe
 //! place, so a breaker never stays open longer than its cooldown once the store answers.
@@ -303,6 +305,22 @@ impl<Q: Default> Breakers<Q> {
             .iter()
             .filter(|(_, b)| b.open_until_ns.load(Ordering::Acquire) != 0)
             .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// The shards whose breaker is open with its cooldown over at `now_ns` and no probe
+    /// under way, each with a slot it serves: what a probe with no decision may test.
+    pub(crate) fn probes_due(&self, now_ns: u64) -> Vec<(u16, Arc<Breaker<Q>>)> {
+        let t = self.topology.load();
+        (t.shards.iter().enumerate())
+            .filter(|(_, (_, b))| {
+                let until = b.open_until_ns.load(Ordering::Acquire);
+                until != 0 && now_ns >= until && !b.probing.load(Ordering::Acquire)
+            })
+            .filter_map(|(i, (_, b))| {
+                let slot = t.by_slot.iter().position(|&s| usize::from(s) == i)?;
+                Some((slot as u16, Arc::clone(b)))
+            })
             .collect()
     }
 

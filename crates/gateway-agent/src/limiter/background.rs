@@ -88,6 +88,7 @@ pub(super) async fn background(
                 }
                 metrics::counter!("leasehold_library_loads_total").absolute(inner.store.library_loads());
                 if matches!(inner.store, Store::Redis(_)) {
+                    probe_open_shards(&Limiter { inner: Arc::clone(&inner) });
                     tokio::spawn(report(Limiter { inner }));
                 }
             }
@@ -245,6 +246,27 @@ pub(super) fn wall_ms() -> u64 {
 /// Writes this agent's report for the coordinator (see [`crate::report`]): running
 /// totals of the leased buckets it used recently. On the seconds between two reports
 /// (a large fleet's cadence) the totals are kept for the next one.
+/// Probes each shard whose breaker is open and due a probe, with a `PING` to it: a
+/// breaker closes once its store answers again even when no decision comes to test it
+/// (readiness would otherwise stay degraded on an idle gateway until its next request).
+fn probe_open_shards(limiter: &Limiter) {
+    let Store::Redis(r) = &limiter.inner.store else {
+        return;
+    };
+    for (slot, breaker) in limiter.inner.breakers.probes_due(limiter.now_ns()) {
+        let (r, l) = (r.clone(), limiter.clone());
+        tokio::spawn(async move {
+            let Ok(permit) = breaker.enter(l.now_ns()) else {
+                return;
+            };
+            match r.ping_slot(slot).await {
+                Ok(()) => permit.succeeded(l.now_ns()),
+                Err(_) => permit.failed(l.now_ns()),
+            }
+        });
+    }
+}
+
 pub(super) async fn report(limiter: Limiter) {
     use crate::report::{
         KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report, every_secs, writes_at,

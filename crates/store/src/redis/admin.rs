@@ -253,4 +253,17 @@ impl RedisStore {
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.query::<String>(&redis::cmd("PING")).await.map(drop)
     }
+
+    /// Whether the primary serving `slot` answers (`PING`; on one node or behind
+    /// Sentinel, the primary): a shard's probe with no decision to send.
+    pub async fn ping_slot(&self, slot: u16) -> Result<(), StoreError> {
+        let mut pipe = redis::pipe();
+        pipe.cmd("PING");
+        let limit = self.config.call_timeout;
+        tokio::time::timeout(limit, self.conn()?.query_pipe(&pipe, slot))
+            .await
+            .map_err(|_| StoreError::Timeout(limit))?
+            .map(drop)
+            .map_err(classify)
+    }
 }

@@ -47,6 +47,13 @@ impl Proc {
         }
         let mut serve = Self::start(&binaries().0, &args);
         let at = serve.address("http check API on ");
+        // It says which store it decides with.
+        let out = std::fs::read_to_string(&serve.out).unwrap_or_default();
+        let want = match redis {
+            None => "store: embedded, in this process",
+            Some(_) => "store: redis://",
+        };
+        assert!(out.lines().any(|l| l.starts_with(want)), "{out}");
         (serve, at)
     }
 

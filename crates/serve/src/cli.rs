@@ -189,7 +189,14 @@ pub async fn run(
     // A store that does not answer yet is dialled again in the background: serve comes up
     // and answers by each rule's failure policy meanwhile (`/ready` says which).
     let mut builder = Limiter::builder().rules(rules).start_degraded(true);
-    builder = match args.store.address()? {
+    let address = args.store.address()?;
+    let store_line = match address.as_deref() {
+        None | Some("embedded") => "store: embedded, in this process (each serve instance \
+             enforces every limit on its own; give --redis to share them)"
+            .to_owned(),
+        Some(a) => format!("store: {}", leasehold_store::secret::redact(a)),
+    };
+    builder = match address {
         None => builder.embedded(),
         Some(a) if a == "embedded" => builder.embedded(),
         Some(address) => builder.redis(address).config({
@@ -222,6 +229,7 @@ pub async fn run(
         ),
         None => None,
     };
+    println!("{store_line}");
     for (what, l) in [
         ("envoy rate limit service (gRPC)", &grpc),
         ("envoy rate limit quota service (RLQS, gRPC)", &grpc),

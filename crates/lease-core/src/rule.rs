@@ -554,9 +554,10 @@ impl Rule {
                 field: "capacity",
                 value: capacity.get(),
                 why: format!(
-                    "capacity x refill period ({}µs) must stay below 2^52; lower the capacity or use a shorter period (e.g. \"{}/s\")",
+                    "at most {} at rate {rate} (capacity x its refill period of {} µs must \
+                     stay below 2^52, for exact arithmetic in the store)",
+                    (MAX_BUCKET_UNITS - rate.tokens().min(MAX_BUCKET_UNITS)) / rate.period_us(),
                     rate.period_us(),
-                    (rate.per_sec_f64().ceil() as u64).max(1)
                 ),
             });
         }
@@ -1294,6 +1295,17 @@ mod tests {
             e.contains("replica_timeout") && e.contains("replicas = 1 or more"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_capacity_past_exact_arithmetic_is_refused_with_the_largest_allowed() {
+        let spec = RuleSpec::new(9_007_199_254_740_992, "20000/s");
+        let e = Rule::from_spec("a", &spec).unwrap_err().to_string();
+        assert!(e.contains("at most 90071992547409 at rate 20000/s"), "{e}");
+        let ok = RuleSpec::new(90_071_992_547_409, "20000/s");
+        assert!(Rule::from_spec("a", &ok).is_ok());
+        let over = RuleSpec::new(90_071_992_547_410, "20000/s");
+        assert!(Rule::from_spec("a", &over).is_err());
     }
 
     #[test]

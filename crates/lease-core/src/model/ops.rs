@@ -437,9 +437,9 @@ pub(crate) const RATE_TERM_PER_SHARE_US: u64 = 4_000;
 /// renewals (each at three quarters of its term) to stay within about 330 a second — 4 s
 /// for 1 000 agents, 0.4 s (the least) for 100 or fewer. A share granted on a demand that
 /// has since moved to other agents is renewed, and given back, that much sooner. A
-/// `steady` renewal (the agent's demand within a quarter of what it reported last, its
-/// share renewed whole) gets twice as long: its share was right and stays right, and a
-/// fleet in steady state calls half as often (about 170 a second at 1 000 agents).
+/// steady renewal ([`steady`]) gets twice as long: its share was right and stays right,
+/// and a fleet in steady state calls about half as often (143 a second at 1 000 agents,
+/// each renewing a second before its 8 s term ends).
 pub(crate) fn rate_term_us(p: &BucketParams, shares: u64, steady: bool) -> u64 {
     let per_share = RATE_TERM_PER_SHARE_US << u32::from(steady);
     p.lease_ttl_us

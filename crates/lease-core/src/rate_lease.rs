@@ -256,7 +256,7 @@ fn renew_after_ns(ttl_us: u64) -> u64 {
 /// call (admitted or refused) — a term's worth of it, so a gateway seeing a few requests
 /// a second reports its rate, not the noise of a tenth of a second — and calls the store
 /// when the term is three quarters over (a second before its end for terms over 4 s:
-/// [`renew_after_ns`]), or sooner (a window after its last call at the
+/// `renew_after_ns`), or sooner (a window after its last call at the
 /// earliest) when its demand doubled or halved since it last reported: over the last
 /// window if that saw enough tokens to tell, else over a second or more since the last
 /// call; or when its last grant was limited by other agents' shares, which they give up

@@ -477,8 +477,9 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
              while few gateways share a key (0.4 s \
              up to 100, then 4 ms a gateway, twice that for a steady renewal, up to the term \
              shown). For keys shared by hundreds of gateways: the store's calls stay near \
-             170-330 a second per key up to 1 000 gateways at the default 8 s term; with a \
-             few gateways per key, lease (or auto) uses the bucket a little better."
+             140 a second per key at 1 000 gateways in steady state (the default 8 s term), \
+             up to 330 while demand moves; with a few gateways per key, lease (or auto) uses \
+             the bucket a little better."
         );
     }
     // Descriptors that decide without a bucket: no rule, so not in the table.

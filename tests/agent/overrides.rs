@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use leasehold_agent::{Decision, Limiter};
-use leasehold_coordinator::{Coordinator, CoordinatorConfig};
 
 fn rules_text(hot_capacity: u64, hot_rate: &str) -> String {
     format!(
@@ -130,11 +129,7 @@ fn the_coordinator_bounds_an_overridden_key_by_the_overrides_b_and_r() {
             agents.push(support::limiter(&server.url(), FLEET_RULES).await);
         }
         let store = support::store(&server.url()).await;
-        let coordinator = Arc::new(Coordinator::new(
-            store,
-            support::rules(FLEET_RULES),
-            CoordinatorConfig::default(),
-        ));
+        let coordinator = support::coordinator(store, FLEET_RULES);
         let running = coordinator.clone().spawn();
         let stop = Arc::new(AtomicBool::new(false));
         let count = Arc::new(AtomicU64::new(0));

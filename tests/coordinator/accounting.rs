@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use leasehold_coordinator::{Admin, Coordinator, CoordinatorConfig};
+use leasehold_coordinator::Admin;
 use support::http_get as get;
 
 const RULES: &str = "[rules.api]\ncapacity = 500\nrate = \"2000/s\"\nleasing = \"lease\"\n";
@@ -23,11 +23,7 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
             agents.push(support::limiter(&server.url(), RULES).await);
         }
         let store = support::store(&server.url()).await;
-        let coordinator = Arc::new(Coordinator::new(
-            store.clone(),
-            support::rules(RULES),
-            CoordinatorConfig::default(),
-        ));
+        let coordinator = support::coordinator(store.clone(), RULES);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let admin = Admin::new(store, support::rules(RULES))
@@ -137,11 +133,7 @@ fn a_large_fleets_slower_reports_still_account_each_second() {
         for _ in 0..3 {
             agents.push(support::limiter(&server.url(), RULES).await);
         }
-        let coordinator = Arc::new(Coordinator::new(
-            store.clone(),
-            support::rules(RULES),
-            CoordinatorConfig::default(),
-        ));
+        let coordinator = support::coordinator(store.clone(), RULES);
         let running = coordinator.clone().spawn();
         let stop = Arc::new(AtomicBool::new(false));
         let admitted = Arc::new(AtomicU64::new(0));

@@ -196,6 +196,19 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     (status, body)
 }
 
+/// A coordinator over `store` for the rules of `toml` (as [`rules`] reads them), with the
+/// default configuration; the caller spawns it.
+pub fn coordinator(
+    store: RedisStore,
+    toml: &str,
+) -> std::sync::Arc<leasehold_coordinator::Coordinator> {
+    std::sync::Arc::new(leasehold_coordinator::Coordinator::new(
+        store,
+        rules(toml),
+        leasehold_coordinator::CoordinatorConfig::default(),
+    ))
+}
+
 /// Rules from `toml`, each rule without a `timeout` given a generous one (2 s): tests
 /// must pass on a loaded machine, where the default 50 ms is not always met; the tests
 /// of timeouts set theirs.

@@ -243,9 +243,6 @@ pub(super) fn wall_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// Writes this agent's report for the coordinator (see [`crate::report`]): running
-/// totals of the leased buckets it used recently. On the seconds between two reports
-/// (a large fleet's cadence) the totals are kept for the next one.
 /// Probes each shard whose breaker is open and due a probe, with a `PING` to it: a
 /// breaker closes once its store answers again even when no decision comes to test it
 /// (readiness would otherwise stay degraded on an idle gateway until its next request).
@@ -267,6 +264,9 @@ fn probe_open_shards(limiter: &Limiter) {
     }
 }
 
+/// Writes this agent's report for the coordinator (see [`crate::report`]): running
+/// totals of the leased buckets it used recently. On the seconds between two reports
+/// (a large fleet's cadence) the totals are kept for the next one.
 pub(super) async fn report(limiter: Limiter) {
     use crate::report::{
         KeyReport, MAX_KEYS_PER_REPORT, REPORT_TTL_MS, Report, every_secs, writes_at,

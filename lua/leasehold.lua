@@ -412,6 +412,9 @@ local function pack_state(s)
     s.sg, s.ru, s.rq, s.rr, sp.parts, sp.salt, sp.untl, sp.tok, sp.out, sp.drop, s.pg, s.pu)
 end
 
+-- The first 11 numbers of a record: enough for its time of last call (advance).
+local HEAD_FORMAT = '<I8I8I8I8I8I8I8I8I8I8I8'
+
 local function record_of(key, v)
   local n = #v / 8
   if n ~= 12 and n ~= 19 and n ~= 13 and n ~= 20 then bad_bucket(key) end
@@ -524,47 +527,49 @@ local function advance(key, s, p, now, rec)
   end
   local stale_due = s.dx ~= 0 and now >= s.dx
   local drop_due = s.nexp ~= 0 and now >= s.nexp
-  local recs
+  local expired, dx, nexp, mx = {}, 0, 0, 0
   if stale_due or drop_due then
-    recs = {}
+    -- One pass over the records, each read only as far as its time of last call (a key
+    -- held by a thousand agents: a table per record would cost more than the rest).
     local all = redis.call('HGETALL', key)
     for i = 1, #all, 2 do
       local aid = all[i]
       if aid ~= STATE and string.find(aid, '^%x+$') then
-        local r = record_of(key, all[i + 1])
-        r.at = r.reply[5]
-        recs[aid] = r
+        local v = all[i + 1]
+        local n = #v / 8
+        if n ~= 12 and n ~= 19 and n ~= 13 and n ~= 20 then bad_bucket(key) end
+        local held, x, _, demand, _, f6, _, _, _, f10, f11 = struct.unpack(HEAD_FORMAT, v)
+        -- A rate lease's record has its share before the reply, whose fifth number is
+        -- the time of the call.
+        local q, at = 0, f10
+        if n == 13 or n == 20 then q, at = f6, f11 end
+        -- Demand of agents silent for DEMAND_TTL stops counting in the shares; a rate
+        -- lease's demand counts until its record drops.
+        if stale_due and demand > 0 and q == 0 then
+          if at + DEMAND_TTL <= now then
+            s.ds = s.ds - demand
+            demand = 0
+            local r = record_of(key, v)
+            redis.call('HSET', key, aid, pack_record(r.held, r.x, r.seq, 0, r.credit, 0, r.reply))
+            if rec and aid == p.id then rec.demand = 0 end
+          else
+            local t = at + DEMAND_TTL
+            if dx == 0 then dx = t else dx = math.min(dx, t) end
+          end
+        end
+        if drop_due then
+          if x <= now then
+            expired[#expired + 1] = {x = x, id = aid, h = held, d = demand, q = q}
+          else
+            if nexp == 0 then nexp = x else nexp = math.min(nexp, x) end
+            mx = math.max(mx, x)
+          end
+        end
       end
     end
   end
-  if stale_due then
-    -- Demand of agents silent for DEMAND_TTL stops counting in the shares.
-    local dx = 0
-    for aid, r in pairs(recs) do
-      -- A rate lease's demand counts until its record drops.
-      if r.demand > 0 and r.q == 0 and r.at + DEMAND_TTL <= now then
-        s.ds = s.ds - r.demand
-        r.demand = 0
-        redis.call('HSET', key, aid, pack_record(r.held, r.x, r.seq, 0, r.credit, 0, r.reply))
-        if rec and aid == p.id then rec.demand = 0 end
-      end
-      if r.demand > 0 and r.q == 0 then
-        local t = r.at + DEMAND_TTL
-        if dx == 0 then dx = t else dx = math.min(dx, t) end
-      end
-    end
-    s.dx = dx
-  end
+  if stale_due then s.dx = dx end
   if drop_due then
-    local expired, nexp, mx = {}, 0, 0
-    for aid, r in pairs(recs) do
-      if r.x <= now then
-        expired[#expired + 1] = {x = r.x, id = aid, h = r.held, d = r.demand, q = r.q}
-      else
-        if nexp == 0 then nexp = r.x else nexp = math.min(nexp, r.x) end
-        mx = math.max(mx, r.x)
-      end
-    end
     table.sort(expired, function(a, b)
       if a.x ~= b.x then return a.x < b.x end
       return a.id < b.id

@@ -108,7 +108,7 @@ fn the_coordinator_accounts_admissions_and_exports_the_overshoot() {
     });
 }
 
-/// In a fleet of a thousand agents (`lh:agents`), an agent reports every 5 s instead of
+/// In a fleet of five hundred agents (`lh:agents`), an agent reports every 5 s instead of
 /// every second, carrying each second's totals: the coordinator still places every
 /// second's admissions in its second, and settles it once the reports covering it are due.
 #[test]
@@ -123,7 +123,7 @@ fn a_large_fleets_slower_reports_still_account_each_second() {
         // The rest of the fleet: live entries without reports.
         let mut fleet = redis::cmd("ZADD");
         fleet.arg("lh:agents");
-        for i in 0..997u64 {
+        for i in 0..497u64 {
             fleet
                 .arg(now_ms + 60_000)
                 .arg(format!("{:016x}", 0xf000_0000 + i));
@@ -181,5 +181,50 @@ fn a_large_fleets_slower_reports_still_account_each_second() {
             w.admitted as f64 >= 1500.0 * w.secs as f64 && w.overshoot == 0.0,
             "{stats:?}"
         );
+    });
+}
+
+/// A gateway that stops reporting leaves the coordinator's live view after two of its
+/// intervals between reports (a second each in a small fleet) and a tick, not when its
+/// report expires (20 s: two reports of the slowest cadence); the others stay.
+#[test]
+fn a_gateway_that_stops_reporting_leaves_the_live_view_within_two_intervals() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let a = support::limiter(&server.url(), RULES).await;
+        let b = support::limiter(&server.url(), RULES).await;
+        let (a_id, b_id) = (a.agent_id().to_string(), b.agent_id().to_string());
+        let store = support::store(&server.url()).await;
+        let coordinator = support::coordinator(store, RULES);
+        let running = coordinator.clone().spawn();
+        let live = || {
+            let snap = coordinator.snapshot().read().clone();
+            (
+                snap.gateways.contains_key(&a_id),
+                snap.gateways.contains_key(&b_id),
+                snap.agents,
+            )
+        };
+        let waited = Instant::now();
+        while live() != (true, true, 2) {
+            assert!(
+                waited.elapsed() < Duration::from_secs(15),
+                "both gateways never live: {:?}",
+                coordinator.snapshot().read().gateways
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        a.shutdown().await;
+        let stopped = Instant::now();
+        while live().0 {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(12),
+                "a gateway that stopped reporting still live after 12 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!("gone after {:?}", stopped.elapsed());
+        assert_eq!(live(), (false, true, 1));
+        running.stop().await;
     });
 }

@@ -10,7 +10,7 @@
 //! and its actions are idempotent anyway (a split in force is only extended; a different
 //! split of the same key is refused by the bucket).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -73,7 +73,8 @@ pub struct KeyStatus {
 pub struct Snapshot {
     /// Whether this instance holds the leader lock.
     pub leader: bool,
-    /// Agents that reported in the last [`REPORT_TTL_MS`].
+    /// Live agents: those whose last report is newer than two of their intervals
+    /// between reports (and a second).
     pub agents: usize,
     /// When the last tick ran, wall-clock ms.
     pub at_ms: u64,
@@ -109,8 +110,39 @@ pub struct Coordinator {
     id: AgentId,
     seq: AtomicU64,
     ledger: parking_lot::Mutex<Ledger>,
+    /// The agents' last reports read, by agent.
+    seen: parking_lot::Mutex<HashMap<AgentId, Seen>>,
     snapshot: Arc<RwLock<Snapshot>>,
     broker: Option<Arc<crate::broker::Broker>>,
+}
+
+/// An agent's last report as the coordinator read it.
+#[derive(Debug)]
+struct Seen {
+    /// Its time (the agent's wall clock, its score in `lh:agents`).
+    at_ms: u64,
+    /// When this coordinator read it (its own wall clock: the agent's may be skewed).
+    read_ms: u64,
+    /// The agent's seconds between reports.
+    every: u64,
+    status: GatewayStatus,
+}
+
+impl Seen {
+    fn new(at_ms: u64, read_ms: u64, every: u64, status: GatewayStatus) -> Self {
+        Self {
+            at_ms,
+            read_ms,
+            every,
+            status,
+        }
+    }
+
+    /// Whether the agent is live at `now_ms`: it wrote a newer report within two of its
+    /// intervals and a second (one tick's wait), or it is that fresh.
+    fn live(&self, now_ms: u64) -> bool {
+        now_ms.saturating_sub(self.read_ms) <= (2 * self.every + 1) * 1000
+    }
 }
 
 fn wall_ms() -> u64 {
@@ -129,6 +161,7 @@ impl Coordinator {
             id: AgentId(rand::random::<u64>().max(1)),
             seq: AtomicU64::new(0),
             ledger: parking_lot::Mutex::new(Ledger::new()),
+            seen: parking_lot::Mutex::default(),
             snapshot: Arc::default(),
             broker: None,
         }
@@ -225,7 +258,7 @@ impl Coordinator {
         let started = std::time::Instant::now();
         let leader = self.lock().await?;
         let now_ms = wall_ms();
-        let agents = (self.store)
+        let live = (self.store)
             .live_agents(now_ms.saturating_sub(REPORT_TTL_MS))
             .await?;
         if leader {
@@ -233,26 +266,48 @@ impl Coordinator {
                 .forget_agents(now_ms.saturating_sub(FORGET_AFTER_MS))
                 .await?;
         }
-        let reports = self.store.agent_reports(&agents).await?;
-        let mut gateways = BTreeMap::new();
-        let mut every = 1;
-        for (agent, text) in agents.iter().zip(reports) {
-            if let Some(text) = text {
+        // Only the reports written since the last tick are read: in a large fleet an agent
+        // writes one every few seconds, and each read is Redis's work.
+        let changed: Vec<AgentId> = {
+            let seen = self.seen.lock();
+            live.iter()
+                .filter(|(a, at)| seen.get(a).is_none_or(|s| s.at_ms != *at))
+                .map(|&(a, _)| a)
+                .collect()
+        };
+        let reports = self.store.agent_reports(&changed).await?;
+        let gateways = {
+            let mut seen = self.seen.lock();
+            let scores: HashMap<AgentId, u64> = live.iter().copied().collect();
+            seen.retain(|a, _| scores.contains_key(a));
+            for (agent, text) in changed.iter().zip(reports) {
+                let Some(text) = text else {
+                    seen.remove(agent);
+                    continue;
+                };
                 let report = Report::parse(&text);
-                let id = agent.to_string();
-                every = every.max(report.every);
-                self.ledger.lock().record(&id, &report);
-                gateways.insert(
-                    id,
-                    GatewayStatus {
-                        name: report.name,
-                        health: report.health,
-                        report_ms: report.at_ms,
-                        keys: report.keys.len(),
-                    },
-                );
+                self.ledger.lock().record(&agent.to_string(), &report);
+                let status = GatewayStatus {
+                    name: report.name,
+                    health: report.health,
+                    report_ms: report.at_ms,
+                    keys: report.keys.len(),
+                };
+                let at_ms = scores.get(agent).copied().unwrap_or_default();
+                seen.insert(*agent, Seen::new(at_ms, now_ms, report.every, status));
             }
-        }
+            seen.iter()
+                .filter(|(_, s)| s.live(now_ms))
+                .map(|(a, s)| (a.to_string(), s.status.clone()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let every = self
+            .seen
+            .lock()
+            .values()
+            .map(|s| s.every)
+            .max()
+            .unwrap_or(1);
         let mut statuses = BTreeMap::new();
         {
             let mut ledger = self.ledger.lock();
@@ -360,7 +415,7 @@ impl Coordinator {
                 }
             }
         }
-        publish(leader, agents.len(), &statuses, started_splits);
+        publish(leader, gateways.len(), &statuses, started_splits);
         let mut snap = self.snapshot.write();
         if snap.leader != leader {
             if leader {
@@ -374,7 +429,7 @@ impl Coordinator {
             }
         }
         snap.leader = leader;
-        snap.agents = agents.len();
+        snap.agents = gateways.len();
         snap.at_ms = now_ms;
         snap.keys = statuses;
         snap.splits_started += started_splits;

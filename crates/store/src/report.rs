@@ -14,7 +14,8 @@
 //!
 //! **Cadence.** Each report is a network event for Redis, and a thousand agents writing
 //! once a second cost a Redis as much as a tenth of a naive per-request script's whole
-//! load. So an agent writes every [`every_secs`] seconds, one to five as the fleet grows
+//! load (a network event costs this Redis about as much as a rate lease's Lua). So an
+//! agent writes every [`every_secs`] seconds, one to ten as the fleet grows
 //! (the size of `lh:agents`, read in the same round trip), on the seconds
 //! [`writes_at`] spreads across the fleet; it still samples its totals every whole
 //! second, and a report carries the samples since the last one as `=past KEY
@@ -38,19 +39,21 @@ pub const WANTED_KEY: &str = "lh:wanted";
 /// The coordinators' leader lock: the holder's id, with an expiry (see `lh_lead`).
 pub const LEAD_KEY: &str = "lh:coordinator";
 
-/// A report lives this long unless renewed (ms).
-pub const REPORT_TTL_MS: u64 = 10_000;
+/// A report lives this long unless renewed (ms): two reports at the slowest cadence.
+pub const REPORT_TTL_MS: u64 = 2 * MAX_EVERY_SECS * 1000;
 
 /// The most buckets one report carries (the most recently used first).
 pub const MAX_KEYS_PER_REPORT: usize = 4096;
 
 /// The longest interval between an agent's reports, seconds: two reports in a
 /// report's life ([`REPORT_TTL_MS`]).
-pub const MAX_EVERY_SECS: u64 = 5;
+pub const MAX_EVERY_SECS: u64 = 10;
 
 /// Agents the fleet's reports are sized for per second: a fleet up to this size
-/// reports every second, a larger one at most about this many reports a second.
-pub const REPORTS_PER_SEC: u64 = 200;
+/// reports every second, a larger one at most about this many reports a second (a
+/// thousand agents every 10 s; their reports then cost Redis about as much as the
+/// renewals of their rate leases).
+pub const REPORTS_PER_SEC: u64 = 100;
 
 /// Seconds between an agent's reports in a fleet of `agents` (see the module's note).
 pub fn every_secs(agents: u64) -> u64 {
@@ -358,12 +361,12 @@ mod tests {
     #[test]
     fn a_slower_cadence_carries_every_second_and_an_older_reader_skips_it() {
         assert_eq!(
-            [1, 200, 201, 1000, 5000].map(every_secs),
-            [1, 1, 2, 5, 5],
-            "every second up to 200 agents, then about 200 reports a second, at most 5 s"
+            [1, 100, 101, 500, 1000, 5000].map(every_secs),
+            [1, 1, 2, 5, 10, 10],
+            "every second up to 100 agents, then about 100 reports a second, at most 10 s"
         );
         // Every agent writes once every `every` seconds, the fleet's writes spread evenly.
-        for every in 1..=5 {
+        for every in 1..=MAX_EVERY_SECS {
             for agent in 0..20u64 {
                 let writes = (0..4 * every)
                     .filter(|s| writes_at(s * 1000 + 3, AgentId(agent), every))
@@ -373,7 +376,7 @@ mod tests {
             let on_second_0 = (0..60u64)
                 .filter(|&a| writes_at(2, AgentId(a), every))
                 .count();
-            assert_eq!(on_second_0, 60 / every as usize);
+            assert_eq!(on_second_0, 60usize.div_ceil(every as usize));
         }
         let r = |admitted, calls| KeyReport {
             admitted,

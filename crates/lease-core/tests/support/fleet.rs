@@ -17,8 +17,8 @@
 //! A rule with `leasing = "rate"` runs each agent's [`RateKey`] beside its cell, as the
 //! agent does: a caller the cell does not cover syncs the share's accrual into it and
 //! renews when due ([`RateKey::due`]); waiting for the key's I/O lock, a caller renews if
-//! due, else spends the cell or takes what [`RateKey::uncovered`] says (one exact call, or
-//! a denial); the sweep renews and gives idle leases up.
+//! due, else spends the cell or takes what [`RateKey::uncovered`] says (one exact call, a
+//! try of the level, or a denial); the sweep renews and gives idle leases up.
 #![allow(dead_code)] // each test file uses part of the harness
 
 use std::collections::VecDeque;
@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use leasehold_core::Rate;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use leasehold_core::rate_lease::RateKey;
+use leasehold_core::rate_lease::{RateKey, Uncovered};
 use leasehold_core::rule::{BucketParams, Leasing, RegionParams, Rule};
 use leasehold_core::{
     Around, Cell, KeyPolicy, Level, PolicyConfig, Reclaim, Refill, SweepAction, Verdict,
@@ -813,7 +813,7 @@ impl Fleet {
                         self.admit(i, w.id, now);
                         self.agents[i].rate.offered(now, cost);
                     }
-                    Some(_) => {}
+                    Some(_) => self.agents[i].key.0.count_denied(cost),
                     None => self.unavailable += 1,
                 }
                 self.rate_serve(i, now);
@@ -905,14 +905,16 @@ impl Fleet {
 
     /// A caller of agent `i` the cell did not cover, at `t` (the agent's `rate_refill`):
     /// the share's accrual goes into the cell, and a renewal starts if one is due and no
-    /// call is in flight. Whether the caller must wait: the cell is still empty.
+    /// call is in flight. Whether the caller must wait: the cell is still empty, and the
+    /// level may not be tried.
     fn rate_refill(&mut self, i: usize, t: u64) -> bool {
         let a = &mut self.agents[i];
         a.rate.sync(&a.key.0, t);
         if a.rate.due(t) && a.inflight.is_none() {
             self.start_rate(i, t);
         }
-        self.agents[i].key.0.lease.held() == 0
+        let a = &self.agents[i];
+        a.key.0.lease.held() == 0 && !a.rate.spare_due(t)
     }
 
     fn start_rate(&mut self, i: usize, t: u64) {
@@ -965,14 +967,14 @@ impl Fleet {
                 a.waiting.push_front(w);
                 return;
             }
-            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate()) {
-                None => {
+            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate(), t) {
+                Uncovered::Exact | Uncovered::Spare { .. } => {
                     let cost = w.cost;
                     w.rounds = 2;
                     a.waiting.push_front(w);
                     self.start(i, t, Op::Exact { cost }, Kind::Exact { cost });
                 }
-                Some(_) => a.key.0.count_denied(w.cost),
+                Uncovered::Denied { .. } => a.key.0.count_denied(w.cost),
             }
         }
     }

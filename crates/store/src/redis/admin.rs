@@ -113,14 +113,21 @@ impl RedisStore {
         }
     }
 
-    /// The agents that reported since `since_ms` (wall clock), by id.
-    pub async fn live_agents(&self, since_ms: u64) -> Result<Vec<AgentId>, StoreError> {
+    /// The agents that reported since `since_ms` (wall clock), by id, each with the
+    /// time of its last report (its score in `lh:agents`, wall-clock ms).
+    pub async fn live_agents(&self, since_ms: u64) -> Result<Vec<(AgentId, u64)>, StoreError> {
         let mut live = redis::cmd("ZRANGEBYSCORE");
-        live.arg(AGENTS_KEY).arg(since_ms).arg("+inf");
-        let ids: Vec<String> = self.query(&live).await?;
-        Ok(ids
+        live.arg(AGENTS_KEY)
+            .arg(since_ms)
+            .arg("+inf")
+            .arg("WITHSCORES");
+        let scored: Vec<(String, f64)> = self.query(&live).await?;
+        Ok(scored
             .iter()
-            .filter_map(|id| u64::from_str_radix(id, 16).ok().map(AgentId))
+            .filter_map(|(id, at)| {
+                let id = u64::from_str_radix(id, 16).ok()?;
+                Some((AgentId(id), *at as u64))
+            })
             .collect())
     }
 

@@ -31,13 +31,6 @@
 //! than the other live shares leave (the reply says so, and the agent asks again a window
 //! later). An agent whose demand grows gets its part within one term: every other agent
 //! renews within a term, to its own part of the new total.
-//!
-//! **Bunched requests.** A local bucket refills at its share and holds half a second of
-//! demand, so requests that arrive bunched can outrun it while the fleet is well below
-//! the rate. While its last grant gave at least the demand it reported (the fleet asks for
-//! less than the rate, so the level keeps what the shares leave), the agent sends such a
-//! caller to the level with one exact decision, at most once a tenth of a second per key
-//! ([`Uncovered::Spare`]); the level's exact decisions are within the bound above.
 
 use crate::cell::{Cell, Refill};
 use crate::model::{Op, Reply, rate_scale};
@@ -450,36 +443,7 @@ pub struct RateKey {
     /// A grant since the last release answered a call that reported demand: a share of
     /// 0 then means the other agents hold the whole rate.
     informed: bool,
-    /// The next try of the level may be made at (agent ns; [`RateKey::spare_due`]).
-    spare_at_ns: u64,
 }
-
-/// What a caller of a rate key the cell does not cover gets ([`RateKey::uncovered`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Uncovered {
-    /// One exact decision at the store: no share yet, and no grant has answered a call
-    /// reporting demand (an exact admission is demand to [`RateKey::offered`]).
-    Exact,
-    /// One exact decision at the store, from what the shares leave in the level, the
-    /// fleet asking for less than the rate ([`RateKey::spare_due`]); refused, a denial
-    /// with the wait of [`Uncovered::Denied`]. Requests bunched in time that outrun an
-    /// agent's local bucket are admitted so, while the fleet is below its rate.
-    Spare {
-        /// ns: the time the share takes to bring the cost.
-        wait_ns: u64,
-    },
-    /// A denial with the time the share takes to bring the cost (ns); a share of 0 after
-    /// a grant that answered reported demand means the other agents hold the whole rate,
-    /// and the wait is then the rule's own.
-    Denied {
-        /// ns.
-        wait_ns: u64,
-    },
-}
-
-/// The least time between an agent's tries of the level for one key
-/// ([`Uncovered::Spare`]), ns: a tenth of a second.
-pub const SPARE_EVERY_NS: u64 = 100_000_000;
 
 impl RateKey {
     /// Brings the local bucket and the cell to `now_ns`: what the cell spent and denied
@@ -640,36 +604,22 @@ impl RateKey {
         self.live && self.inflight.is_none() && now_ns.saturating_sub(self.offered_at_ns) >= idle_ns
     }
 
-    /// What a caller the cell does not cover gets at `now_ns`, once the key is synced (and
-    /// renewed if a renewal was due); see [`Uncovered`]. A try of the level
-    /// ([`Uncovered::Spare`]) is counted: the next one waits [`SPARE_EVERY_NS`].
-    pub fn uncovered(&mut self, refill: &Refill, cost: u64, rate: Rate, now_ns: u64) -> Uncovered {
+    /// What a caller the cell does not cover gets once the key is synced (and renewed if
+    /// a renewal was due): `None`, one exact decision at the store — no share yet, and no
+    /// grant has answered a call reporting demand (an exact admission is demand to
+    /// [`RateKey::offered`]) — else a denial with the time the share takes to bring
+    /// `cost` (ns); a share of 0 after such a grant means the other agents hold the whole
+    /// rate, and the wait is then the rule's own.
+    pub fn uncovered(&self, refill: &Refill, cost: u64, rate: Rate) -> Option<u64> {
         let share = refill.share_milli();
         if share == 0 && !self.informed {
-            return Uncovered::Exact;
+            return None;
         }
-        let wait_ns = if share == 0 {
+        Some(if share == 0 {
             crate::cell::refill_ns(cost, rate)
         } else {
             (cost as f64 * 1e12 / share as f64) as u64
-        };
-        if self.spare_due(now_ns) {
-            self.spare_at_ns = now_ns + SPARE_EVERY_NS;
-            return Uncovered::Spare { wait_ns };
-        }
-        Uncovered::Denied { wait_ns }
-    }
-
-    /// Whether a caller the cell does not cover may try the bucket's level at `now_ns`
-    /// ([`Uncovered::Spare`]): the last grant gave at least the demand the call reported
-    /// (so the fleet asks for less than the rate, and the level keeps what the shares
-    /// leave), and no try was made in the last [`SPARE_EVERY_NS`].
-    pub fn spare_due(&self, now_ns: u64) -> bool {
-        self.live
-            && self.informed
-            && self.share_milli > 0
-            && self.share_milli >= self.demand_milli
-            && now_ns >= self.spare_at_ns
+        })
     }
 
     /// Whether a grant since the last release answered a call that reported demand.

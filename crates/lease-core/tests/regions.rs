@@ -56,6 +56,7 @@ fn setup(phases: Vec<Phase>, total_ms: u64, r: Regions, seed: u64) -> Setup {
         lose: 0.0,
         seed,
         regions: Some(r),
+        poisson: false,
     }
 }
 

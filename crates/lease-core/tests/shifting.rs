@@ -58,6 +58,7 @@ fn run(
         lose: 0.0,
         seed: 1,
         regions: None,
+        poisson: false,
     });
     let recovery = shifts
         .iter()

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use leasehold_core::model::{Op, Reply};
-use leasehold_core::rate_lease::{RateKey, Uncovered};
+use leasehold_core::model::Reply;
+use leasehold_core::rate_lease::RateKey;
 
 use crate::counters::Counter;
 
@@ -22,26 +22,24 @@ impl Limiter {
     /// A caller the cell did not cover ([`leasehold_core::Around::refill`]): the share's
     /// accrual goes into the cell, and a renewal is queued if one is due. Whether the
     /// caller must wait: the cell is still empty (a sync by another caller meanwhile may
-    /// have stocked it), and the level may not be tried ([`RateKey::spare_due`]: else the
-    /// caller takes the store path).
+    /// have stocked it).
     pub(super) fn rate_refill(&self, ks: &Arc<KeyState>, now: u64) -> bool {
-        let (due, spare) = {
+        let due = {
             let mut guard = ks.rate.lock();
             let rk = guard.get_or_insert_with(Box::default);
             rk.sync(ks.hot(), now);
-            (rk.due(now), rk.spare_due(now))
+            rk.due(now)
         };
         if due {
             self.request_prefetch(ks, now);
         }
-        ks.hot().lease.held() == 0 && !spare
+        ks.hot().lease.held() == 0
     }
 
     /// The store path of a rate key's caller the cell did not cover: a renewal if one is
-    /// due (the first grant, a grown demand), else the share's accrual; then the cell; then
-    /// what [`RateKey::uncovered`] says: one exact call without a share yet, one try of the
-    /// level while the fleet is below the rate, else a denial with the time the share
-    /// takes to bring the cost.
+    /// due (the first grant, a grown demand), else the share's accrual; then the cell; then,
+    /// without a share (none yet, or the others hold the whole rate), one exact call, else
+    /// a denial with the time the share takes to bring the cost.
     pub(super) async fn rate_decide(
         &self,
         ks: &Arc<KeyState>,
@@ -59,35 +57,18 @@ impl Limiter {
         if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
             return Ok(d);
         }
-        let now = self.now_ns();
-        let uncovered = (ks.rate.lock().as_mut())
-            .map(|rk| rk.uncovered(&ks.refill, cost, entry.params.rate, now));
-        let wait_ns = match uncovered {
-            None | Some(Uncovered::Exact) => {
-                if let Some(d) = self.recheck(ks, entry, cost, self.now_ns()) {
-                    return Ok(d);
-                }
-                let d = self.exact(ks, driver, entry, cost).await?;
-                // Demand the cell did not see (a denial it counts).
-                if let (Decision::Allowed { .. }, Some(rk)) = (&d, ks.rate.lock().as_mut()) {
-                    rk.offered(self.now_ns(), cost);
-                }
+        let uncovered = (ks.rate.lock().as_ref())
+            .and_then(|rk| rk.uncovered(&ks.refill, cost, entry.params.rate));
+        let Some(wait_ns) = uncovered else {
+            if let Some(d) = self.recheck(ks, entry, cost, self.now_ns()) {
                 return Ok(d);
             }
-            Some(Uncovered::Spare { wait_ns }) => {
-                // The level, for a caller the share does not cover while the fleet is
-                // below the rate; refused (or the store failing), the share's wait.
-                if let Ok(reply) = self.call(ks, driver, entry, Op::Exact { cost }).await
-                    && reply.granted == cost
-                {
-                    if let Some(rk) = ks.rate.lock().as_mut() {
-                        rk.offered(self.now_ns(), cost);
-                    }
-                    return Ok(self.exact_decided(ks, entry, cost, true, 0, reply.remaining));
-                }
-                wait_ns
+            let d = self.exact(ks, driver, entry, cost).await?;
+            // Demand the cell did not see (a denial it counts).
+            if let (Decision::Allowed { .. }, Some(rk)) = (&d, ks.rate.lock().as_mut()) {
+                rk.offered(self.now_ns(), cost);
             }
-            Some(Uncovered::Denied { wait_ns }) => wait_ns,
+            return Ok(d);
         };
         entry.counters.incr(entry.denied);
         ks.hot().count_denied(cost);

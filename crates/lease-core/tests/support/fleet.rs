@@ -17,8 +17,8 @@
 //! A rule with `leasing = "rate"` runs each agent's [`RateKey`] beside its cell, as the
 //! agent does: a caller the cell does not cover syncs the share's accrual into it and
 //! renews when due ([`RateKey::due`]); waiting for the key's I/O lock, a caller renews if
-//! due, else spends the cell or takes what [`RateKey::uncovered`] says (one exact call, a
-//! try of the level, or a denial); the sweep renews and gives idle leases up.
+//! due, else spends the cell or takes what [`RateKey::uncovered`] says (one exact call, or
+//! a denial); the sweep renews and gives idle leases up.
 #![allow(dead_code)] // each test file uses part of the harness
 
 use std::collections::VecDeque;
@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use leasehold_core::Rate;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use leasehold_core::rate_lease::{RateKey, Uncovered};
+use leasehold_core::rate_lease::RateKey;
 use leasehold_core::rule::{BucketParams, Leasing, RegionParams, Rule};
 use leasehold_core::{
     Around, Cell, KeyPolicy, Level, PolicyConfig, Reclaim, Refill, SweepAction, Verdict,
@@ -106,6 +106,9 @@ pub(crate) struct Setup {
     pub(crate) seed: u64,
     /// Set: the fleet is spread over regions (agent `i` in region `i % n`).
     pub(crate) regions: Option<Regions>,
+    /// Each agent's requests arrive at random (a Poisson process of its rate: they bunch
+    /// as real traffic does), else evenly, each millisecond.
+    pub(crate) poisson: bool,
 }
 
 /// A deployment in regions. Each region's agents lease from the region's bucket of the
@@ -258,6 +261,8 @@ pub(crate) struct Outcome {
     pub(crate) late_utilisation: f64,
     /// Requests the ideal bucket admitted that the fleet denied.
     pub(crate) below_limit_denied: u64,
+    /// Of them, those that arrived in the run's second half.
+    pub(crate) late_below_limit_denied: u64,
     /// Requests that failed because their reply was lost.
     pub(crate) unavailable: u64,
     /// Largest excess of any window over `B + r*W`, tokens (<= 0 keeps I1).
@@ -421,9 +426,14 @@ impl Fleet {
                 if self.agents[i].down_until_ms > ms {
                     continue;
                 }
-                self.agents[i].acc += rate / 1000.0;
-                let n = self.agents[i].acc.floor() as u64;
-                self.agents[i].acc -= n as f64;
+                let n = if self.s.poisson {
+                    poisson(&mut self.rng, rate / 1000.0)
+                } else {
+                    self.agents[i].acc += rate / 1000.0;
+                    let n = self.agents[i].acc.floor() as u64;
+                    self.agents[i].acc -= n as f64;
+                    n
+                };
                 for k in 0..n {
                     let t = base + k * (MS / n);
                     self.complete(i, t);
@@ -481,6 +491,9 @@ impl Fleet {
             .zip(&self.ideal_ok)
             .filter(|(o, i)| **i && !**o)
             .count() as u64;
+        let late_below = (self.ours.iter().zip(&self.ideal_ok).zip(&self.arrival_ms))
+            .filter(|((o, i), ms)| **i && !**o && **ms * 2 >= self.s.total_ms)
+            .count() as u64;
         let offered = self.ours.len() as u64;
         let last_offered: u64 = self.agents.iter().map(|a| a.last_offered).sum();
         let last_admitted: u64 = self.agents.iter().map(|a| a.last_admitted).sum();
@@ -505,6 +518,7 @@ impl Fleet {
             utilisation: admitted as f64 / ideal_admitted.max(1) as f64,
             late_utilisation: last_admitted as f64 / late_ideal.max(1) as f64,
             below_limit_denied: below.saturating_sub(self.unavailable),
+            late_below_limit_denied: late_below,
             unavailable: self.unavailable,
             worst_window_excess: self.worst_window(),
             calls: self.calls,
@@ -813,7 +827,7 @@ impl Fleet {
                         self.admit(i, w.id, now);
                         self.agents[i].rate.offered(now, cost);
                     }
-                    Some(_) => self.agents[i].key.0.count_denied(cost),
+                    Some(_) => {}
                     None => self.unavailable += 1,
                 }
                 self.rate_serve(i, now);
@@ -905,16 +919,14 @@ impl Fleet {
 
     /// A caller of agent `i` the cell did not cover, at `t` (the agent's `rate_refill`):
     /// the share's accrual goes into the cell, and a renewal starts if one is due and no
-    /// call is in flight. Whether the caller must wait: the cell is still empty, and the
-    /// level may not be tried.
+    /// call is in flight. Whether the caller must wait: the cell is still empty.
     fn rate_refill(&mut self, i: usize, t: u64) -> bool {
         let a = &mut self.agents[i];
         a.rate.sync(&a.key.0, t);
         if a.rate.due(t) && a.inflight.is_none() {
             self.start_rate(i, t);
         }
-        let a = &self.agents[i];
-        a.key.0.lease.held() == 0 && !a.rate.spare_due(t)
+        self.agents[i].key.0.lease.held() == 0
     }
 
     fn start_rate(&mut self, i: usize, t: u64) {
@@ -967,14 +979,14 @@ impl Fleet {
                 a.waiting.push_front(w);
                 return;
             }
-            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate(), t) {
-                Uncovered::Exact | Uncovered::Spare { .. } => {
+            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate()) {
+                None => {
                     let cost = w.cost;
                     w.rounds = 2;
                     a.waiting.push_front(w);
                     self.start(i, t, Op::Exact { cost }, Kind::Exact { cost });
                 }
-                Uncovered::Denied { .. } => a.key.0.count_denied(w.cost),
+                Some(_) => a.key.0.count_denied(w.cost),
             }
         }
     }
@@ -1029,4 +1041,16 @@ impl Around for Driving<'_> {
 /// Offered rates for `n` agents: `total` tokens/s split by `split`.
 pub(crate) fn rates(n: usize, total: f64, split: &Split) -> Vec<f64> {
     split.weights(n).iter().map(|w| w * total).collect()
+}
+
+/// A draw of a Poisson variable of mean `mean` (Knuth's: fine for the few arrivals of one
+/// agent in a millisecond).
+fn poisson(rng: &mut Rng, mean: f64) -> u64 {
+    let floor = (-mean).exp();
+    let (mut k, mut p) = (0, rng.unit());
+    while p > floor {
+        k += 1;
+        p *= rng.unit();
+    }
+    k
 }

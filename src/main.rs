@@ -234,6 +234,9 @@ fn main() -> ExitCode {
                 Err(e) => return usage(&e),
             };
             if let Some(n) = agents {
+                if !(1..=1000).contains(&n) {
+                    return usage(&format!("--agents {n}: must be 1..=1000"));
+                }
                 scenario.agents = n;
             }
             if regions.is_some() {

@@ -264,7 +264,7 @@ fn simulate_refuses_bad_input_with_a_reason() {
             vec!["--scenario", "regions", "--region-rtt", "forever"],
             "region_rtt",
         ),
-        (vec!["--agents", "0"], "agents = 0"),
+        (vec!["--agents", "0"], "--agents 0: must be 1..=1000"),
         // A file that cannot be created there: refused before the run, not after it.
         (
             vec!["--report", "/proc/leasehold-test.html"],

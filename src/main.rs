@@ -485,6 +485,28 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
              the bucket a little better."
         );
     }
+    let to_envoy: Vec<&str> = (domains.limits().into_iter())
+        .filter(|(_, l)| {
+            l.failure_to_envoy && matches!(l.action, leasehold_serve::config::Action::Rule(_))
+        })
+        .map(|(key, _)| key)
+        .collect();
+    if !to_envoy.is_empty() {
+        println!(
+            "on failure: {} limit(s) with no leasehold.on_failure ({}{}) answer a store outage \
+             over gRPC with an error (UNAVAILABLE) that Envoy's failure_mode_deny decides, as \
+             envoyproxy/ratelimit does (Envoy lets the request through by default); over \
+             HTTP, 503. Set on_failure to decide here.",
+            to_envoy.len(),
+            to_envoy
+                .iter()
+                .take(3)
+                .copied()
+                .collect::<Vec<_>>()
+                .join(", "),
+            if to_envoy.len() > 3 { ", …" } else { "" }
+        );
+    }
     // Descriptors that decide without a bucket: no rule, so not in the table.
     let mut fixed = 0;
     for (key, l) in domains.limits() {

@@ -989,3 +989,44 @@ fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
         serving.stop().await;
     });
 }
+
+/// Over gRPC, the YAML, its store gone: a limit with no `leasehold.on_failure` is
+/// answered as envoyproxy/ratelimit answers a Redis error — a gRPC error (UNAVAILABLE),
+/// which Envoy's `failure_mode_deny` decides (by default it lets the request through) —
+/// where an explicit `fail_closed` answers OVER_LIMIT, `fail_open` OK, and a request that
+/// names both an implicit and an explicit fail-closed limit is over the limit.
+#[test]
+fn without_its_store_a_yaml_limit_with_no_on_failure_is_a_grpc_error_for_envoy_to_decide() {
+    let mut server = support::server();
+    support::runtime().block_on(async {
+        let yaml = "domain: d\ndescriptors:\n  - key: plain\n    rate_limit: {unit: second, requests_per_unit: 5}\n  - key: closed\n    rate_limit: {unit: second, requests_per_unit: 5}\n    leasehold: {on_failure: fail_closed}\n  - key: open\n    rate_limit: {unit: second, requests_per_unit: 5}\n    leasehold: {on_failure: fail_open}\n";
+        let serving = Serving::start(&server, yaml, Default::default(), false).await;
+        let mut c = serving.client().await;
+        let ask = |keys: &[&str]| RateLimitRequest {
+            domain: "d".into(),
+            descriptors: keys
+                .iter()
+                .map(|k| descriptor(&[(k, "v")], None))
+                .collect(),
+            hits_addend: 0,
+        };
+        let r = c.should_rate_limit(ask(&["plain"])).await.unwrap();
+        assert_eq!(r.into_inner().overall_code, Code::Ok as i32);
+        server.kill();
+        let e = c.should_rate_limit(ask(&["plain"])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("unreachable"), "{e:?}");
+        for (keys, code) in [
+            (&["closed"][..], Code::OverLimit),
+            (&["open"][..], Code::Ok),
+            (&["plain", "closed"][..], Code::OverLimit),
+            (&["plain", "open"][..], Code::OverLimit),
+        ] {
+            match c.should_rate_limit(ask(keys)).await {
+                Ok(r) => assert_eq!(r.into_inner().overall_code, code as i32, "{keys:?}"),
+                Err(e) => panic!("{keys:?}: {e:?}"),
+            }
+        }
+        serving.stop().await;
+    });
+}

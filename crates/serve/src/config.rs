@@ -304,6 +304,10 @@ pub struct Limit {
     /// The descriptor's entries from the domain down, as configured: key and value (a
     /// key alone matches any value; a value may hold a `*` wildcard).
     pub entries: Vec<(String, Option<String>)>,
+    /// No `leasehold.on_failure`: a refusal only because the store is unreachable is
+    /// answered as envoyproxy/ratelimit answers a Redis error, with a gRPC error, and
+    /// Envoy's `failure_mode_deny` decides (the rule itself fails closed).
+    pub failure_to_envoy: bool,
 }
 
 #[derive(Debug, Default)]
@@ -607,6 +611,7 @@ impl Domains {
             full_key: full.to_owned(),
             subject_keys: extras.and_then(|x| x.subject.clone()),
             entries: entries.to_vec(),
+            failure_to_envoy: extras.is_none_or(|x| x.on_failure.is_none()),
         })
     }
 

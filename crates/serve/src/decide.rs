@@ -70,6 +70,10 @@ pub struct Verdict {
     /// Some descriptor could not be decided: the store is unreachable and its rule
     /// fails closed (it counts as over the limit).
     pub unavailable: bool,
+    /// Refused only because the store is unreachable, on limits that leave that to
+    /// Envoy ([`crate::config::Limit::failure_to_envoy`]): the gRPC service answers with
+    /// an error, as envoyproxy/ratelimit does, and Envoy's `failure_mode_deny` decides.
+    pub failed: bool,
     /// Per descriptor, in the request's order.
     pub statuses: Vec<Status>,
     /// Headers for the client: `retry-after` when over the limit (unless no wait would
@@ -239,6 +243,7 @@ impl Decider {
             return Ok(Verdict {
                 over_limit: false,
                 unavailable: false,
+                failed: false,
                 statuses: vec![ok; descriptors.len()],
                 headers: Vec::new(),
                 metadata: None,
@@ -452,9 +457,20 @@ impl Decider {
             });
             metadata(domain, descriptors, request_hits, passed)
         });
+        // Every refusing descriptor refused for want of the store, and every limit the
+        // request names leaves that to Envoy (one with its own `on_failure` decides).
+        let failed = over_limit
+            && (statuses.iter().zip(&matched))
+                .filter(|(s, _)| s.over_limit)
+                .all(|(s, _)| s.unavailable)
+            && matched
+                .iter()
+                .flatten()
+                .all(|m| m.limit.failure_to_envoy || !matches!(m.limit.action, Action::Rule(_)));
         Ok(Verdict {
             over_limit,
             unavailable,
+            failed,
             statuses,
             headers,
             metadata,
@@ -526,6 +542,7 @@ impl Decider {
                     .iter()
                     .map(|(k, v)| ((*k).to_owned(), Some((*v).to_owned())))
                     .collect(),
+                failure_to_envoy: true,
             }),
             subject: serde_json::to_string(&pairs).unwrap_or_default(),
             metric_key: full_key,

@@ -106,6 +106,15 @@ impl RateLimitService for Rls {
             .decide(&req.domain, &descriptors, req.hits_addend)
             .await
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if verdict.failed {
+            // As envoyproxy/ratelimit answers a Redis error: Envoy's `failure_mode_deny`
+            // decides (it lets the request through by default).
+            metrics::counter!("leasehold_serve_requests_total", "api" => "grpc", "outcome" => "unavailable")
+                .increment(1);
+            return Err(Status::unavailable(
+                "the rate limit store is unreachable (the limit sets no leasehold.on_failure)",
+            ));
+        }
         let statuses = verdict
             .statuses
             .iter()

@@ -28,6 +28,10 @@ use arc_swap::ArcSwap;
 use leasehold_core::key::SLOTS;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+/// How long after its cooldown an open breaker waits for a decision to probe it before
+/// the agent's background task probes it with a `PING`.
+pub(crate) const IDLE_PROBE_AFTER: Duration = Duration::from_secs(1);
+
 /// Breaker settings.
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
@@ -308,14 +312,17 @@ impl<Q: Default> Breakers<Q> {
             .collect()
     }
 
-    /// The shards whose breaker is open with its cooldown over at `now_ns` and no probe
-    /// under way, each with a slot it serves: what a probe with no decision may test.
+    /// The shards whose breaker is open with its cooldown over for [`IDLE_PROBE_AFTER`]
+    /// at `now_ns` and no probe under way, each with a slot it serves: what a probe with
+    /// no decision may test. The grace leaves the probe to the next decision on a gateway
+    /// with traffic (a decision's probe answers its caller, a `PING` answers nobody).
     pub(crate) fn probes_due(&self, now_ns: u64) -> Vec<(u16, Arc<Breaker<Q>>)> {
         let t = self.topology.load();
+        let grace = IDLE_PROBE_AFTER.as_nanos() as u64;
         (t.shards.iter().enumerate())
             .filter(|(_, (_, b))| {
                 let until = b.open_until_ns.load(Ordering::Acquire);
-                until != 0 && now_ns >= until && !b.probing.load(Ordering::Acquire)
+                until != 0 && now_ns >= until + grace && !b.probing.load(Ordering::Acquire)
             })
             .filter_map(|(i, (_, b))| {
                 let slot = t.by_slot.iter().position(|&s| usize::from(s) == i)?;
@@ -447,5 +454,20 @@ mod tests {
             4,
             "three primaries and the unassigned slots"
         );
+    }
+
+    #[test]
+    fn an_idle_probe_waits_a_grace_for_a_decision_to_probe_first() {
+        let b = Breakers::<()>::new(config(1, 4));
+        b.for_slot(0).failure(0, 0, false);
+        let grace = IDLE_PROBE_AFTER.as_nanos() as u64;
+        assert!(b.probes_due(200).is_empty(), "a decision probes first");
+        assert!(b.probes_due(100 + grace - 1).is_empty());
+        let due = b.probes_due(100 + grace);
+        assert_eq!(due.len(), 1, "no decision came: the agent probes");
+        let probe = due[0].1.enter(100 + grace).expect("the idle probe");
+        assert!(b.probes_due(200 + grace).is_empty(), "one probe at a time");
+        probe.succeeded(300 + grace);
+        assert!(b.probes_due(400 + grace).is_empty(), "closed");
     }
 }

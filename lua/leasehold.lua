@@ -1270,8 +1270,10 @@ local function exact_batch(keys, id, args, first)
     total = total + count
     i = i + 2 + count
     if not bucket_key(key) then fail('LH_ARG not a bucket key: ' .. clip(key)) end
-    if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
-    seen[key] = true
+    if nkeys > 2 then
+      if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
+      seen[key] = true
+    end
   end
   if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' numbers left over') end
   local dkey = keys[1]
@@ -1292,10 +1294,10 @@ local function exact_batch(keys, id, args, first)
   -- (EXISTS counts them: none, for a batch of new keys) is each looked at: a hash with a
   -- bucket's state has it decoded in states; any other type, or a hash without one, is
   -- refused. (A GET per key cost a Redis call each, a fifth of a key's decision.)
-  local got, found, states, absent = redis.call('MGET', unpack(keys, 2, nkeys)), {}, {}, {}
+  -- found[k - 1]: keys[k]'s value, or true once its hash is read.
+  local found, states, absent = redis.call('MGET', unpack(keys, 2, nkeys)), {}, {}
   for k = 2, nkeys do
-    local key, v = keys[k], got[k - 1]
-    found[k] = v
+    local key, v = keys[k], found[k - 1]
     if v then
       local _, _, ts = compact_of(key, v)
       check_clock(key, ts, server_now)
@@ -1306,7 +1308,7 @@ local function exact_batch(keys, id, args, first)
   if #absent > 0 and redis.call('EXISTS', unpack(absent)) > 0 then
     for k = 2, nkeys do
       local key = keys[k]
-      if not found[k] then
+      if not found[k - 1] then
         local ty = redis.call('TYPE', key)
         ty = ty['ok']
         if ty == 'hash' then
@@ -1315,7 +1317,7 @@ local function exact_batch(keys, id, args, first)
           if not st then bad_bucket(key) end
           states[k] = state_of(key, st)
           check_clock(key, states[k].ts, server_now)
-          found[k] = true
+          found[k - 1] = true
         elseif ty ~= 'none' then
           fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds a ' .. ty)
         end
@@ -1325,7 +1327,7 @@ local function exact_batch(keys, id, args, first)
   local out, rt, pxat = {server_now}, {}, {}
   i = items
   for k = 2, nkeys do
-    local p, count, f = rules[args[i]], args[i + 1], found[k]
+    local p, count, f = rules[args[i]], args[i + 1], found[k - 1]
     if f == true then
       exact_one(keys[k], p, args, i + 2, count, server_now, states[k], rt, out, pxat)
     else

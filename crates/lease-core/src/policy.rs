@@ -44,21 +44,6 @@ const MEASURE_MIN_NS: u64 = 5_000_000;
 /// are far apart, keeps it from one to the next.
 const DRY_FOR_NS: u64 = 1_000_000_000;
 
-/// An auto-leased key whose store calls bring fewer tokens than this each, over a window
-/// of at least [`PAYS_WINDOW_NS`] and [`PAYS_MIN_CALLS`] calls, goes back to exact
-/// decisions: an acquire on a bucket several agents lease costs the store about what four
-/// exact decisions in a batch do, so leases this small cost more than they save (in
-/// `long-tail-store`, B = 100 over 8 gateways: 5.6 tokens an acquire, and the run was a
-/// third slower leasing its hot keys than deciding them exactly).
-pub const LEASE_PAYS_TOKENS: u64 = 8;
-/// The window over which [`LEASE_PAYS_TOKENS`] is judged, and the calls it needs.
-pub const PAYS_WINDOW_NS: u64 = 1_000_000_000;
-/// See [`PAYS_WINDOW_NS`].
-pub const PAYS_MIN_CALLS: u64 = 8;
-/// A key demoted for small leases stays exact this long before its rate may promote it
-/// again (demand changes; a key whose leases stay small pays one window in ten).
-pub const DEMOTED_FOR_NS: u64 = 10_000_000_000;
-
 /// The agent's tuning that the policy reads (a subset of the agent's configuration).
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
@@ -162,13 +147,6 @@ pub struct KeyPolicy {
     exact_total: u64,
     emergency_total: u64,
     calls_total: u64,
-    /// Auto leasing: the window in which leases are judged ([`LEASE_PAYS_TOKENS`]): its
-    /// start and the calls and tokens granted then; and until when a demoted key stays
-    /// exact.
-    pays_at_ns: u64,
-    pays_calls: u64,
-    pays_granted: u64,
-    exact_until_ns: u64,
 }
 
 impl KeyPolicy {
@@ -357,14 +335,9 @@ impl KeyPolicy {
         }
         self.cold_tokens += cost;
         let fast = self.cold_tokens > cfg.hot_above_per_sec;
-        if rule.leasing() != Leasing::Auto
-            || !(fast || leased_elsewhere)
-            || now_ns < self.exact_until_ns
-        {
+        if rule.leasing() != Leasing::Auto || !(fast || leased_elsewhere) {
             return false;
         }
-        (self.pays_at_ns, self.pays_calls, self.pays_granted) =
-            (now_ns.max(1), self.calls_total, self.granted_total);
         // Sizing: the demand seen cold over at least a second, so a lease starts small
         // and grows with what is measured. Reported (shares, and with them whether the
         // key is contended): the rate over the time it was seen in (at least
@@ -436,12 +409,6 @@ impl KeyPolicy {
         if quiet >= idle_after && now_ns.saturating_sub(last_io_ns) >= idle_after {
             return SweepAction::Idle;
         }
-        if rule.leasing() == Leasing::Auto && self.leases_too_small(now_ns) {
-            // Back to exact decisions, as an idle key goes (its lease returned, its
-            // demand withdrawn), for DEMOTED_FOR_NS.
-            self.exact_until_ns = now_ns + DEMOTED_FOR_NS;
-            return SweepAction::Idle;
-        }
         let return_after = (cfg.return_after.as_nanos() as u64).min(idle_after);
         let fair = self
             .contended()
@@ -456,25 +423,6 @@ impl KeyPolicy {
             }
             r => SweepAction::Reclaim(r),
         }
-    }
-
-    /// Whether the window of [`LEASE_PAYS_TOKENS`] that ends by `now_ns` found the key's
-    /// store calls bringing fewer tokens than that each (a window that ends starts the
-    /// next).
-    fn leases_too_small(&mut self, now_ns: u64) -> bool {
-        if self.pays_at_ns == 0 {
-            (self.pays_at_ns, self.pays_calls, self.pays_granted) =
-                (now_ns.max(1), self.calls_total, self.granted_total);
-            return false;
-        }
-        if now_ns < self.pays_at_ns + PAYS_WINDOW_NS {
-            return false;
-        }
-        let calls = self.calls_total - self.pays_calls;
-        let granted = self.granted_total - self.pays_granted;
-        (self.pays_at_ns, self.pays_calls, self.pays_granted) =
-            (now_ns, self.calls_total, self.granted_total);
-        calls >= PAYS_MIN_CALLS && granted < calls * LEASE_PAYS_TOKENS
     }
 
     /// Until when a caller that finds the lease empty is denied at once while a prefetch
@@ -741,51 +689,5 @@ mod tests {
         assert_eq!(p.low_water(5 * ms, ms, 7), 7);
         // The window past: half again.
         assert_eq!(p.low_water(5 * ms + DRY_FOR_NS, ms, 1), 20);
-    }
-
-    /// Auto leasing: a key whose acquires bring fewer than LEASE_PAYS_TOKENS each over a
-    /// window goes back to exact decisions for DEMOTED_FOR_NS; one whose leases are large
-    /// keeps leasing.
-    #[test]
-    fn an_auto_key_whose_leases_stay_small_goes_back_to_exact_decisions() {
-        let rule = Rule::new("r", 100, "1000/s").unwrap();
-        assert_eq!(rule.leasing(), Leasing::Auto);
-        let cfg = PolicyConfig::default();
-        let ms = 1_000_000;
-        for (grant, demoted) in [(3, true), (LEASE_PAYS_TOKENS, false), (40, false)] {
-            let cell = Cell::new();
-            let mut p = KeyPolicy::new(1);
-            // 30 exact decisions in 90 ms: hot, it leases.
-            let hot = (0..30).any(|i| p.exact_done(&rule, &cfg, 1 + i * 3 * ms, 1, true, false));
-            assert!(hot, "promoted");
-            // An acquire every 50 ms for 3 s, each granting `grant` tokens.
-            let mut t = 100 * ms;
-            let mut idle_at = None;
-            while t < 3_000 * ms && idle_at.is_none() {
-                p.called();
-                acquire_answered(&mut p, &rule, &cell, t, Some(grant), 0);
-                if p.sweep(&rule, &cfg, t + ms, &cell.lease, 0, t) == SweepAction::Idle {
-                    idle_at = Some(t);
-                }
-                t += 50 * ms;
-            }
-            assert_eq!(idle_at.is_some(), demoted, "grants of {grant}: {idle_at:?}");
-            let Some(at) = idle_at else { continue };
-            // Judged over a window of at least a second.
-            assert!((1_000 * ms..=1_200 * ms).contains(&at), "{at}");
-            // Exact for DEMOTED_FOR_NS whatever its rate, then promoted again.
-            let burst = |p: &mut KeyPolicy, from: u64| {
-                (0..30).any(|i| p.exact_done(&rule, &cfg, from + i * ms, 1, true, false))
-            };
-            assert!(!burst(&mut p, at + 2_000 * ms), "still demoted");
-            assert!(
-                !burst(&mut p, at + DEMOTED_FOR_NS - 100 * ms),
-                "still demoted"
-            );
-            assert!(
-                burst(&mut p, at + DEMOTED_FOR_NS + 2 * ms),
-                "promoted again"
-            );
-        }
     }
 }

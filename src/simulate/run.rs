@@ -162,7 +162,14 @@ pub(super) async fn worker(
             next += Duration::from_secs_f64(threads / rate);
             let now = Instant::now();
             if next > now + Duration::from_millis(1) {
-                tokio::time::sleep_until(next).await;
+                // Never past the run's end: an agent offered a decision every few minutes
+                // (a `total` far below the fleet's size) would hold the run open for them.
+                let end = run.start + run.warm_up + run.duration;
+                tokio::time::sleep_until(next.min(end).into()).await;
+                if next > end {
+                    elapsed = run.start.elapsed();
+                    continue;
+                }
             } else if next + Duration::from_millis(100) < now {
                 next = now;
             }

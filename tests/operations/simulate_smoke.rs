@@ -112,6 +112,35 @@ fn simulate_embedded_hot_key() {
     check(&simulate("embedded", "hot-key"));
 }
 
+/// A load far below one decision per agent per run (2 a second over 200 agents: each
+/// agent's next decision is 100 s away) still ends when the run does: the agents' waits
+/// stop at its end.
+#[test]
+fn a_sparse_load_ends_with_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sparse.toml");
+    std::fs::write(
+        &file,
+        "name = \"sparse\"\nagents = 200\n[rule]\ncapacity = 100\nrate = \"100/s\"\n\
+         [keys]\ncount = 1\n[[phases]]\nat = 0.0\ntotal = 2\n",
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = run(&[
+        "--scenario-file",
+        file.to_str().unwrap(),
+        "--duration",
+        "2",
+        "--compare",
+        "none",
+    ]);
+    let took = started.elapsed();
+    assert!(r["systems"]["leasehold"].is_object());
+    // Two seconds of run, the agents' start and the report: well within a minute (it
+    // waited out the agents' 100 s before).
+    assert!(took < std::time::Duration::from_secs(60), "took {took:?}");
+}
+
 #[test]
 fn simulate_spawned_redis_zipf() {
     let r = simulate("spawn", "zipf");

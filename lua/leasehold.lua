@@ -205,13 +205,14 @@ end
 -- state.rs, rate_scale: rate-lease shares are 1/scale-ths of a token per rate period, the
 -- finest power of ten up to 10^9 keeping the refill exact; 0 below 10^3.
 local function rate_scale(p)
+  -- Worked out once per call (a rate lease's call asks for it up to six times).
+  if p.scale then return p.scale end
   local x = p.cap * p.per + p.n
   local scale = 1000000000
-  while scale >= 1000 do
-    if x <= divmod(MAX, scale) then return scale end
-    scale = scale / 10
-  end
-  return 0
+  while scale >= 1000 and x > divmod(MAX, scale) do scale = scale / 10 end
+  if scale < 1000 then scale = 0 end
+  p.scale = scale
+  return scale
 end
 
 -- Whether a region's bucket is within its term (brought up to date).

@@ -165,7 +165,7 @@ pub(super) async fn worker(
                 // Never past the run's end: an agent offered a decision every few minutes
                 // (a `total` far below the fleet's size) would hold the run open for them.
                 let end = run.start + run.warm_up + run.duration;
-                tokio::time::sleep_until(next.min(end).into()).await;
+                tokio::time::sleep_until(next.min(end)).await;
                 if next > end {
                     elapsed = run.start.elapsed();
                     continue;

@@ -101,3 +101,44 @@ fn a_rate_lease_reports_what_it_has_left() {
         }
     });
 }
+
+/// A gateway the load moves to: its key's first caller is decided exactly and refused (the
+/// level is empty while the other agent's share holds the whole rate), and that denial is
+/// remembered only until the key's first call may be due. It was remembered for the
+/// store's whole wait, its callers refused meanwhile without reaching the store or the
+/// policy, so the call that gets the key its share came that much later: in `simulate`'s
+/// fleet-rate-shifting scenario a move now and then admitted next to nothing for a second.
+#[test]
+fn a_gateway_the_load_moves_to_is_not_kept_from_its_first_call() {
+    let server = server();
+    support::runtime().block_on(async {
+        let from = support::limiter(&server.url(), RULES).await;
+        let to = support::limiter(&server.url(), RULES).await;
+        let rule = "rl".into();
+        // The whole rate goes to the first agent's share.
+        support::flat_out(
+            std::slice::from_ref(&from),
+            1,
+            "rl",
+            "tenant",
+            Duration::from_secs(1),
+        )
+        .await;
+        let first = to.check(&rule, "tenant", 1).await.unwrap();
+        let calls = to.stats("rl").unwrap().store_calls;
+        let leasehold_agent::Decision::Denied {
+            retry_after: waited,
+        } = first
+        else {
+            panic!("the first caller was admitted ({first:?}): the level had a token");
+        };
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let _ = to.check(&rule, "tenant", 1).await.unwrap();
+        let after = to.stats("rl").unwrap().store_calls;
+        println!("refused with a wait of {waited:?}; store calls {calls} then {after}");
+        assert!(
+            after > calls,
+            "a caller 30 ms after the first refusal (a wait of {waited:?}) went to the store"
+        );
+    });
+}

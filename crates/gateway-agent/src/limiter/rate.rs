@@ -64,9 +64,20 @@ impl Limiter {
                 return Ok(d);
             }
             let d = self.exact(ks, driver, entry, cost).await?;
-            // Demand the cell did not see (a denial it counts).
-            if let (Decision::Allowed { .. }, Some(rk)) = (&d, ks.rate.lock().as_mut()) {
-                rk.offered(self.now_ns(), cost);
+            match (&d, ks.rate.lock().as_mut()) {
+                // Demand the cell did not see (a denial it counts).
+                (Decision::Allowed { .. }, Some(rk)) => rk.offered(self.now_ns(), cost),
+                // Remembered only until the key's first call may be due: held for the
+                // store's whole wait (the level empty while other agents' shares hold
+                // the rate: a gateway the load just moved to), its callers would be
+                // refused without being counted, and the call that gets the key its
+                // share put off, for that long.
+                (Decision::Denied { retry_after }, _) => {
+                    let wait = retry_after.as_nanos() as u64;
+                    ks.hot()
+                        .deny(self.now_ns() + RateKey::first_denial_ns(wait), cost);
+                }
+                _ => {}
             }
             return Ok(d);
         };

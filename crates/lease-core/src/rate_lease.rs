@@ -424,6 +424,23 @@ impl RatePolicy {
             || (since >= 10 * DEMAND_WINDOW_NS && self.demand_milli(now_ns) > bar)
     }
 
+    /// Whether demand surged past the grant: since the call (20 ms ago or more), twice the
+    /// tokens the burst and the share's accrual cover, and twice what the report said,
+    /// and enough tokens to tell. A gateway whose load jumps (20 requests a second, then
+    /// 175) would otherwise refuse most of its callers until its window saw 20 tokens or
+    /// a second passed, far under the limit. A fleet over its rate does not surge: its
+    /// reports already say its demand.
+    pub fn surged(&self, now_ns: u64, share_milli: u64, burst: u64) -> bool {
+        let since = now_ns.saturating_sub(self.last_call_ns);
+        if self.reported_milli == 0 || since < NEW_DEMAND_NS || self.since_call < SIGNIFICANT {
+            return false;
+        }
+        let per_s = |milli: u64| u128::from(milli) * u128::from(since) / 1_000_000_000_000;
+        let offered = u128::from(self.since_call);
+        offered > 2 * (u128::from(burst) + per_s(share_milli))
+            && offered > 2 * per_s(self.reported_milli)
+    }
+
     /// A call sent at `now_ns` reports this demand: the last window's when it changed
     /// enough to tell, else what was offered since the last call.
     pub fn calling(&mut self, now_ns: u64) -> u64 {
@@ -511,7 +528,11 @@ impl RateKey {
     /// one call at a time per key; a call whose reply never came counts as sent.)
     pub fn due(&self, now_ns: u64) -> bool {
         if self.live {
-            self.policy.due(now_ns) || self.policy.outgrown(now_ns, self.share_milli)
+            self.policy.due(now_ns)
+                || self.policy.outgrown(now_ns, self.share_milli)
+                || self
+                    .policy
+                    .surged(now_ns, self.share_milli, self.local.burst())
         } else {
             self.policy.first_due(now_ns)
         }
@@ -852,6 +873,59 @@ mod tests {
         assert!((3_080..=3_100).contains(&at), "due at {at} ms");
         assert_eq!(reported, 0);
         assert_eq!(run(20), None, "50/s: a window without tokens is noise");
+    }
+
+    /// A gateway alone on a key at 20 requests a second, then 175: it asks again within a
+    /// quarter of a second, not once its window sees 20 tokens or a second passed. One
+    /// whose demand stays far over its share (a fleet over the rate, reporting it) does
+    /// not.
+    #[test]
+    fn a_surge_past_the_grant_asks_again_at_once() {
+        let start = |reported_per_s: u64, share_milli: u64, burst: u64| {
+            let mut k = RateKey::default();
+            let every = 1_000 / reported_per_s;
+            for at in (0..1_000).step_by(every as usize) {
+                k.policy.offered(at * MS, 1);
+            }
+            k.policy.calling(1_000 * MS);
+            k.policy.granted(1_000 * MS, &grant(8_000_000, false));
+            for at in (1_000..2_000).step_by(every as usize) {
+                k.policy.offered(at * MS, 1);
+            }
+            k.policy.calling(2_000 * MS);
+            k.policy.granted(2_000 * MS, &grant(8_000_000, false));
+            k.live = true;
+            k.share_milli = share_milli;
+            k.local.burst = burst;
+            k
+        };
+        // 20/s reported, a share of 25/s and a burst of 10; then a request every 5.7 ms.
+        let mut k = start(20, 25_000, 10);
+        let mut at = 2_000 * MS;
+        let due = loop {
+            at += 5_700_000;
+            k.policy.offered(at, 1);
+            if k.due(at) {
+                break at;
+            }
+            assert!(at < 3_000 * MS, "not due within a second");
+        };
+        let after_ms = (due - 2_000 * MS) / MS;
+        assert!(
+            (150..=250).contains(&after_ms),
+            "due {after_ms} ms after the call"
+        );
+        assert_eq!(
+            k.policy.calling(due) / 1_000,
+            175,
+            "the surge's rate reported"
+        );
+        // 500/s reported and offered against a share of 100/s: no surge.
+        let mut over = start(500, 100_000, 50);
+        for at in (2_000..2_900).step_by(2) {
+            over.policy.offered(at * MS, 1);
+            assert!(!over.policy.surged(at * MS, 100_000, 50), "at {at} ms");
+        }
     }
 
     /// A few tokens a second: a window is noise (2 tokens, or 5), not a change; what was

@@ -618,8 +618,12 @@ impl Scenario {
 
     /// Checks everything a run needs, naming what is wrong.
     pub(crate) fn validate(&self) -> Result<Rule, String> {
-        let rule = Rule::from_spec("sim", &self.rule)
-            .map_err(|e| format!("scenario {}: {e}", self.name))?;
+        // The file's [rule] table, not the name the run gives it.
+        let rule = Rule::from_spec("sim", &self.rule).map_err(|e| {
+            let e = e.to_string();
+            let e = e.strip_prefix("rule sim: ").unwrap_or(&e);
+            format!("scenario {}: [rule] {e}", self.name)
+        })?;
         let err = |what: String| Err(format!("scenario {}: {what}", self.name));
         if self.agents == 0 || self.agents > 1000 {
             return err(format!("agents = {} must be 1..=1000", self.agents));
@@ -672,18 +676,26 @@ impl Scenario {
             return err("the first phase must start at 0.0".into());
         }
         for p in &self.phases {
-            if !(0.0..1.0).contains(&p.at) || p.offered < 0.0 || !p.offered.is_finite() {
+            if !(0.0..1.0).contains(&p.at) {
                 return err(format!(
-                    "phase at {}: at must be in [0, 1) and offered >= 0",
+                    "phase at {}: at is a fraction of --duration, in [0, 1) (0.5: halfway \
+                     through it, after the warm-up, which runs the first phase)",
                     p.at
                 ));
             }
+            if p.offered < 0.0 || !p.offered.is_finite() {
+                return err(format!(
+                    "phase at {}: offered = {} must be a number >= 0 (decisions/s per \
+                     active agent)",
+                    p.at, p.offered
+                ));
+            }
             if let Some(a) = &p.active
-                && a.iter().any(|&i| i >= self.agents)
+                && let Some(bad) = a.iter().find(|&&i| i >= self.agents)
             {
                 return err(format!(
-                    "phase at {}: active agent out of 0..{}",
-                    p.at, self.agents
+                    "phase at {}: active agent {bad} is not one of the {} agents (0..{})",
+                    p.at, self.agents, self.agents
                 ));
             }
             if let Some(skew) = &p.skew {
@@ -696,13 +708,21 @@ impl Scenario {
                     ));
                 }
             }
-            if let Some(t) = p.total
-                && !(t.is_finite() && t >= 0.0 && p.offered == 0.0)
-            {
-                return err(format!(
-                    "phase at {}: total = {t} must be >= 0, and then offered is not given",
-                    p.at
-                ));
+            if let Some(t) = p.total {
+                if !(t.is_finite() && t >= 0.0) {
+                    return err(format!(
+                        "phase at {}: total = {t} must be a number >= 0 (decisions/s of all \
+                         the active agents)",
+                        p.at
+                    ));
+                }
+                if p.offered != 0.0 {
+                    return err(format!(
+                        "phase at {}: give total (decisions/s of all the active agents) or \
+                         offered (per agent), not both",
+                        p.at
+                    ));
+                }
             }
             if let Some(rates) = &p.rates
                 && (rates.len() > self.agents

@@ -320,3 +320,47 @@ fn simulate_refuses_bad_input_with_a_reason() {
         }
     }
 }
+
+/// A scenario file's mistakes are refused naming what the user wrote: the `[rule]` table
+/// (not the name the run gives it), a phase's `at` as a fraction of `--duration`, the
+/// active agent out of range, `total` beside `offered`.
+#[test]
+fn a_bad_scenario_file_is_refused_naming_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let head = "name = \"x\"\nagents = 2\n[rule]\ncapacity = 10\nrate = \"10/s\"\n";
+    let keys = "[keys]\ncount = 1\n[[phases]]\nat = 0.0\ntotal = 10\n";
+    for (i, (text, want)) in [
+        (
+            format!("{head}leasing = \"rate\"\nterm = \"2h\"\n{keys}"),
+            "scenario x: [rule] term = \"2h\": must be between 100ms and 1h: a longer one",
+        ),
+        (
+            format!("{head}{keys}[[phases]]\nat = 3.0\ntotal = 5\n"),
+            "phase at 3: at is a fraction of --duration, in [0, 1)",
+        ),
+        (
+            format!("{head}{keys}[[phases]]\nat = 0.5\ntotal = 5\nactive = [7]\n"),
+            "active agent 7 is not one of the 2 agents",
+        ),
+        (
+            format!("{head}{keys}[[phases]]\nat = 0.5\ntotal = 5\noffered = 3\n"),
+            "give total (decisions/s of all the active agents) or offered (per agent), not both",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let path = dir.path().join(format!("bad-{i}.toml"));
+        std::fs::write(&path, &text).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+            .arg("simulate")
+            .arg("--scenario-file")
+            .arg(&path)
+            .args(["--duration", "1"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{text} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{text}: {err}");
+    }
+}

@@ -603,8 +603,12 @@ impl Rule {
                 value: text.clone(),
                 why,
             };
-            let d = parse_duration(text)
-                .map_err(|e| err(format!("not a duration ({e}): write it as 4s, 500ms or 2m")))?;
+            let d = parse_duration(text).map_err(|e| {
+                // humantime's own example ("8sec") is not the spelling the docs use.
+                let e = e.to_string();
+                let e = e.split(", for example").next().unwrap_or(&e);
+                err(format!("not a duration ({e}): write it as 4s, 500ms or 2m"))
+            })?;
             // A term has its own least (why: below); one message for both ends.
             let min = if field == "term" {
                 MIN_TERM
@@ -612,9 +616,11 @@ impl Rule {
                 Duration::from_millis(1)
             };
             if d < min || d > max {
-                let why = if field == "term" {
+                let why = if field == "term" && d < min {
                     ": a rate lease is renewed at three quarters of its term, and a shorter \
                      one calls the store more often than leases of tokens do"
+                } else if field == "term" {
+                    ": a longer one would hold a crashed gateway's share that long"
                 } else {
                     ""
                 };
@@ -815,7 +821,8 @@ impl Rule {
                 return Err(conflict(
                     "scope",
                     "global".into(),
-                    "a region's bucket is fed by its broker's deposits, not leased by rate",
+                    "a region's bucket is fed by its broker's deposits, not leased by rate: \
+                     drop scope (one store) or use leasing = \"auto\" or \"lease\"",
                 ));
             }
             if let Some(p) = spec.local_percent {
@@ -1342,8 +1349,13 @@ mod tests {
             t.term = Some(short.into());
             refused(&t, "must be between 100ms and 1h: a rate lease is renewed");
         }
+        t.term = Some("2h".into());
+        refused(&t, "must be between 100ms and 1h: a longer one would hold");
         t.term = Some("abc".into());
         refused(&t, "write it as 4s, 500ms or 2m");
+        // humantime's own example spelling ("8sec") is left out.
+        t.term = Some("8".into());
+        refused(&t, "not a duration (time unit needed): write it as 4s");
         let mut t = r.clone();
         t.local_percent = Some(50);
         t.local_agents = Some(4);

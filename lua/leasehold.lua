@@ -28,7 +28,7 @@
 -- term's end what is left is void, and then it refills at its floor only.
 -- Reply: {granted, ttl_us, remaining, retry_us, now_us, scale_ppm, moved,
 --         split_parts, split_salt, split_gen, split_until, split_tokens,
---         split_outstanding, split_drop}
+--         split_outstanding, split_drop, burst (a rate lease's, 0 without a share)}
 
 local MAX = 9007199254740991
 local MAX_HELD = 1099511627776
@@ -430,8 +430,11 @@ local function record_of(key, v)
       r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15
   end
   if n == 12 or n == 13 then r8, r9, r10, r11, r12, r13, r14 = 0, 0, 0, 0, 0, 0, 0 end
+  -- The reply's burst is the record's (finish).
+  local burst = 0
+  if q > 0 then burst = held end
   return {held = held, x = x, seq = seq, demand = demand, credit = credit, q = q,
-          reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14}}
+          reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, burst}}
 end
 
 local function pack_record(held, x, seq, demand, credit, q, reply)
@@ -601,8 +604,9 @@ local function finish(key, s, p, now, rec, reply)
   reply[8], reply[9], reply[10], reply[11] = s.split.parts, s.split.salt, s.split.gen, s.split.untl
   reply[12], reply[13], reply[14] = s.split.tok, s.split.out, s.split.drop
   if rec then
-    -- A rate lease's reply says its burst there.
-    reply[3] = rec.says or s.tok
+    reply[3] = s.tok
+    -- A rate lease's burst: the record's, as a replay reads it (record_of).
+    if rec.q > 0 then reply[15] = rec.held end
     local x = rec.x
     if s.nexp == 0 then s.nexp = x else s.nexp = math.min(s.nexp, x) end
     s.mx = math.max(s.mx, x)
@@ -724,7 +728,7 @@ end
 local function new_reply(now, moved)
   local m = 0
   if moved then m = 1 end
-  return {0, 0, 0, 0, now, 0, m, 0, 0, 0, 0, 0, 0, 0}
+  return {0, 0, 0, 0, now, 0, m, 0, 0, 0, 0, 0, 0, 0, 0}
 end
 
 local function acquire(keys, p, held, want, min, demand)
@@ -827,8 +831,8 @@ end
 
 -- lh_rate: a rate lease (ops.rs, rate): the agent declares its burst (held) and the whole
 -- tokens in it, asks for a burst of want and a share of the rate sized by its demand, for
--- the rule's lease term. Reply: remaining = the burst, granted = tokens taken from the
--- level into it, ttl = the term, scale = the
+-- the rule's lease term. Reply: burst (15) = the burst, granted = tokens taken from the
+-- level into it, remaining = the level left, ttl = the term, scale = the
 -- share (1/scale-ths of a token per rate period, rate_scale), retry = 1 when other shares
 -- hold more than an eighth of the agent's part.
 local function rate(keys, p, held, want, tokens, demand)
@@ -887,7 +891,7 @@ local function rate(keys, p, held, want, tokens, demand)
   reply[1], reply[2], reply[6] = paid, term, share
   if limited then reply[4] = 1 end
   return finish(key, s, p, now, {held = burst, x = now + term + p.grace, demand = demand,
-    credit = kept_credit(rec, p), q = share, says = burst}, reply)
+    credit = kept_credit(rec, p), q = share}, reply)
 end
 
 local function release(keys, p, returned)

@@ -142,3 +142,52 @@ fn a_gateway_the_load_moves_to_is_not_kept_from_its_first_call() {
         );
     });
 }
+
+/// A gateway's own load jumping, far below the limit, is not refused, and what it reports
+/// as left is the bucket's, not its burst. Its share and burst were sized by the demand
+/// before (20 a second: a burst of 10); the cell ran dry within tens of milliseconds of
+/// the jump and refused its callers until the renewal the surge made came back (11-16 of
+/// 400 in `leasehold serve`), and each admission reported the burst as what was left (0-6
+/// against 20 000). A dry cell now borrows from the level with one renewal.
+#[test]
+fn a_gateway_whose_load_jumps_below_the_limit_is_not_refused() {
+    let server = server();
+    support::runtime().block_on(async {
+        let rules =
+            "[rules.rl]\ncapacity = 20000\nrate = \"20000/s\"\nleasing = \"rate\"\nterm = \"8s\"\n";
+        let l = support::limiter(&server.url(), rules).await;
+        // As the quota headers and serve decide: `remaining` is the key's quota.
+        let check = [leasehold_agent::Check::new(&"rl".into(), "tenant", 1)];
+        let mut each = Vec::new();
+        let mut refused = [0u32; 2];
+        let mut least_left = u64::MAX;
+        let start = tokio::time::Instant::now();
+        let mut at = Duration::ZERO;
+        // 20 a second for 2 s, then 200 a second for 2 s.
+        for (phase, per_sec) in [(0, 20u32), (1, 200)] {
+            for _ in 0..2 * per_sec {
+                tokio::time::sleep_until(start + at).await;
+                at += Duration::from_secs(1) / per_sec;
+                match l.check_all_each(&check, &mut each).await.unwrap().0 {
+                    leasehold_agent::Decision::Allowed { remaining, .. } => {
+                        if phase == 1 {
+                            least_left = least_left.min(remaining);
+                        }
+                    }
+                    _ => refused[phase] += 1,
+                }
+            }
+        }
+        let calls = l.stats("rl").unwrap().store_calls;
+        println!(
+            "refused {refused:?} (20/s, then 200/s); least said to be left {least_left}; \
+             {calls} store calls"
+        );
+        assert_eq!(refused, [0, 0], "refused below the limit");
+        // About the bucket's level: the bursts hold a fraction of a second of the demand.
+        assert!(least_left >= 10_000, "said to be left: {least_left}");
+        // The first calls, the ones the jump makes, and a renewal or two: no call per
+        // request.
+        assert!(calls <= 40, "{calls} store calls");
+    });
+}

@@ -1262,7 +1262,7 @@ fn the_decimal_functions_and_lh_call_share_records() {
     };
     // Acquire 4 through lh_call; its retry through lh_acquire replays it.
     let first = call(&mut conn, 1, 1, &[0, 4, 1, 0]);
-    assert_eq!(first.len(), 14, "{first:?}");
+    assert_eq!(first.len(), leasehold_store::wire::REPLY_LEN, "{first:?}");
     assert_eq!((first[0], first[2]), (4, 6), "granted 4, 6 left: {first:?}");
     assert_eq!(decimal(&mut conn, "lh_acquire", 1, &[0, 4, 1, 0]), first);
     // An exact decision through lh_exact, retried through lh_call.

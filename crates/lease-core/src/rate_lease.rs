@@ -60,19 +60,23 @@ pub struct RateGrant {
     /// The share is less than the agent's part because other agents' shares still hold
     /// the rest: asking again soon gets more, as they renew to their parts.
     pub limited: bool,
+    /// Whole tokens the bucket's level held after the grant: what exact decisions, and
+    /// this agent's local bucket when it runs dry, may still take.
+    pub level: u64,
 }
 
 impl RateGrant {
     /// The grant a reply to a rate lease carries, for a request that declared `held`.
     pub fn of(reply: &Reply, held: u64) -> Self {
         let share = if reply.moved { 0 } else { reply.scale_ppm };
-        let paid = reply.granted;
         Self {
             share,
-            burst: if reply.moved { held } else { reply.remaining },
-            paid,
+            // Without a share the burst is what was declared.
+            burst: if reply.burst == 0 { held } else { reply.burst },
+            paid: reply.granted,
             ttl_us: reply.ttl_us,
             limited: reply.retry_us != 0,
+            level: if reply.moved { 0 } else { reply.remaining },
         }
     }
 }
@@ -493,6 +497,20 @@ pub struct RateKey {
     /// A grant since the last release answered a call that reported demand: a share of
     /// 0 then means the other agents hold the whole rate.
     informed: bool,
+    /// Whole tokens the bucket's level held at the last grant.
+    level: u64,
+}
+
+/// What a caller the cell does not cover gets ([`RateKey::uncovered`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Uncovered {
+    /// One exact decision at the store.
+    Exact,
+    /// A call now (the lease renewed) that fills the local bucket from the level, then
+    /// the cell again.
+    Borrow,
+    /// A denial, with the time the share takes to bring the cost (ns).
+    Wait(u64),
 }
 
 impl RateKey {
@@ -618,6 +636,7 @@ impl RateKey {
         // (a share of 0 then means the others hold the whole rate: exact calls would only
         // be refused).
         self.informed |= self.demand_milli > 0;
+        self.level = g.level;
         let deny_until = if self.informed {
             self.local.deadline_ns()
         } else {
@@ -659,21 +678,50 @@ impl RateKey {
     }
 
     /// What a caller the cell does not cover gets once the key is synced (and renewed if
-    /// a renewal was due): `None`, one exact decision at the store — no share yet, and no
-    /// grant has answered a call reporting demand (an exact admission is demand to
-    /// [`RateKey::offered`]) — else a denial with the time the share takes to bring
-    /// `cost` (ns); a share of 0 after such a grant means the other agents hold the whole
-    /// rate, and the wait is then the rule's own.
-    pub fn uncovered(&self, refill: &Refill, cost: u64, rate: Rate) -> Option<u64> {
+    /// a renewal was due):
+    /// - one exact decision at the store when no grant has answered a call reporting
+    ///   demand yet (an exact admission is demand to [`RateKey::offered`]), or when the
+    ///   last grant left the level `cost` and the burst is smaller than `cost`;
+    /// - a renewal now (unless the caller `borrowed` already, or a call is in flight)
+    ///   when the agent's part of the level the last grant left, in proportion to its
+    ///   share of the rate, is `cost` at least ([`RateKey::level_part`]): it fills the
+    ///   burst from the level and reports the demand as it is. A gateway whose own load
+    ///   jumps is not refused while the bucket has the tokens (its share and burst were
+    ///   sized by the demand before); a fleet over the rate leaves the level all but empty
+    ///   and makes no such calls (a thousand agents would each call for the few tokens
+    ///   the shares' rounding leaves there);
+    /// - else a denial with the time the share takes to bring `cost` (a share of 0 after
+    ///   such a grant means the other agents hold the whole rate: the rule's own time).
+    pub fn uncovered(&self, refill: &Refill, cost: u64, rate: Rate, borrowed: bool) -> Uncovered {
         let share = refill.share_milli();
         if share == 0 && !self.informed {
-            return None;
+            return Uncovered::Exact;
         }
-        Some(if share == 0 {
+        if self.level >= cost && cost > self.local.burst() {
+            return Uncovered::Exact;
+        }
+        if !borrowed && self.inflight.is_none() && self.level_part(share, rate) >= cost {
+            return Uncovered::Borrow;
+        }
+        Uncovered::Wait(if share == 0 {
             crate::cell::refill_ns(cost, rate)
         } else {
             (cost as f64 * 1e12 / share as f64) as u64
         })
+    }
+
+    /// Whether a caller the cell does not cover may find tokens at the store (the
+    /// caller's cost is not known yet): the last grant left some in the level. (With a
+    /// call in flight, the caller waits for it.)
+    pub fn may_borrow(&self, refill: &Refill, rate: Rate) -> bool {
+        self.level_part(refill.share_milli(), rate) >= 1
+    }
+
+    /// The agent's part of the level the last grant left: in the proportion of its share
+    /// (`share_milli`) to the rule's `rate`, whole tokens.
+    fn level_part(&self, share_milli: u64, rate: Rate) -> u64 {
+        let rate_milli = rate.per_sec_f64() * 1000.0;
+        (self.level as f64 * (share_milli as f64 / rate_milli).min(1.0)) as u64
     }
 
     /// How long the agent remembers an exact denial of its store's `wait_ns` before the
@@ -718,6 +766,7 @@ mod tests {
             paid: 10,
             ttl_us,
             limited,
+            level: 0,
         }
     }
 
@@ -926,6 +975,53 @@ mod tests {
             over.policy.offered(at * MS, 1);
             assert!(!over.policy.surged(at * MS, 100_000, 50), "at {at} ms");
         }
+    }
+
+    /// A caller the cell does not cover, once informed: a renewal that borrows from the
+    /// level while the agent's part of it (in proportion to its share of the rate) covers
+    /// the cost, once per caller; one exact call for a cost over the burst that the level
+    /// holds; else a wait for the share. A fleet over the rate leaves the level all but
+    /// empty: 15 tokens of 20 000/s for an agent with 20/s of it is no part at all.
+    #[test]
+    fn a_dry_cell_borrows_from_the_level_its_part_covers() {
+        let rate: Rate = "20000/s".parse().unwrap();
+        let refill = Refill::new();
+        refill.rate_granted(u64::MAX, 20_000);
+        let key = |level: u64| RateKey {
+            informed: true,
+            level,
+            local: LocalRate {
+                burst: 10,
+                ..LocalRate::default()
+            },
+            ..RateKey::default()
+        };
+        let full = key(19_000);
+        assert_eq!(full.uncovered(&refill, 1, rate, false), Uncovered::Borrow);
+        assert!(full.may_borrow(&refill, rate));
+        assert!(
+            matches!(full.uncovered(&refill, 1, rate, true), Uncovered::Wait(_)),
+            "one borrow per caller"
+        );
+        assert_eq!(full.uncovered(&refill, 11, rate, false), Uncovered::Exact);
+        // 19 000 × 20/20 000: a part of 19 tokens.
+        assert!(matches!(
+            full.uncovered(&refill, 10, rate, false),
+            Uncovered::Borrow
+        ));
+        let scraps = key(15);
+        assert_eq!(
+            scraps.uncovered(&refill, 1, rate, false),
+            Uncovered::Wait(50_000_000),
+            "a token of a 20/s share"
+        );
+        assert!(!scraps.may_borrow(&refill, rate));
+        // Uninformed (no grant has answered a report yet): exact.
+        let new = RateKey::default();
+        assert_eq!(
+            new.uncovered(&Refill::new(), 1, rate, false),
+            Uncovered::Exact
+        );
     }
 
     /// A few tokens a second: a window is noise (2 tokens, or 5), not a change; what was

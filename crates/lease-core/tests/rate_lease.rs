@@ -387,8 +387,9 @@ fn shares_stay_within_the_rate_and_come_back_when_released() {
     let r = st.lease(&p, T0_US, a1, 1, 0, 10, 400_000);
     let g = RateGrant::of(&r, 0);
     assert_eq!(
-        (g.share, g.burst, g.paid, g.limited),
-        (500_000_000, 10, 10, false)
+        (g.share, g.burst, g.paid, g.limited, g.level),
+        (500_000_000, 10, 10, false, 90),
+        "the level left beside the burst"
     );
     assert_eq!(
         st.lease(&p, T0_US + 5, a1, 1, 0, 99, 999_999),
@@ -398,8 +399,8 @@ fn shares_stay_within_the_rate_and_come_back_when_released() {
     // Contended: each its proportional part, never more than the others leave.
     let g2 = RateGrant::of(&st.lease(&p, T0_US, a2, 1, 0, 10, 1_200_000), 0);
     assert_eq!(
-        (g2.share, g2.limited),
-        (500_000_000, true),
+        (g2.share, g2.limited, g2.level),
+        (500_000_000, true, 80),
         "what agent 1 leaves"
     );
     // Its bucket full: nothing paid.

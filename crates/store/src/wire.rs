@@ -13,7 +13,7 @@
 //!   state ([`leasehold_core::model::region::RegionState`]).
 //! - Reply: [`REPLY_LEN`] integers: granted, ttl, remaining, retry, now, scale, moved
 //!   (0/1), then the split in force (parts, salt, generation, until, tokens, outstanding,
-//!   drop; zeros when none).
+//!   drop; zeros when none), then a rate lease's burst (0 without a share).
 //! - Exact batches: `FCALL lh_exact_batch N DEDUP KEY...` ([`batch_key`]) then
 //!   [`exact_many_args`]; the reply, one string of packed integers ([`unpack_numbers`]),
 //!   is read by [`exact_many_reply`]; the dedup key holds [`BATCH_TAG`], then
@@ -36,7 +36,7 @@ use leasehold_core::rule::{BucketParams, Mode, PartSeed};
 use leasehold_core::schema as h;
 
 /// Integers in a reply.
-pub const REPLY_LEN: usize = 14;
+pub const REPLY_LEN: usize = 15;
 
 /// The function agents call for every single-key operation: [`call_args`].
 pub const CALL: &str = "lh_call";
@@ -153,6 +153,7 @@ pub fn reply_to_array(r: &Reply) -> [u64; REPLY_LEN] {
         s[4],
         s[5],
         s[6],
+        r.burst,
     ]
 }
 
@@ -175,6 +176,7 @@ pub fn reply_from_array(a: [u64; REPLY_LEN]) -> Reply {
             outstanding: a[12],
             drop_us: a[13],
         }),
+        burst: a[14],
     }
 }
 
@@ -198,10 +200,11 @@ fn join(v: &[u64]) -> String {
 }
 
 /// The stored form of a reply (`ID:r`, replayed to a retry): the array, comma separated;
-/// the split's 7 numbers only when a split is in force.
+/// the split's 7 numbers only when a split is in force; not the burst (a replay reads it
+/// from the record: [`leasehold_core::model::AgentRecord::burst`]).
 pub fn encode_reply(r: &Reply) -> String {
     let a = reply_to_array(r);
-    let n = if r.split.is_none() { 7 } else { REPLY_LEN };
+    let n = if r.split.is_none() { 7 } else { 14 };
     join(&a[..n])
 }
 
@@ -638,6 +641,7 @@ mod tests {
             scale_ppm: 500_000,
             moved: true,
             split: None,
+            burst: 12,
         };
         assert_eq!(reply_from_array(reply_to_array(&r)), r);
         assert_eq!(encode_reply(&r), "3,1000000,7,0,42,500000,1");
@@ -651,7 +655,7 @@ mod tests {
             drop_us: 15,
         });
         assert_eq!(reply_from_array(reply_to_array(&r)), r);
-        assert_eq!(encode_reply(&r).split(',').count(), REPLY_LEN);
+        assert_eq!(encode_reply(&r).split(',').count(), 14);
     }
 
     #[test]

@@ -177,13 +177,12 @@ impl KeyState {
     /// at the rule's rate, at most its capacity, plus what the agent's seat of the key
     /// holds when the rule has a local share. (Other agents' leases are not seen: on a
     /// key many agents lease, the bucket's own level is low while their leases hold
-    /// tokens.) A rate lease's key: what its cell holds (its store replies name its
-    /// burst, not the bucket's level, and the rule's rate is shared).
+    /// tokens.) A rate lease's key: what its cell holds plus the level its last grant
+    /// left, which a dry cell borrows from, not refilled (the level refills at what the
+    /// fleet's shares leave of the rate, which the agent does not know).
     pub(super) fn quota_left(&self, now: u64) -> u64 {
         let entry = self.entry.load();
-        if entry.rule.leasing() == leasehold_core::rule::Leasing::Rate {
-            return self.hot().lease.held().min(entry.params.capacity) + self.seat_level(now);
-        }
+        let rate_lease = entry.rule.leasing() == leasehold_core::rule::Leasing::Rate;
         let BucketParams { capacity, rate, .. } = entry.params;
         // A reply being installed takes a few instructions; a reader that keeps meeting
         // one (its writer preempted) takes the figure as it reads it.
@@ -196,7 +195,11 @@ impl KeyState {
             std::sync::atomic::fence(Ordering::Acquire);
             let settled = seq.is_multiple_of(2) && self.quota_seq.load(Ordering::Relaxed) == seq;
             if settled || tries == 64 {
-                let elapsed_us = now.saturating_sub(at) / 1000;
+                let elapsed_us = if rate_lease {
+                    0
+                } else {
+                    now.saturating_sub(at) / 1000
+                };
                 let refilled = u128::from(elapsed_us) * u128::from(rate.tokens())
                     / u128::from(rate.period_us().max(1));
                 let left = u128::from(left) + refilled + u128::from(held);

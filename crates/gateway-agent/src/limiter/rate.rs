@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use leasehold_core::model::Reply;
-use leasehold_core::rate_lease::RateKey;
+use leasehold_core::rate_lease::{RateKey, Uncovered};
 
 use crate::counters::Counter;
 
@@ -22,24 +22,29 @@ impl Limiter {
     /// A caller the cell did not cover ([`leasehold_core::Around::refill`]): the share's
     /// accrual goes into the cell, and a renewal is queued if one is due. Whether the
     /// caller must wait: the cell is still empty (a sync by another caller meanwhile may
-    /// have stocked it).
+    /// have stocked it) and the last grant left the level empty (else the store path may
+    /// borrow from it: [`RateKey::uncovered`]).
     pub(super) fn rate_refill(&self, ks: &Arc<KeyState>, now: u64) -> bool {
-        let due = {
+        let (due, borrow) = {
             let mut guard = ks.rate.lock();
             let rk = guard.get_or_insert_with(Box::default);
             rk.sync(ks.hot(), now);
-            rk.due(now)
+            (
+                rk.due(now),
+                rk.may_borrow(&ks.refill, ks.entry.load().params.rate),
+            )
         };
         if due {
             self.request_prefetch(ks, now);
         }
-        ks.hot().lease.held() == 0
+        ks.hot().lease.held() == 0 && !borrow
     }
 
     /// The store path of a rate key's caller the cell did not cover: a renewal if one is
-    /// due (the first grant, a grown demand), else the share's accrual; then the cell; then,
-    /// without a share (none yet, or the others hold the whole rate), one exact call, else
-    /// a denial with the time the share takes to bring the cost.
+    /// due (the first grant, a grown demand), else the share's accrual; then the cell; then
+    /// what [`RateKey::uncovered`] says: one exact call, a renewal that borrows from the
+    /// level (and the cell again), or a denial with the time the share takes to bring the
+    /// cost.
     pub(super) async fn rate_decide(
         &self,
         ks: &Arc<KeyState>,
@@ -54,12 +59,24 @@ impl Limiter {
         } else {
             self.rate_refill(ks, now);
         }
-        if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
-            return Ok(d);
-        }
-        let uncovered = (ks.rate.lock().as_ref())
-            .and_then(|rk| rk.uncovered(&ks.refill, cost, entry.params.rate));
-        let Some(wait_ns) = uncovered else {
+        let mut borrowed = false;
+        let wait = loop {
+            if let Some(d) = self.spend_leased(ks.hot(), &entry.counters, ks, cost, self.now_ns()) {
+                return Ok(d);
+            }
+            let uncovered = (ks.rate.lock().as_ref()).map_or(Uncovered::Exact, |rk| {
+                rk.uncovered(&ks.refill, cost, entry.params.rate, borrowed)
+            });
+            match uncovered {
+                Uncovered::Wait(wait_ns) => break Some(wait_ns),
+                Uncovered::Exact => break None,
+                Uncovered::Borrow => {
+                    self.rate_call(ks, driver, entry).await?;
+                    borrowed = true;
+                }
+            }
+        };
+        let Some(wait_ns) = wait else {
             if let Some(d) = self.recheck(ks, entry, cost, self.now_ns()) {
                 return Ok(d);
             }

@@ -88,9 +88,10 @@ pub enum Op {
     /// A rate lease (see [`crate::rate_lease`]): declare the burst the agent's local bucket
     /// holds room for (`held`, state-based as for `Acquire`) and the whole tokens in it,
     /// ask for a burst of `want` and a share of the bucket's rate sized by `demand`, for the
-    /// rule's lease term. The reply: `remaining`, the burst (it grows towards `want` while
-    /// the bursts leave room under B, the room it gains starting empty); `granted`, tokens
-    /// taken from the level into it; `scale_ppm`, the share in `1/scale`-ths of a token per
+    /// rule's lease term. The reply: `burst`, the burst (it grows towards `want` while
+    /// the bursts leave room under B, the room it gains starting empty; 0 without a share,
+    /// when it is `held`); `granted`, tokens taken from the level into it; `remaining`,
+    /// the level left (what a dry local bucket may borrow with another call); `scale_ppm`, the share in `1/scale`-ths of a token per
     /// rate period ([`rate_scale`]); `retry_us`, 1 when other agents' shares hold more
     /// than an eighth of the agent's part (asking again within the term gets more, as they
     /// renew); `ttl_us`, the term. A release gives the share up.
@@ -176,6 +177,9 @@ pub struct Reply {
     pub moved: bool,
     /// The split in force on this (parent) bucket, if any.
     pub split: Option<Split>,
+    /// The agent's rate-lease burst as its record holds it after the call (0 while the
+    /// record holds no share): a replay says the same, read from the record.
+    pub burst: u64,
 }
 
 /// A request the bucket refuses; nothing is changed.

@@ -196,7 +196,10 @@ impl Call {
             && req.seq <= r.seq
         {
             return Opened::Replay(if req.seq == r.seq {
-                Ok(r.reply)
+                Ok(Reply {
+                    burst: r.burst(),
+                    ..r.reply
+                })
             } else {
                 Err(ProtocolError::StaleSequence {
                     seq: req.seq,
@@ -275,11 +278,12 @@ impl Call {
         let Self { mut s, now, .. } = self;
         s.compact = false;
         reply.split = s.split;
-        // A deposit's and a rate lease's say what they carry.
-        if !matches!(req.op, Op::Deposit { .. } | Op::Rate { .. }) {
+        // A deposit's says what it carries.
+        if !matches!(req.op, Op::Deposit { .. }) {
             reply.remaining = s.level.tokens;
         }
         if let Some(record) = record {
+            reply.burst = record.burst();
             let record = AgentRecord {
                 seq: req.seq,
                 reply,
@@ -535,7 +539,6 @@ pub(super) fn rate(
     let term = rate_term_us(p, s.share_records, steady);
     let mut reply = c.reply();
     reply.granted = paid;
-    reply.remaining = burst;
     reply.ttl_us = term;
     reply.scale_ppm = share;
     reply.retry_us = u64::from(limited);

@@ -30,6 +30,13 @@ pub struct AgentRecord {
     pub share: u64,
 }
 
+impl AgentRecord {
+    /// Its rate lease's burst, as a reply says it: `held` while it has a share, else 0.
+    pub fn burst(&self) -> u64 {
+        if self.share > 0 { self.held } else { 0 }
+    }
+}
+
 /// The state of a bucket key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketState {

@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use leasehold_core::Rate;
 use leasehold_core::model::region::{BrokerCall, BrokerConfig, KeyBroker};
 use leasehold_core::model::{AgentId, GlobalBucket, Op, Reply, Request};
-use leasehold_core::rate_lease::RateKey;
+use leasehold_core::rate_lease::{RateKey, Uncovered};
 use leasehold_core::rule::{BucketParams, Leasing, RegionParams, Rule};
 use leasehold_core::{
     Around, Cell, KeyPolicy, Level, PolicyConfig, Reclaim, Refill, SweepAction, Verdict,
@@ -196,9 +196,13 @@ struct Inflight {
 struct Waiter {
     id: usize,
     cost: u64,
-    /// Store calls it made (a rate key's caller: 1, its renewal; 2, its exact call).
+    /// Store calls it made (a rate key's caller: 1, its renewal; 2, its exact call;
+    /// [`BORROWED`], the renewal that borrowed from the level for it).
     rounds: u32,
 }
+
+/// A rate key's caller whose renewal borrowed from the level ([`Uncovered::Borrow`]).
+const BORROWED: u32 = 3;
 
 #[derive(Debug)]
 struct Agent {
@@ -807,7 +811,7 @@ impl Fleet {
                     None => {
                         // Its caller's decision falls to the failure policy.
                         a.rate.failed();
-                        if a.waiting.front().is_some_and(|w| w.rounds == 1) {
+                        if (a.waiting.front()).is_some_and(|w| matches!(w.rounds, 1 | BORROWED)) {
                             let w = a.waiting.pop_front().expect("a caller");
                             self.unavailable += 1;
                             a.key.0.count_denied(w.cost);
@@ -926,7 +930,8 @@ impl Fleet {
         if a.rate.due(t) && a.inflight.is_none() {
             self.start_rate(i, t);
         }
-        self.agents[i].key.0.lease.held() == 0
+        let a = &self.agents[i];
+        a.key.0.lease.held() == 0 && !a.rate.may_borrow(&a.key.1, self.s.rule.rate())
     }
 
     fn start_rate(&mut self, i: usize, t: u64) {
@@ -979,14 +984,19 @@ impl Fleet {
                 a.waiting.push_front(w);
                 return;
             }
-            match a.rate.uncovered(&a.key.1, w.cost, self.s.rule.rate()) {
-                None => {
+            match (a.rate).uncovered(&a.key.1, w.cost, self.s.rule.rate(), w.rounds == BORROWED) {
+                Uncovered::Exact => {
                     let cost = w.cost;
                     w.rounds = 2;
                     a.waiting.push_front(w);
                     self.start(i, t, Op::Exact { cost }, Kind::Exact { cost });
                 }
-                Some(_) => a.key.0.count_denied(w.cost),
+                Uncovered::Borrow => {
+                    w.rounds = BORROWED;
+                    a.waiting.push_front(w);
+                    self.start_rate(i, t);
+                }
+                Uncovered::Wait(_) => a.key.0.count_denied(w.cost),
             }
         }
     }

@@ -342,16 +342,33 @@ impl RatePolicy {
         self.window_tokens(now_ns).saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
     }
 
-    /// The demand offered since the last call (over the last window before the first),
-    /// thousandths of a token per second.
+    /// The demand offered since the last call (since it was first offered before the
+    /// first), thousandths of a token per second.
     pub fn demand_milli(&self, now_ns: u64) -> u64 {
+        if self.calls == 0 {
+            // The last window's; when it saw nothing, the average since the first token:
+            // requests that come in bunches (four at once, five times a second) leave most
+            // windows empty, and a first call that reported none got no share (its callers
+            // then refused). (The average whenever it is more read a fleet starting
+            // together high, and cost it a few tokens below the limit.)
+            let since = now_ns
+                .saturating_sub(self.first_offered_ns)
+                .max(DEMAND_WINDOW_NS);
+            let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
+            let window = self.window_milli(now_ns);
+            return if window > 0 {
+                window
+            } else {
+                u64::try_from(rate).unwrap_or(u64::MAX)
+            };
+        }
         let since = now_ns.saturating_sub(self.last_call_ns);
         let least = if self.reported_milli == 0 {
             NEW_DEMAND_NS
         } else {
             DEMAND_WINDOW_NS
         };
-        if self.calls == 0 || since < least {
+        if since < least {
             return self.window_milli(now_ns);
         }
         let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
@@ -494,8 +511,8 @@ pub struct RateKey {
     demand_milli: u64,
     /// A call was made since the last release: the store may hold a share for it.
     live: bool,
-    /// A grant since the last release answered a call that reported demand: a share of
-    /// 0 then means the other agents hold the whole rate.
+    /// The last grant answered a call that reported demand: a share of 0 then means the
+    /// other agents hold the whole rate.
     informed: bool,
     /// Whole tokens the bucket's level held at the last grant.
     level: u64,
@@ -631,11 +648,11 @@ impl RateKey {
         self.in_cell = whole;
         let unit = u128::from(p.rate.period_us()) * u128::from(rate_scale(p));
         self.share_milli = (u128::from(g.share) * 1_000_000_000 / unit.max(1)) as u64;
-        // Until a call has reported demand (the first comes with the first request) a
-        // caller the cell does not cover goes to the store; after, it waits for the share
-        // (a share of 0 then means the others hold the whole rate: exact calls would only
-        // be refused).
-        self.informed |= self.demand_milli > 0;
+        // While the last call reported no demand (the first comes with the first request;
+        // a later one when demand stopped) a caller the cell does not cover goes to the
+        // store; else it waits for the share, or borrows (a share of 0 then means the
+        // others hold the whole rate: exact calls would only be refused).
+        self.informed = self.demand_milli > 0;
         self.level = g.level;
         let deny_until = if self.informed {
             self.local.deadline_ns()
@@ -679,9 +696,10 @@ impl RateKey {
 
     /// What a caller the cell does not cover gets once the key is synced (and renewed if
     /// a renewal was due):
-    /// - one exact decision at the store when no grant has answered a call reporting
-    ///   demand yet (an exact admission is demand to [`RateKey::offered`]), or when the
-    ///   last grant left the level `cost` and the burst is smaller than `cost`;
+    /// - one exact decision at the store while the key has no share and the last grant
+    ///   answered a call that reported no demand (none yet, or the demand had stopped; an
+    ///   exact admission is demand to [`RateKey::offered`]), or when the last grant left
+    ///   the level `cost` and the burst is smaller than `cost`;
     /// - a renewal now (unless the caller `borrowed` already, or a call is in flight)
     ///   when the agent's part of the level the last grant left, in proportion to its
     ///   share of the rate, is `cost` at least ([`RateKey::level_part`]): it fills the
@@ -729,11 +747,6 @@ impl RateKey {
     /// at most. Its callers meanwhile are refused without reaching the policy.
     pub fn first_denial_ns(wait_ns: u64) -> u64 {
         wait_ns.min(NEW_DEMAND_NS)
-    }
-
-    /// Whether a grant since the last release answered a call that reported demand.
-    pub fn informed(&self) -> bool {
-        self.informed
     }
 
     /// The last grant's share, thousandths of a token per second.
@@ -1016,12 +1029,45 @@ mod tests {
             "a token of a 20/s share"
         );
         assert!(!scraps.may_borrow(&refill, rate));
-        // Uninformed (no grant has answered a report yet): exact.
+        // Uninformed (no grant has answered a report of demand): exact.
         let new = RateKey::default();
         assert_eq!(
             new.uncovered(&Refill::new(), 1, rate, false),
             Uncovered::Exact
         );
+    }
+
+    /// Four requests at once, five times a second, on a new key: the first call reports
+    /// about 20 a second, not the last window's none (which got the key no share, its
+    /// first renewal then read a window of the bunch as 150 a second, and the next empty
+    /// window as demand stopped: a few callers refused in a run now and then). After a
+    /// call that reported no demand, a caller the cell does not cover is decided exactly.
+    #[test]
+    fn bunched_requests_on_a_new_key_report_their_rate() {
+        let mut k = RateKey::default();
+        k.policy.offered(0, 4);
+        // The second bunch's first caller makes the key's first call.
+        assert!(k.policy.first_due(200 * MS));
+        let d = k.policy.calling(200 * MS);
+        assert!((19_000..=21_000).contains(&d), "reported {d}");
+        k.policy.granted(200 * MS, &grant(8_000_000, false));
+        k.policy.offered(200 * MS, 3);
+        // No call before the first renewal: no surge, and the empty windows between the
+        // bunches are not demand stopping.
+        for at in (210..500).step_by(10) {
+            if at % 200 == 0 {
+                k.policy.offered(at * MS, 4);
+            }
+            assert!(!k.policy.due(at * MS), "due at {at} ms");
+        }
+        assert!(k.policy.due(500 * MS), "the first renewal");
+        // After a grant that answered a report of no demand, a caller the cell does not
+        // cover is decided exactly, not refused for a share of 0.
+        let rate: Rate = "20000/s".parse().unwrap();
+        let refill = Refill::new();
+        refill.rate_granted(0, 0);
+        k.informed = false;
+        assert_eq!(k.uncovered(&refill, 1, rate, false), Uncovered::Exact);
     }
 
     /// A few tokens a second: a window is noise (2 tokens, or 5), not a change; what was

@@ -966,16 +966,31 @@ fn rate_limit_headers_agree_between_the_tower_layer_and_serve() {
 
 /// The HTTP check API with the YAML, its store gone: a descriptor that fails closed is a
 /// 503 whose body says `UNAVAILABLE` (the limit is not what refused it), one that fails
-/// open is a 200.
+/// open is a 200. ratelimit's headers (`LIMIT_RESPONSE_HEADERS_ENABLED`) say a counted
+/// limit's remaining, and nothing for one the store did not count: a fail-open admission
+/// said `X-RateLimit-Remaining: 0`, which a client reads as exhausted.
 #[test]
 fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
     let mut server = support::server();
     support::runtime().block_on(async {
         let yaml = "domain: d\ndescriptors:\n  - key: closed\n    rate_limit: {unit: second, requests_per_unit: 5}\n  - key: open\n    rate_limit: {unit: second, requests_per_unit: 5}\n    leasehold: {on_failure: fail_open}\n";
-        let serving = Serving::start(&server, yaml, Default::default(), false).await;
+        let options = leasehold_serve::Options {
+            limit_headers: Some(
+                ["X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"]
+                    .map(String::from),
+            ),
+            ..Default::default()
+        };
+        let serving = Serving::start(&server, yaml, options, false).await;
         let check = |key: &str| {
             format!(r#"{{"domain":"d","descriptors":[{{"entries":[{{"key":"{key}","value":"v"}}]}}]}}"#)
         };
+        let (status, head, body) = post(serving.http, "/v1/check", &check("open")).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            head.to_ascii_lowercase().contains("x-ratelimit-remaining: 4"),
+            "{head}"
+        );
         let (status, _, body) = post(serving.http, "/v1/check", &check("closed")).await;
         assert_eq!(status, 200, "{body}");
         server.kill();
@@ -983,9 +998,13 @@ fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
         assert_eq!(status, 503, "{body}");
         assert!(body.contains(r#""overall_code":"UNAVAILABLE""#), "{body}");
         assert!(body.contains(r#""code":"UNAVAILABLE""#), "{body}");
-        let (status, _, body) = post(serving.http, "/v1/check", &check("open")).await;
+        let (status, head, body) = post(serving.http, "/v1/check", &check("open")).await;
         assert_eq!(status, 200, "{body}");
         assert!(body.contains(r#""overall_code":"OK""#), "{body}");
+        assert!(
+            !head.to_ascii_lowercase().contains("x-ratelimit-remaining"),
+            "no count to say: {head}"
+        );
         serving.stop().await;
     });
 }

@@ -564,10 +564,13 @@ impl Decider {
         let mut out = Vec::new();
         match &self.options.limit_headers {
             Some([limit, remaining, reset_name]) => {
+                // Only counted limits: one let through without its store (fail open, the
+                // local emergency limit) or refused for want of it has no count to say,
+                // and a remaining of 0 on an admitted request reads as exhausted.
                 let tightest = statuses
                     .iter()
                     .enumerate()
-                    .filter(|(_, s)| s.limit.is_some())
+                    .filter(|(_, s)| s.limit.is_some() && s.metered && !s.unavailable)
                     .min_by_key(|(i, s)| (!s.over_limit || quota(*i), s.remaining))
                     .map(|(_, s)| s);
                 if let Some(

@@ -493,6 +493,52 @@ fn the_gateway_refuses_a_reload_that_drops_its_rule_and_keeps_answering() {
     assert!(gateway.running(), "{}", gateway.stderr());
 }
 
+/// serve refuses a config file that fails validation as it would at start, keeps the
+/// limits in force, and counts it (`leasehold_serve_config_reloads_total{outcome}`: a
+/// refusal was only an ERROR line, `/health` still `ready`); a later good file is taken.
+#[test]
+fn serve_counts_a_refused_reload_and_keeps_its_limits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = dir.path().join("config.yaml");
+    let good = |rpu: u32| {
+        format!(
+            "domain: gw\ndescriptors:\n  - key: api_key\n    rate_limit: {{unit: hour, requests_per_unit: {rpu}}}\n"
+        )
+    };
+    std::fs::write(&yaml, good(2)).expect("yaml");
+    let (serve, at) = Proc::serve_http(yaml.to_str().unwrap(), None);
+    let check = |value: &str| {
+        let body = format!(
+            r#"{{"domain":"gw","descriptors":[{{"entries":[{{"key":"api_key","value":"{value}"}}]}}]}}"#
+        );
+        http(at, "POST", "/v1/check", &[], &body).0
+    };
+    let count = |outcome: &str| -> u64 {
+        let (_, text) = http(at, "GET", "/metrics", &[], "");
+        let line = format!("leasehold_serve_config_reloads_total{{outcome=\"{outcome}\"}} ");
+        (text.lines())
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map_or(0, |n| n.trim().parse().expect("a count"))
+    };
+    std::thread::sleep(Duration::from_millis(1100)); // a new modification time
+    std::fs::write(
+        &yaml,
+        "domain: gw\ndescriptors:\n  - key: api_key\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n",
+    )
+    .expect("yaml");
+    serve.wait_log("config refused");
+    assert_eq!(count("refused"), 1);
+    assert_eq!(
+        [check("a"), check("a"), check("a")],
+        [200, 200, 429],
+        "the limit in force decides"
+    );
+    std::fs::write(&yaml, good(3)).expect("yaml");
+    serve.wait_log("limits reloaded");
+    assert_eq!(count("loaded"), 1);
+    assert_eq!([check("b"), check("b"), check("b")], [200, 200, 200]);
+}
+
 /// serve's two listeners share the process's connection budget (three quarters of its
 /// open-file limit): idle sockets on both never run it out of descriptors, the ones past
 /// the budget are closed at once, and it answers again once they go.

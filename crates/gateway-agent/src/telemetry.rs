@@ -10,7 +10,7 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     (
         "leasehold_decisions_total",
         Kind::Counter,
-        "Decisions by rule and outcome (admitted_lease, admitted_exact, admitted_fail_open, admitted_emergency, denied, unavailable, shadow_denied, shadow_unavailable).",
+        "Decisions by rule and outcome (admitted_lease, admitted_local, admitted_exact, admitted_fail_open, admitted_emergency, denied, unavailable, shadow_denied, shadow_unavailable).",
     ),
     (
         "leasehold_decision_seconds",

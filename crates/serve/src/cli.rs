@@ -252,14 +252,21 @@ pub async fn run(
 async fn reload(decider: Arc<Decider>, path: PathBuf, merge: bool) {
     leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("limits_reload", why).entered();
+        let refused = |e: &dyn std::fmt::Display| {
+            metrics::counter!("leasehold_serve_config_reloads_total", "outcome" => "refused")
+                .increment(1);
+            tracing::error!(error = %e, "config refused; the limits in force stay");
+        };
         match load(&path, merge) {
             Ok((d, rules)) => match decider.reload(d, &rules) {
                 Ok(()) => {
+                    metrics::counter!("leasehold_serve_config_reloads_total", "outcome" => "loaded")
+                        .increment(1);
                     tracing::info!(rules = rules.len(), path = %path.display(), "limits reloaded");
                 }
-                Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
+                Err(e) => refused(&e),
             },
-            Err(e) => tracing::error!(error = %e, "config refused; the limits in force stay"),
+            Err(e) => refused(&e),
         }
     })
     .await;

@@ -52,6 +52,12 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "Requests naming a domain the configuration does not have.",
     ),
     (
+        "leasehold_serve_config_reloads_total",
+        "counter",
+        "Reloads of the config file by outcome (loaded; refused: it failed validation and the \
+         limits in force stay).",
+    ),
+    (
         "leasehold_rlqs_assignments_total",
         "counter",
         "RLQS bucket assignments pushed to filters, by kind (new, extension).",

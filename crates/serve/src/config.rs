@@ -339,6 +339,20 @@ pub struct Domains {
     rules: Vec<Rule>,
 }
 
+/// A YAML parser's message in the words of the file: Rust's integer type names become
+/// the numbers they hold (`requests_per_unit: -1` said "expected u32").
+fn plain(message: &str) -> String {
+    message
+        .replace(
+            "expected u32",
+            "expected a whole number from 0 to 4294967295",
+        )
+        .replace(
+            "expected u64",
+            "expected a whole number from 0 to 18446744073709551615",
+        )
+}
+
 impl Domains {
     /// Reads one YAML file, or every `*.yaml` / `*.yml` file of a directory (as
     /// ratelimit's runtime directory), one domain per file.
@@ -388,7 +402,7 @@ impl Domains {
     fn add_yaml(&mut self, text: &str, shown: &str, merge: bool) -> Result<(), ConfigError> {
         let root: YamlRoot = serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
             path: shown.to_owned(),
-            message: e.to_string(),
+            message: plain(&e.to_string()),
         })?;
         if root.domain.is_empty() {
             return Err(ConfigError::Yaml {
@@ -995,6 +1009,13 @@ descriptors:
             load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n")
                 .unwrap_err();
         assert!(e.contains("needs a unit"), "{e}");
+        let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -1}\n").unwrap_err();
+        assert!(
+            e.contains("requests_per_unit")
+                && e.contains("-1")
+                && e.contains("a whole number from 0 to 4294967295"),
+            "{e}"
+        );
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: second}\n").unwrap_err();
         assert!(e.contains("unlimited"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: a\n    metadata: [1, 2]\n    rate_limit: {unit: second, requests_per_unit: 1}\n").unwrap_err();

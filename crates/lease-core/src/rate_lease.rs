@@ -342,25 +342,24 @@ impl RatePolicy {
         self.window_tokens(now_ns).saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
     }
 
-    /// The demand offered since the last call (since it was first offered before the
-    /// first), thousandths of a token per second.
+    /// The demand offered since the last call, thousandths of a token per second; before
+    /// the first, the last window's, or the average since the first token when the window
+    /// saw nothing.
     pub fn demand_milli(&self, now_ns: u64) -> u64 {
         if self.calls == 0 {
-            // The last window's; when it saw nothing, the average since the first token:
-            // requests that come in bunches (four at once, five times a second) leave most
+            // Requests that come in bunches (four at once, five times a second) leave most
             // windows empty, and a first call that reported none got no share (its callers
             // then refused). (The average whenever it is more read a fleet starting
             // together high, and cost it a few tokens below the limit.)
+            let window = self.window_milli(now_ns);
+            if window > 0 {
+                return window;
+            }
             let since = now_ns
                 .saturating_sub(self.first_offered_ns)
                 .max(DEMAND_WINDOW_NS);
             let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
-            let window = self.window_milli(now_ns);
-            return if window > 0 {
-                window
-            } else {
-                u64::try_from(rate).unwrap_or(u64::MAX)
-            };
+            return u64::try_from(rate).unwrap_or(u64::MAX);
         }
         let since = now_ns.saturating_sub(self.last_call_ns);
         let least = if self.reported_milli == 0 {

@@ -91,10 +91,11 @@ pub enum Op {
     /// rule's lease term. The reply: `burst`, the burst (it grows towards `want` while
     /// the bursts leave room under B, the room it gains starting empty; 0 without a share,
     /// when it is `held`); `granted`, tokens taken from the level into it; `remaining`,
-    /// the level left (what a dry local bucket may borrow with another call); `scale_ppm`, the share in `1/scale`-ths of a token per
-    /// rate period ([`rate_scale`]); `retry_us`, 1 when other agents' shares hold more
-    /// than an eighth of the agent's part (asking again within the term gets more, as they
-    /// renew); `ttl_us`, the term. A release gives the share up.
+    /// the level left (what a dry local bucket may borrow with another call);
+    /// `scale_ppm`, the share in `1/scale`-ths of a token per rate period
+    /// ([`rate_scale`]); `retry_us`, 1 when other agents' shares hold more than an eighth
+    /// of the agent's part (asking again within the term gets more, as they renew);
+    /// `ttl_us`, the term. A release gives the share up.
     Rate {
         /// The burst the agent holds room for: its local bucket's capacity as it sends.
         held: u64,

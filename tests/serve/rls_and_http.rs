@@ -1005,6 +1005,10 @@ fn a_fail_closed_descriptor_without_its_store_is_a_503_saying_unavailable() {
             !head.to_ascii_lowercase().contains("x-ratelimit-remaining"),
             "no count to say: {head}"
         );
+        assert!(
+            !body.contains("duration_until_reset_ms"),
+            "no count, no time to reset: {body}"
+        );
         serving.stop().await;
     });
 }

@@ -418,9 +418,10 @@ impl Decider {
                         let s = &mut statuses[t.i];
                         s.metered = via.is_metered();
                         s.remaining = clip(remaining);
-                        s.reset = limiter
-                            .bucket_params_for(t.rule, t.subject)
-                            .ok()
+                        // No count, no time: a fail-open admission's 0 left is not an
+                        // empty bucket (it said a full refill's wait, a second here).
+                        s.reset = (limiter.bucket_params_for(t.rule, t.subject).ok())
+                            .filter(|_| s.metered)
                             .map(|p| refill_time(p.capacity.saturating_sub(remaining), p.rate));
                     }
                 }

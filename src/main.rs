@@ -330,6 +330,21 @@ fn main() -> ExitCode {
                 duration,
                 simulate::BUILT_IN.join(", ")
             );
+            // A phase's `at` is a fraction of the run: said in seconds, so a scenario
+            // written for a longer run does not move its demand faster unseen.
+            if opts.scenario.phases.len() > 1 {
+                let at: Vec<String> = (opts.scenario.phases.iter())
+                    .map(|p| {
+                        let t = format!("{:.3}", p.at * duration);
+                        format!("{} s", t.trim_end_matches('0').trim_end_matches('.'))
+                    })
+                    .collect();
+                println!(
+                    "phases start at {} of the {duration} s measured (each phase's `at` is a \
+                     fraction of --duration; the warm-up runs the first)",
+                    at.join(", ")
+                );
+            }
             match simulate::run(&opts) {
                 Ok(report) => {
                     print!("{}", simulate::table(&report));

@@ -364,3 +364,31 @@ fn a_bad_scenario_file_is_refused_naming_what_is_wrong() {
         assert!(err.contains(want), "{text}: {err}");
     }
 }
+
+/// A scenario's phases start at fractions of `--duration`: the header says when, in
+/// seconds, so a scenario written for a longer run (fleet-rate-shifting moves its demand
+/// every 4 s of a 24 s run) does not move it faster unseen in a short one.
+#[test]
+fn the_header_says_when_the_phases_start() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["simulate", "--scenario", "burst", "--store", "embedded"])
+        .args([
+            "--duration",
+            "1",
+            "--warm-up",
+            "0",
+            "--agents",
+            "1",
+            "--compare",
+            "none",
+        ])
+        .output()
+        .expect("run leasehold simulate");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("phases start at 0 s, 0.4 s, 0.6 s of the 1 s measured"),
+        "{stdout}"
+    );
+}

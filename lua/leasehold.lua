@@ -430,11 +430,8 @@ local function record_of(key, v)
       r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15
   end
   if n == 12 or n == 13 then r8, r9, r10, r11, r12, r13, r14 = 0, 0, 0, 0, 0, 0, 0 end
-  -- The reply's burst is the record's (finish).
-  local burst = 0
-  if q > 0 then burst = held end
   return {held = held, x = x, seq = seq, demand = demand, credit = credit, q = q,
-          reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, burst}}
+          reply = {r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, 0}}
 end
 
 local function pack_record(held, x, seq, demand, credit, q, reply)
@@ -480,6 +477,8 @@ local function begin(key, p, norecord)
     rec = record_of(key, f[2])
     if rec.x > now then
       if p.seq == rec.seq then
+        -- The reply's burst is not stored: it is the record's (finish).
+        if rec.q > 0 then rec.reply[15] = rec.held end
         return s, rec, now, rec.reply
       end
       if p.seq < rec.seq then

@@ -727,11 +727,12 @@ impl RateKey {
         })
     }
 
-    /// Whether a caller the cell does not cover may find tokens at the store (the
-    /// caller's cost is not known yet): the last grant left some in the level. (With a
-    /// call in flight, the caller waits for it.)
-    pub fn may_borrow(&self, refill: &Refill, rate: Rate) -> bool {
-        self.level_part(refill.share_milli(), rate) >= 1
+    /// Whether a caller the cell does not cover (the key synced) must wait for the share:
+    /// the cell is empty, and the last grant left the level none of this agent's part
+    /// (else the store path may borrow from it, [`RateKey::uncovered`]; the caller's cost
+    /// is not known yet). With a call in flight, a caller that may borrow waits for it.
+    pub fn must_wait(&self, cell: &Cell, refill: &Refill, rate: Rate) -> bool {
+        cell.lease.held() == 0 && self.level_part(refill.share_milli(), rate) == 0
     }
 
     /// The agent's part of the level the last grant left: in the proportion of its share
@@ -1010,7 +1011,8 @@ mod tests {
         };
         let full = key(19_000);
         assert_eq!(full.uncovered(&refill, 1, rate, false), Uncovered::Borrow);
-        assert!(full.may_borrow(&refill, rate));
+        let dry = Cell::new();
+        assert!(!full.must_wait(&dry, &refill, rate));
         assert!(
             matches!(full.uncovered(&refill, 1, rate, true), Uncovered::Wait(_)),
             "one borrow per caller"
@@ -1027,7 +1029,7 @@ mod tests {
             Uncovered::Wait(50_000_000),
             "a token of a 20/s share"
         );
-        assert!(!scraps.may_borrow(&refill, rate));
+        assert!(scraps.must_wait(&dry, &refill, rate));
         // Uninformed (no grant has answered a report of demand): exact.
         let new = RateKey::default();
         assert_eq!(

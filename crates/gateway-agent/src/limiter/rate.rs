@@ -25,19 +25,17 @@ impl Limiter {
     /// have stocked it) and the last grant left the level empty (else the store path may
     /// borrow from it: [`RateKey::uncovered`]).
     pub(super) fn rate_refill(&self, ks: &Arc<KeyState>, now: u64) -> bool {
-        let (due, borrow) = {
+        let (due, wait) = {
             let mut guard = ks.rate.lock();
             let rk = guard.get_or_insert_with(Box::default);
             rk.sync(ks.hot(), now);
-            (
-                rk.due(now),
-                rk.may_borrow(&ks.refill, ks.entry.load().params.rate),
-            )
+            let rate = ks.entry.load().params.rate;
+            (rk.due(now), rk.must_wait(ks.hot(), &ks.refill, rate))
         };
         if due {
             self.request_prefetch(ks, now);
         }
-        ks.hot().lease.held() == 0 && !borrow
+        wait
     }
 
     /// The store path of a rate key's caller the cell did not cover: a renewal if one is

@@ -931,7 +931,7 @@ impl Fleet {
             self.start_rate(i, t);
         }
         let a = &self.agents[i];
-        a.key.0.lease.held() == 0 && !a.rate.may_borrow(&a.key.1, self.s.rule.rate())
+        a.rate.must_wait(&a.key.0, &a.key.1, self.s.rule.rate())
     }
 
     fn start_rate(&mut self, i: usize, t: u64) {

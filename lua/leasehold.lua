@@ -304,12 +304,19 @@ end
 local NO_SPLIT = no_split()
 
 -- struct formats of n little-endian unsigned 64-bit integers, made once each.
-local FORMATS = {}
+-- The first FORMATS_KEPT are kept; a longer one is made each time (a batch's arguments
+-- can number thousands).
+local FORMATS, FORMATS_KEPT = {}, 256
+-- A 64-bit unsigned integer in struct's formats: its unsigned long where that is 64 bits (a
+-- 64-bit Redis), the same bytes as I8 read and written without parsing the 8 each time (a
+-- tenth of a key's decision). Set, with the formats made of it, by the first call (a
+-- library's loading cannot use struct): see entry.
+local U64 = nil
 local function format_of(n)
   local f = FORMATS[n]
   if not f then
-    f = '<' .. string.rep('I8', n)
-    FORMATS[n] = f
+    f = '<' .. string.rep(U64, n)
+    if n <= FORMATS_KEPT then FORMATS[n] = f end
   end
   return f
 end
@@ -318,7 +325,7 @@ end
 -- record, demand or split: the tag 'L1', then tok, car, ts and p (the fields of those
 -- names; every other field is 0) as little-endian unsigned 64-bit integers. struct packs
 -- and reads it for a tenth of what decimal text costs in Lua (wire.rs, compact_value).
-local COMPACT = '<c2I8I8I8I8'
+local COMPACT = nil
 local COMPACT_TAG = 'L1'
 
 -- A compact bucket's four numbers: tok, car, ts, p.
@@ -356,9 +363,9 @@ end
 -- agent's last reply (7 numbers, or 14 while a split is in force). wire.rs, bucket_fields, reads
 -- both as the fields of leasehold_core::schema.
 local STATE = 'st'
-local STATE_FORMAT = '<' .. 'I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8I8'
+local STATE_FORMAT = nil
 local STATE_LEN = 168
-local SHARED_FORMAT = STATE_FORMAT .. 'I8I8I8'
+local SHARED_FORMAT = nil
 local SHARED_LEN = 192
 -- The reply a record holds before any: none.
 local NO_REPLY = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
@@ -414,7 +421,9 @@ local function pack_state(s)
 end
 
 -- The first 11 numbers of a record: enough for its time of last call (advance).
-local HEAD_FORMAT = '<I8I8I8I8I8I8I8I8I8I8I8'
+local HEAD_FORMAT = nil
+-- A dedup record's seq (see BATCH_TAG).
+local SEQ_FORMAT = nil
 
 local function record_of(key, v)
   local n = #v / 8
@@ -1165,8 +1174,8 @@ local function exact_compact(key, p, cost, first, count, server_now, v, out, pxa
     expiry(pxat, at))
 end
 
--- The formats of struct.unpack by count (at most UNPACK_AT a call: the Lua stack).
-local UNPACK_AT = 64
+-- The most integers one struct.unpack returns (the Lua stack holds 8 000 values).
+local UNPACK_AT = 4000
 
 -- The integers packed in blob (see ARGV, and Reply), in a table.
 local function packed(blob)
@@ -1223,11 +1232,172 @@ end
 
 -- A kept dedup record's reply (packed), or nil if it is another batch's.
 local function kept_reply(kept, seq)
-  if string.byte(kept, 1) == 193 and #kept >= 17 and struct.unpack('<I8', kept, 2) == seq then
+  if string.byte(kept, 1) == 193 and #kept >= 17 and struct.unpack(SEQ_FORMAT, kept, 2) == seq then
     return string.sub(kept, 10)
   end
   return nil
 end
+
+-- Zeros to make a table at its size in one step ({unpack(ZEROS, 1, n)}): a table grown
+-- one slot at a time is rehashed at every power of two.
+local ZEROS = {}
+for z = 1, 4 * 128 + MAX_BATCH_COSTS do ZEROS[z] = 0 end
+
+-- Why item k (its rule r and count at args[i], args[i + 1]; total: the costs before it)
+-- is not one: fails.
+local function bad_item(k, r, count, nrules, total)
+  num(r, 'rule', nrules)
+  num(count, 'count', MAX_BATCH_COSTS)
+  fail('LH_ARG invalid batch item ' .. fmt(k) .. ': rule ' .. fmt(r) .. ', ' .. fmt(count) ..
+    ' costs (' .. fmt(total + count) .. ' in the batch, at most ' .. fmt(MAX_BATCH_COSTS) .. ')')
+end
+
+-- Why cost v is not one of a bucket of capacity cap: fails.
+local function bad_cost(v, cap)
+  num(v, 'cost', MAX)
+  if v == 0 then fail('LH_ARG invalid argument cost = 0') end
+  fail('LH_CAPACITY ' .. fmt(v) .. ' tokens requested, but the bucket holds at most ' .. fmt(cap))
+end
+
+-- The items from args[i] (per key: rule, count, costs), each checked; fails at the first
+-- that is not one.
+local function check_items(keys, args, i, rules)
+  local nkeys, seen, total = #keys, {}, 0
+  for k = 2, nkeys do
+    local key, r, count = keys[k], args[i], args[i + 1]
+    local p = rules[r]
+    if p == nil or count == nil or count == 0 or total + count > MAX_BATCH_COSTS then
+      bad_item(k - 1, r, count, #rules, total)
+    end
+    local cap = p.cap
+    for c = i + 2, i + 1 + count do
+      local v = args[c]
+      if v == nil or v == 0 or v > cap then bad_cost(v, cap) end
+    end
+    total = total + count
+    i = i + 2 + count
+    if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
+    seen[key] = true
+  end
+  if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' numbers left over') end
+end
+
+-- A batch whose keys are all compact or new (found: their values from MGET, false for a
+-- new one), its items from args[i]: each key's decisions (Level::refill from its ts, then
+-- its costs in order), every item checked and decided before anything is written, then
+-- one SET ... PXAT per key that changed. Returns the answers, in one table (see Reply).
+-- All of it inline, on locals: a Lua function call costs as much as a key's refill.
+local function decide_levels(keys, rules, args, i, server_now, found)
+  local n = #found
+  local size = 2 * n + #args - i + 1
+  local out
+  if size <= #ZEROS then
+    out = {server_now, unpack(ZEROS, 1, size)}
+  else
+    out = {server_now}
+    for z = 2, size + 1 do out[z] = 0 end
+  end
+  -- ats[k]: key k's expiry (text): made at its size, the values replaced.
+  local ats, pxat, seen, total, pos = {unpack(found, 1, n)}, {}, {}, 0, 1
+  for k = 1, n do
+    local key, v, r, count = keys[k + 1], found[k], args[i], args[i + 1]
+    local p = rules[r]
+    if p == nil or count == nil or count == 0 or total + count > MAX_BATCH_COSTS then
+      bad_item(k, r, count, #rules, total)
+    end
+    total = total + count
+    if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
+    seen[key] = true
+    local per, rate, cap = p.per, p.n, p.cap
+    local tok, car, ts, write = cap, 0, server_now, true
+    if v then
+      local tag, vper
+      if #v == 34 then tag, tok, car, ts, vper = struct.unpack(COMPACT, v) end
+      if tag ~= COMPACT_TAG then compact_of(key, v) end
+      if ts > server_now + MAX_AHEAD then check_clock(key, ts, server_now) end
+      -- Advance: a rule with another period restarts the carry.
+      write = vper ~= per
+      if write then car = 0 end
+    end
+    local now = server_now
+    if ts > now then now = ts end
+    -- Level::refill: full once the units it lacks have come, else the whole tokens of
+    -- the carry and the time since ts (x - rm is a multiple of per: exact).
+    if tok >= cap then
+      tok, car = cap, 0
+    else
+      local x = car + rate * (now - ts)
+      if x >= (cap - tok) * per then
+        tok, car = cap, 0
+      else
+        local rm = x % per
+        if rm < 0 then rm = rm + per elseif rm >= per then rm = rm - per end
+        tok, car = tok + (x - rm) / per, rm
+      end
+    end
+    -- Its answer: status 0, the time, remaining, scale 0, then each cost's retry (0: admitted),
+    -- in out's zeros.
+    if now ~= server_now then out[pos + 2] = now - server_now end
+    local last, rt = i + 1 + count, pos + 3 - i
+    for c = i + 2, last do
+      local cost = args[c]
+      if cost == nil or cost == 0 or cost > cap then bad_cost(cost, cap) end
+      if tok >= cost then
+        tok = tok - cost
+        write = true
+      else
+        -- Its retry: the units it lacks, in whole µs (ceil_div).
+        local u = (cost - tok) * per - car
+        local rm = u % rate
+        if rm < 0 then rm = rm + rate elseif rm >= rate then rm = rm - rate end
+        if rm > 0 then rm = rm - rate end
+        out[rt + c] = (u - rm) / rate
+      end
+    end
+    out[pos + 3] = tok
+    pos = pos + 4 + count
+    if write then
+      -- I6: full again, and a grace after the call; in whole ms, rounded up.
+      local u = 0
+      if tok < cap then u = (cap - tok) * per - car end
+      local rm = u % rate
+      if rm < 0 then rm = rm + rate elseif rm >= rate then rm = rm - rate end
+      if rm > 0 then rm = rm - rate end
+      local ms = now + p.grace + (u - rm) / rate
+      rm = ms % 1000
+      if rm < 0 then rm = rm + 1000 elseif rm >= 1000 then rm = rm - 1000 end
+      local at = (ms - rm) / 1000 + 1
+      local text = pxat[at]
+      if not text then
+        text = fmt(at)
+        pxat[at] = text
+      end
+      ats[k] = text
+      found[k] = struct.pack(COMPACT, COMPACT_TAG, tok, car, now, per)
+    else
+      found[k] = false
+    end
+    i = last + 1
+  end
+  if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' numbers left over') end
+  for k = 1, n do
+    local v = found[k]
+    if v then
+      local key = keys[k + 1]
+      -- GET: its reply, the value it replaces (none, for a new key), costs Lua less than
+      -- SET's status reply, a table.
+      redis.call('SET', key, v, 'PXAT', ats[k], 'GET')
+    end
+  end
+  return out
+end
+
+-- A batch rule's numbers, by name, in order.
+local BATCH_RULE = {'capacity', 'rate_tokens', 'rate_period_us', 'grace_us', 'max_outstanding'}
+
+-- The last batch's longest grace, and its dedup key's life (ms, text): most batches have
+-- the same.
+local dedup_grace, dedup_px = nil, nil
 
 -- The batch of agent id over its numbers (see ARGV); its reply, packed.
 local function exact_batch(keys, id, args, first)
@@ -1237,49 +1407,27 @@ local function exact_batch(keys, id, args, first)
   if nkeys < 2 or nrules == 0 then fail('LH_ARG an exact batch needs keys and rules') end
   local rules, i, grace = {}, 3, 0
   for r = 1, nrules do
-    local p = {cap = num(args[i], 'capacity', MAX), n = num(args[i + 1], 'rate_tokens', MAX),
-      per = num(args[i + 2], 'rate_period_us', MAX), grace = num(args[i + 3], 'grace_us', MAX),
-      maxout = num(args[i + 4], 'max_outstanding', MAX), ttl = 0, id = id, seq = seq,
-      pgen = 0, puntil = 0, ptok = 0, pout = 0, pdrop = 0}
-    if p.cap < 1 or p.n < 1 or p.per < 1 or p.cap * p.per + p.n > MAX_UNITS then
-      fail('LH_ARG invalid bucket parameters: capacity ' .. clip(args[i]) ..
-        ', rate ' .. clip(args[i + 1]) .. '/' .. clip(args[i + 2]) .. 'us')
+    local cap, n, per, g, maxout = args[i], args[i + 1], args[i + 2], args[i + 3], args[i + 4]
+    if maxout == nil or cap > MAX or n > MAX or per > MAX or g > MAX or maxout > MAX then
+      for j, what in ipairs(BATCH_RULE) do num(args[i + j - 1], what, MAX) end
     end
-    grace = math.max(grace, p.grace)
-    rules[r] = p
+    if cap < 1 or n < 1 or per < 1 or cap * per + n > MAX_UNITS then
+      fail('LH_ARG invalid bucket parameters: capacity ' .. clip(cap) ..
+        ', rate ' .. clip(n) .. '/' .. clip(per) .. 'us')
+    end
+    if g > grace then grace = g end
+    -- What a cold decision reads; the general path (exact_one) adds the rest of a call's
+    -- parameters.
+    rules[r] = {cap = cap, n = n, per = per, grace = g, maxout = maxout}
     i = i + 5
   end
-  -- The items are read where they lie, args[items ..]: per key its rule, count and costs.
-  local items, seen, total = i, {}, 0
+  -- The items are read where they lie, args[items ..]: per key its rule, count and costs
+  -- (checked as they are decided, before anything is written).
+  local items = i
   for k = 2, nkeys do
     local key = keys[k]
-    local r, count = args[i], args[i + 1]
-    if r == nil or r > nrules or count == nil or count > MAX_BATCH_COSTS then
-      num(r, 'rule', nrules)
-      num(count, 'count', MAX_BATCH_COSTS)
-    end
-    if r == 0 or count == 0 or total + count > MAX_BATCH_COSTS then
-      fail('LH_ARG invalid batch item ' .. fmt(k - 1) .. ': rule ' .. fmt(r) .. ', ' ..
-        fmt(count) .. ' costs')
-    end
-    local cap = rules[r].cap
-    for c = i + 2, i + 1 + count do
-      local v = args[c]
-      if v == nil or v == 0 or v > cap then
-        num(v, 'cost', MAX)
-        if v == 0 then fail('LH_ARG invalid argument cost = 0') end
-        fail('LH_CAPACITY ' .. fmt(v) .. ' tokens requested, but the bucket holds at most ' .. fmt(cap))
-      end
-    end
-    total = total + count
-    i = i + 2 + count
     if not bucket_key(key) then fail('LH_ARG not a bucket key: ' .. clip(key)) end
-    if nkeys > 2 then
-      if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
-      seen[key] = true
-    end
   end
-  if args[i] ~= nil then fail('LH_ARG ' .. fmt(#args - i + 1) .. ' numbers left over') end
   local dkey = keys[1]
   if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then
     fail('LH_ARG not the batch dedup key: ' .. clip(dkey))
@@ -1301,11 +1449,8 @@ local function exact_batch(keys, id, args, first)
   -- found[k - 1]: keys[k]'s value, or true once its hash is read.
   local found, states, absent = redis.call('MGET', unpack(keys, 2, nkeys)), {}, {}
   for k = 2, nkeys do
-    local key, v = keys[k], found[k - 1]
-    if v then
-      local _, _, ts = compact_of(key, v)
-      check_clock(key, ts, server_now)
-    else
+    local key = keys[k]
+    if not found[k - 1] then
       absent[#absent + 1] = key
     end
   end
@@ -1328,20 +1473,40 @@ local function exact_batch(keys, id, args, first)
       end
     end
   end
-  local out, rt, pxat = {server_now}, {}, {}
-  i = items
-  for k = 2, nkeys do
-    local p, count, f = rules[args[i]], args[i + 1], found[k - 1]
-    if f == true then
-      exact_one(keys[k], p, args, i + 2, count, server_now, states[k], rt, out, pxat)
-    else
-      exact_compact(keys[k], p, args, i + 2, count, server_now, f, out, pxat)
+  local out
+  if next(states) == nil then
+    out = decide_levels(keys, rules, args, items, server_now, found)
+  else
+    check_items(keys, args, items, rules)
+    for k = 2, nkeys do
+      local key, v = keys[k], found[k - 1]
+      if type(v) == 'string' then
+        local _, _, ts = compact_of(key, v)
+        check_clock(key, ts, server_now)
+      end
     end
-    i = i + 2 + count
+    for r = 1, nrules do
+      local p = rules[r]
+      p.ttl, p.id, p.seq, p.pgen, p.puntil, p.ptok, p.pout, p.pdrop = 0, id, seq, 0, 0, 0, 0, 0
+    end
+    local rt, pxat = {}, {}
+    out = {server_now}
+    i = items
+    for k = 2, nkeys do
+      local p, count, f = rules[args[i]], args[i + 1], found[k - 1]
+      if f == true then
+        exact_one(keys[k], p, args, i + 2, count, server_now, states[k], rt, out, pxat)
+      else
+        exact_compact(keys[k], p, args, i + 2, count, server_now, f, out, pxat)
+      end
+      i = i + 2 + count
+    end
   end
   local reply = pack_all(out)
-  redis.call('SET', dkey, BATCH_TAG .. struct.pack('<I8', seq) .. reply, 'PX',
-    fmt(math.max(ceil_div(grace, 1000), 1)))
+  if grace ~= dedup_grace then
+    dedup_grace, dedup_px = grace, fmt(math.max(ceil_div(grace, 1000), 1))
+  end
+  redis.call('SET', dkey, BATCH_TAG .. struct.pack(SEQ_FORMAT, seq) .. reply, 'PX', dedup_px)
   return reply
 end
 
@@ -1514,18 +1679,34 @@ local function state_field(keys, args)
   return redis.call('HGET', key, STATE)
 end
 
-redis.register_function('lh_call', call)
-redis.register_function('lh_seat', seat)
-redis.register_function('lh_lead', lead)
-redis.register_function{function_name = 'lh_state', callback = state_field,
+-- Every function, entered: the formats made once (U64).
+local function entry(f)
+  return function(keys, args)
+    if not U64 then
+      U64 = 'I8'
+      if #struct.pack('<L', 0) == 8 then U64 = 'L' end
+      COMPACT = '<c2' .. string.rep(U64, 4)
+      STATE_FORMAT = '<' .. string.rep(U64, 21)
+      SHARED_FORMAT = STATE_FORMAT .. string.rep(U64, 3)
+      HEAD_FORMAT = '<' .. string.rep(U64, 11)
+      SEQ_FORMAT = '<' .. U64
+    end
+    return f(keys, args)
+  end
+end
+
+redis.register_function('lh_call', entry(call))
+redis.register_function('lh_seat', entry(seat))
+redis.register_function('lh_lead', entry(lead))
+redis.register_function{function_name = 'lh_state', callback = entry(state_field),
   flags = {'no-writes'}}
-redis.register_function('lh_acquire', decimal(1))
-redis.register_function('lh_release', decimal(2))
-redis.register_function('lh_exact', decimal(3))
-redis.register_function('lh_split', decimal(4))
-redis.register_function('lh_deposit', decimal(5))
-redis.register_function('lh_rate', decimal(6))
-redis.register_function{function_name = 'lh_exact_batch', callback = exact_packed,
+redis.register_function('lh_acquire', entry(decimal(1)))
+redis.register_function('lh_release', entry(decimal(2)))
+redis.register_function('lh_exact', entry(decimal(3)))
+redis.register_function('lh_split', entry(decimal(4)))
+redis.register_function('lh_deposit', entry(decimal(5)))
+redis.register_function('lh_rate', entry(decimal(6)))
+redis.register_function{function_name = 'lh_exact_batch', callback = entry(exact_packed),
   flags = {'allow-cross-slot-keys'}}
 -- Which text of the library is loaded: the agent writes a fingerprint of the text in
 -- place of the marker when it loads it, and does not load it again where it finds its

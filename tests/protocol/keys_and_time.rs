@@ -236,7 +236,8 @@ fn i7_each_call_touches_exactly_its_own_key() {
             [
                 "local key = keys[1]",
                 "local key = the_key(keys, p)",
-                "local key = keys[k]"
+                "local key = keys[k]",
+                "local key = keys[k + 1]"
             ]
             .contains(&line.trim()),
             "key bound to something else: {line}"

@@ -1207,7 +1207,9 @@ end
 
 -- v[1 .. #v] as one string of little-endian unsigned 64-bit integers.
 local function pack_all(v)
-  local parts, n, i = {}, #v, 1
+  local n = #v
+  if n <= UNPACK_AT then return struct.pack(format_of(n), unpack(v, 1, n)) end
+  local parts, i = {}, 1
   while i <= n do
     local k = math.min(n - i + 1, UNPACK_AT)
     parts[#parts + 1] = struct.pack(format_of(k), unpack(v, i, i + k - 1))
@@ -1222,11 +1224,18 @@ local function num(v, what, max)
   return v
 end
 
+-- Agent ids seen valid, up to AGENTS_KEPT of them (then forgotten all at once): matching
+-- the pattern costs a batch of one key a hundredth of its work.
+local agents_seen, agents_kept, AGENTS_KEPT = {}, 0, 4096
+
 local function batch_agent(args)
   local id = args[1]
+  if agents_seen[id] then return id end
   if type(id) ~= 'string' or #id < 1 or #id > 32 or not string.match(id, '^%x+$') then
     fail('LH_ARG invalid argument agent = ' .. clip(id))
   end
+  if agents_kept >= AGENTS_KEPT then agents_seen, agents_kept = {}, 0 end
+  agents_seen[id], agents_kept = true, agents_kept + 1
   return id
 end
 
@@ -1506,7 +1515,8 @@ local function exact_batch(keys, id, args, first)
   if grace ~= dedup_grace then
     dedup_grace, dedup_px = grace, fmt(math.max(ceil_div(grace, 1000), 1))
   end
-  redis.call('SET', dkey, BATCH_TAG .. struct.pack(SEQ_FORMAT, seq) .. reply, 'PX', dedup_px)
+  redis.call('SET', dkey, BATCH_TAG .. struct.pack(SEQ_FORMAT, seq) .. reply, 'PX', dedup_px,
+    'GET')
   return reply
 end
 

@@ -321,22 +321,35 @@ local function format_of(n)
   return f
 end
 
--- A compact bucket: the 34-byte string that an exact batch keeps for a key with no lease
+-- A compact bucket: the 42-byte string that an exact batch keeps for a key with no lease
 -- record, demand or split: the tag 'L1', then tok, car, ts and p (the fields of those
--- names; every other field is 0) as little-endian unsigned 64-bit integers. struct packs
--- and reads it for a tenth of what decimal text costs in Lua (wire.rs, compact_value).
-local COMPACT = nil
+-- names; every other field is 0) and the key's expiry as last set (ms, its PXAT) as
+-- little-endian unsigned 64-bit integers. struct packs and reads it for a tenth of what
+-- decimal text costs in Lua (wire.rs, compact_value). A write whose expiry the key's
+-- already covers keeps it (SET ... KEEPTTL: a tenth of a key's decision less than
+-- PXAT); one that does not sets it a slack beyond (KEEP_SLACK). The 34-byte form
+-- before the expiry was kept is read as one whose expiry covers nothing.
+local COMPACT, COMPACT_OLD = nil, nil
 local COMPACT_TAG = 'L1'
 
--- A compact bucket's four numbers: tok, car, ts, p.
+-- A compact bucket's numbers: tok, car, ts, p, and the expiry it keeps (0: none known).
 local function compact_of(key, v)
-  local tag, a, b, c, d = nil, nil, nil, nil, nil
-  if #v == 34 then
-    tag, a, b, c, d = struct.unpack(COMPACT, v)
+  local tag, a, b, c, d, e = nil, nil, nil, nil, nil, 0
+  if #v == 42 then
+    tag, a, b, c, d, e = struct.unpack(COMPACT, v)
+  elseif #v == 34 then
+    tag, a, b, c, d = struct.unpack(COMPACT_OLD, v)
   end
   if tag ~= COMPACT_TAG then fail('LH_ARG not a bucket: ' .. clip(key) .. ' holds another string') end
-  return a, b, c, d
+  return a, b, c, d, e
 end
+
+-- The slack of a compact key's expiry beyond what it must cover: half the rule's grace,
+-- ms. A key decided again within it (a tenant's next request, mostly) keeps its expiry.
+local function keep_slack(grace)
+  return (grace - grace % 2000) / 2000
+end
+
 
 -- A state at level tok (carry car in period per) at ts, with nothing else: no lease,
 -- demand, split or term.
@@ -1088,6 +1101,20 @@ local function expiry(pxat, at)
   return t
 end
 
+-- Writes compact key `key` (not a hash: SET would replace it; GET refuses one) at tok, car,
+-- ts and per, its expiry kept when that (kept, ms) covers at (ms), else at and slack
+-- beyond it. pxat: the batch's expiries as text.
+local function write_compact(key, tok, car, ts, per, at, kept, slack, pxat)
+  if kept >= at then
+    redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, ts, per, kept),
+      'KEEPTTL')
+    return
+  end
+  at = at + slack
+  redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, ts, per, at), 'PXAT',
+    expiry(pxat, at))
+end
+
 -- A cold bucket's decisions (no lease record, demand or split): Level::refill from ts to
 -- now, then the costs cost[first .. first + count - 1] in order, its answer appended to
 -- out. Returns the level, the carry, the time used and the key's expiry in ms (I6: full
@@ -1140,8 +1167,7 @@ local function exact_one(key, p, cost, first, count, server_now, s, rt, out, pxa
       and s.su == 0 and s.ru == 0 and s.rq == 0 and s.rr == 0 then
     -- Nothing but a level left (never split, no record ever to drop, no share, no
     -- term): compact again, in one SET, which replaces the hash.
-    redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, s.tok, s.car, s.ts, p.per), 'PXAT',
-      expiry(pxat, at))
+    write_compact(key, s.tok, s.car, s.ts, p.per, at, 0, keep_slack(p.grace), pxat)
     return
   end
   redis.call('HSET', key, STATE, pack_state(s))
@@ -1151,10 +1177,10 @@ end
 -- One compact key (v: its value), or a new one (v false): decided, then written back with
 -- its expiry in one SET. Its answer is appended to out.
 local function exact_compact(key, p, cost, first, count, server_now, v, out, pxat)
-  local tok, car, ts, same = p.cap, 0, server_now, false
+  local tok, car, ts, same, kept = p.cap, 0, server_now, false, 0
   if v then
     local per
-    tok, car, ts, per = compact_of(key, v)
+    tok, car, ts, per, kept = compact_of(key, v)
     -- Advance: a rule with another period restarts the carry.
     same = per == p.per
     if not same then car = 0 end
@@ -1170,8 +1196,7 @@ local function exact_compact(key, p, cost, first, count, server_now, v, out, pxa
     end
     if same then return end
   end
-  redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, now, p.per), 'PXAT',
-    expiry(pxat, at))
+  write_compact(key, tok, car, now, p.per, at, kept, keep_slack(p.grace), pxat)
 end
 
 -- The most integers one struct.unpack returns (the Lua stack holds 8 000 values).
@@ -1318,11 +1343,11 @@ local function decide_levels(keys, rules, args, i, server_now, found)
     if seen[key] then fail('LH_ARG a key appears twice in one batch: ' .. clip(key)) end
     seen[key] = true
     local per, rate, cap = p.per, p.n, p.cap
-    local tok, car, ts, write = cap, 0, server_now, true
+    local tok, car, ts, write, kept = cap, 0, server_now, true, 0
     if v then
       local tag, vper
-      if #v == 34 then tag, tok, car, ts, vper = struct.unpack(COMPACT, v) end
-      if tag ~= COMPACT_TAG then compact_of(key, v) end
+      if #v == 42 then tag, tok, car, ts, vper, kept = struct.unpack(COMPACT, v) end
+      if tag ~= COMPACT_TAG then tok, car, ts, vper, kept = compact_of(key, v) end
       if ts > server_now + MAX_AHEAD then check_clock(key, ts, server_now) end
       -- Advance: a rule with another period restarts the carry.
       write = vper ~= per
@@ -1376,13 +1401,19 @@ local function decide_levels(keys, rules, args, i, server_now, found)
       rm = ms % 1000
       if rm < 0 then rm = rm + 1000 elseif rm >= 1000 then rm = rm - 1000 end
       local at = (ms - rm) / 1000 + 1
-      local text = pxat[at]
-      if not text then
-        text = fmt(at)
-        pxat[at] = text
+      -- Its expiry: kept when it covers at (see COMPACT), else at and a slack.
+      if kept >= at then
+        ats[k] = false
+      else
+        kept = at + p.slack
+        local text = pxat[kept]
+        if not text then
+          text = fmt(kept)
+          pxat[kept] = text
+        end
+        ats[k] = text
       end
-      ats[k] = text
-      found[k] = struct.pack(COMPACT, COMPACT_TAG, tok, car, now, per)
+      found[k] = struct.pack(COMPACT, COMPACT_TAG, tok, car, now, per, kept)
     else
       found[k] = false
     end
@@ -1395,7 +1426,12 @@ local function decide_levels(keys, rules, args, i, server_now, found)
       local key = keys[k + 1]
       -- GET: its reply, the value it replaces (none, for a new key), costs Lua less than
       -- SET's status reply, a table.
-      redis.call('SET', key, v, 'PXAT', ats[k], 'GET')
+      local at = ats[k]
+      if at then
+        redis.call('SET', key, v, 'PXAT', at, 'GET')
+      else
+        redis.call('SET', key, v, 'KEEPTTL', 'GET')
+      end
     end
   end
   return out
@@ -1427,7 +1463,7 @@ local function exact_batch(keys, id, args, first)
     if g > grace then grace = g end
     -- What a cold decision reads; the general path (exact_one) adds the rest of a call's
     -- parameters.
-    rules[r] = {cap = cap, n = n, per = per, grace = g, maxout = maxout}
+    rules[r] = {cap = cap, n = n, per = per, grace = g, maxout = maxout, slack = keep_slack(g)}
     i = i + 5
   end
   -- The items are read where they lie, args[items ..]: per key its rule, count and costs
@@ -1695,7 +1731,8 @@ local function entry(f)
     if not U64 then
       U64 = 'I8'
       if #struct.pack('<L', 0) == 8 then U64 = 'L' end
-      COMPACT = '<c2' .. string.rep(U64, 4)
+      COMPACT = '<c2' .. string.rep(U64, 5)
+      COMPACT_OLD = '<c2' .. string.rep(U64, 4)
       STATE_FORMAT = '<' .. string.rep(U64, 21)
       SHARED_FORMAT = STATE_FORMAT .. string.rep(U64, 3)
       HEAD_FORMAT = '<' .. string.rep(U64, 11)

@@ -1163,6 +1163,66 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     }
 }
 
+/// A compact key decided again while its expiry still covers the new one keeps it (`SET
+/// ... KEEPTTL`), in Lua as in the model: batches every few ms on one key with a grace of
+/// 2 s (its expiry is set 1 s beyond what it must cover), then a pause past that second,
+/// and a key decided by two agents in one call each; the value, the expiry and each
+/// answer are compared after every batch.
+#[test]
+fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
+    let server = server();
+    runtime().block_on(async {
+        let st = store(&server.url()).await;
+        let rule = RuleName::new("keep").expect("rule name");
+        let key = BucketKey::new(&rule, "tenant").expect("key");
+        let p = params(100, "1000/s", "100ms", "2s", None);
+        let mut model = GlobalBucket::new();
+        let mut last_now = 0;
+        let mut counts = BatchCounts::default();
+        let agents = [AgentId(0xa1), AgentId(0xb2)];
+        let mut expiries = Vec::new();
+        for step in 0..40u64 {
+            let costs = vec![1 + step % 3];
+            let b = Batch {
+                seq: step + 1,
+                p,
+                costs,
+                other_costs: None,
+            };
+            let ctx = format!("step {step}");
+            let mut keys = vec![(&key, &mut model, &b.costs)];
+            exact_batch(
+                &server,
+                &st,
+                agents[(step % 2) as usize],
+                &b,
+                true,
+                &mut BatchLog::new(),
+                &mut keys,
+                &mut last_now,
+                &mut counts,
+                &ctx,
+            )
+            .await;
+            expiries.push(model.state().expect("a compact bucket").expire_at_ms);
+            // A pause past the slack once, halfway: the next write sets a new expiry.
+            let pause = if step == 20 { 1_200 } else { 5 };
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+        let kept = expiries.windows(2).filter(|w| w[0] == w[1]).count();
+        let moved = expiries.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(
+            kept >= 20,
+            "only {kept} of 39 writes kept the key's expiry: {expiries:?}"
+        );
+        assert!(
+            moved >= 1,
+            "the pause past the slack set no new expiry: {expiries:?}"
+        );
+        assert_eq!(counts.decided, 40);
+    });
+}
+
 /// A new key decided in a batch is stored compact; a lease on it turns it into the hash,
 /// with the tokens the batch left (one token per 1 000 s: no refill between the calls).
 #[test]

@@ -21,8 +21,8 @@
 //! - Hash: see [`leasehold_core::schema`]; [`hash_fields`] renders a model state as those
 //!   fields, and [`bucket_fields`] reads Redis's hash (its state packed in [`STATE`], each
 //!   agent's record packed in a field named by the agent) as the same. A compact bucket
-//!   (a 34-byte string, [`compact_value`], see [`BucketState::compact`]) renders as one
-//!   entry named [`COMPACT`] whose value is `tok,car,ts,p` ([`compact_text`] reads
+//!   (a 42-byte string, [`compact_value`], see [`BucketState::compact`]) renders as one
+//!   entry named [`COMPACT`] whose value is `tok,car,ts,p,expiry` ([`compact_text`] reads
 //!   Redis's string so); [`compact_fields`] reads such a string as the hash it stands
 //!   for.
 
@@ -240,7 +240,13 @@ pub fn hash_fields(state: Option<&BucketState>) -> BTreeMap<String, String> {
         return f;
     };
     if s.compact {
-        let v = [s.level.tokens, s.level.carry, s.updated_us, s.period_us];
+        let v = [
+            s.level.tokens,
+            s.level.carry,
+            s.updated_us,
+            s.period_us,
+            s.expire_at_ms,
+        ];
         f.insert(COMPACT.to_owned(), join(&v));
         return f;
     }
@@ -400,28 +406,42 @@ pub fn bucket_fields(pairs: &[(Vec<u8>, Vec<u8>)]) -> Option<BTreeMap<String, St
 pub const COMPACT_TAG: &[u8; 2] = b"L1";
 
 /// A compact bucket's string as a batch writes it: [`COMPACT_TAG`], then tokens,
-/// carry, updated (µs) and period (µs) as little-endian unsigned 64-bit integers (Lua's
-/// `struct` reads and writes it far faster than decimal text).
-pub fn compact_value(tokens: u64, carry: u64, updated_us: u64, period_us: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(34);
+/// carry, updated (µs), period (µs) and the key's expiry as last set (ms: a write whose
+/// expiry that covers keeps it, `SET ... KEEPTTL`) as little-endian unsigned 64-bit
+/// integers (Lua's `struct` reads and writes it far faster than decimal text).
+pub fn compact_value(
+    tokens: u64,
+    carry: u64,
+    updated_us: u64,
+    period_us: u64,
+    expire_at_ms: u64,
+) -> Vec<u8> {
+    let mut v = Vec::with_capacity(42);
     v.extend_from_slice(COMPACT_TAG);
-    for n in [tokens, carry, updated_us, period_us] {
+    for n in [tokens, carry, updated_us, period_us, expire_at_ms] {
         v.extend_from_slice(&n.to_le_bytes());
     }
     v
 }
 
-/// A compact bucket's four numbers (tokens, carry, updated, period), or `None` if `v` is
-/// not one.
-pub fn compact_numbers(v: &[u8]) -> Option<[u64; 4]> {
+/// A compact bucket's five numbers (tokens, carry, updated, period, expiry), or `None`
+/// if `v` is not one. The four-number string of a library before the expiry was kept
+/// reads with expiry 0 (it covers nothing: the next write sets one).
+pub fn compact_numbers(v: &[u8]) -> Option<[u64; 5]> {
     let (tag, rest) = v.split_at_checked(2)?;
     if tag != COMPACT_TAG {
         return None;
     }
-    unpack_numbers(rest)?.try_into().ok()
+    let n = unpack_numbers(rest)?;
+    match n[..] {
+        [tok, car, ts, p, exp] => Some([tok, car, ts, p, exp]),
+        [tok, car, ts, p] => Some([tok, car, ts, p, 0]),
+        _ => None,
+    }
 }
 
-/// A compact bucket's string as [`hash_fields`] renders it (`tok,car,ts,p`), or `None`.
+/// A compact bucket's string as [`hash_fields`] renders it (`tok,car,ts,p,expiry`), or
+/// `None`.
 pub fn compact_text(v: &[u8]) -> Option<String> {
     compact_numbers(v).map(|n| join(&n))
 }
@@ -429,7 +449,7 @@ pub fn compact_text(v: &[u8]) -> Option<String> {
 /// The hash a compact bucket's string stands for (its four fields; every other field is
 /// 0), or `None` if `v` is not one.
 pub fn compact_fields(v: &[u8]) -> Option<BTreeMap<String, String>> {
-    let [tok, car, ts, p] = compact_numbers(v)?;
+    let [tok, car, ts, p, _] = compact_numbers(v)?;
     Some(
         [
             (h::TOKENS, tok),
@@ -602,15 +622,20 @@ mod tests {
 
     #[test]
     fn compact_values_round_trip_and_refuse_other_strings() {
-        let v = compact_value(7, 12_345, 1_796_154_857_347_044, 1_000_000);
-        assert_eq!(v.len(), 34);
+        let v = compact_value(7, 12_345, 1_796_154_857_347_044, 1_000_000, 1_796_154_859);
+        assert_eq!(v.len(), 42);
         assert_eq!(
             compact_numbers(&v),
-            Some([7, 12_345, 1_796_154_857_347_044, 1_000_000])
+            Some([7, 12_345, 1_796_154_857_347_044, 1_000_000, 1_796_154_859])
         );
         assert_eq!(
             compact_text(&v).as_deref(),
-            Some("7,12345,1796154857347044,1000000")
+            Some("7,12345,1796154857347044,1000000,1796154859")
+        );
+        // The four-number form of a library before the expiry was kept: expiry 0.
+        assert_eq!(
+            compact_numbers(&v[..34]),
+            Some([7, 12_345, 1_796_154_857_347_044, 1_000_000, 0])
         );
         assert_eq!(
             compact_fields(&v).map(|f| f["ts"].clone()).as_deref(),
@@ -618,7 +643,14 @@ mod tests {
         );
         let mut other = v.clone();
         other[0] = b'X';
-        for bad in [&other[..], &v[..33], b"7,0,1,1000000", b"", b"hello"] {
+        for bad in [
+            &other[..],
+            &v[..33],
+            &v[..26],
+            b"7,0,1,1000000",
+            b"",
+            b"hello",
+        ] {
             assert_eq!(compact_numbers(bad), None, "{bad:?}");
         }
         for bad in [&b"7,0,1,1000000"[..], b"7,0,1,x", b"hello", &other[..]] {

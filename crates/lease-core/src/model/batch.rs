@@ -153,7 +153,17 @@ impl GlobalBucket {
         // I6: not before every lease record's drop, and full again; and, as `lh_exact`'s
         // record does, a grace after the call (a key used again soon is not made again).
         let busy = s.last_drop_us.max(now + p.grace_us);
-        s.expire_at_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
+        let needed_ms = (busy + s.level.time_until(p.capacity, p.rate)) / 1000 + 1;
+        s.expire_at_ms = if !s.compact {
+            needed_ms
+        } else if was_compact && s.expire_at_ms >= needed_ms {
+            // The expiry a compact key has, which its string keeps, covers this: kept
+            // (`SET ... KEEPTTL`, a tenth of a decision's Redis work less than setting one).
+            s.expire_at_ms
+        } else {
+            // Else half a grace beyond: a key decided again within it keeps it.
+            needed_ms + keep_slack_ms(p)
+        };
         let nothing_admitted = retry_us.iter().all(|&r| r > 0);
         let reply = ExactReply {
             now_us: now,
@@ -171,6 +181,12 @@ impl GlobalBucket {
         };
         Ok(ExactOutcome::Decided(reply))
     }
+}
+
+/// How far beyond what it must cover a compact key's expiry is set, ms: half the rule's
+/// grace (the Lua's `keep_slack`).
+fn keep_slack_ms(p: &BucketParams) -> u64 {
+    p.grace_us / 2000
 }
 
 /// A batch's dedup key: the batch's sequence number and answer.

@@ -85,10 +85,10 @@ pub struct BucketState {
     /// whose change moves it leaves the shares of the old unit counting as the whole rate
     /// until their records drop: nothing refills the level meanwhile.
     pub share_unit: u64,
-    /// Stored compact, as a string of `tok`, `car`, `ts` and `p` instead of the hash
-    /// (`leasehold_store::wire::compact_value`): made so by a batch of exact decisions
-    /// for a new key and kept while only batches write the key (such a key has no
-    /// records, demand or split); any other operation stores the hash.
+    /// Stored compact, as a string of `tok`, `car`, `ts`, `p` and the key's expiry
+    /// instead of the hash (`leasehold_store::wire::compact_value`): made so by a batch of
+    /// exact decisions for a new key and kept while only batches write the key (such a
+    /// key has no records, demand or split); any other operation stores the hash.
     pub compact: bool,
 }
 

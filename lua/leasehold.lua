@@ -1319,7 +1319,8 @@ end
 -- A batch whose keys are all compact or new (found: their values from MGET, false for a
 -- new one), its items from args[i]: each key's decisions (Level::refill from its ts, then
 -- its costs in order), every item checked and decided before anything is written, then
--- one SET ... PXAT per key that changed. Returns the answers, in one table (see Reply).
+-- one SET per key that changed (KEEPTTL when its expiry covers the new one, else PXAT; see
+-- COMPACT). Returns the answers, in one table (see Reply).
 -- All of it inline, on locals: a Lua function call costs as much as a key's refill.
 local function decide_levels(keys, rules, args, i, server_now, found)
   local n = #found

@@ -741,6 +741,27 @@ fn ratelimit_drop_in_semantics() {
         let missing = auth(None).await.to_ascii_lowercase();
         assert!(missing.starts_with("http/1.1 401"), "{missing}");
         assert!(missing.contains("x-leasehold-value-api_key"), "{missing}");
+        // A value in the query that is not UTF-8 once decoded is refused, not read as
+        // U+FFFD (which would make `%FF` and `%FE` one tenant).
+        let raw = |query: &'static str| async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut s = tokio::net::TcpStream::connect(http_addr).await.unwrap();
+            let req = format!("GET /v1/auth?{query} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+            s.write_all(req.as_bytes()).await.unwrap();
+            let mut resp = String::new();
+            s.read_to_string(&mut resp).await.unwrap();
+            resp
+        };
+        for query in [
+            "domain=messaging&descriptor=api_key%3D%FF",
+            "rule=http&subject=%FE",
+        ] {
+            let r = raw(query).await;
+            assert!(r.starts_with("HTTP/1.1 400"), "{query}: {r}");
+            assert!(r.contains("is not UTF-8 once percent-decoded"), "{query}: {r}");
+        }
+        let text = raw("domain=messaging&descriptor=api_key%3D%C3%A9t%C3%A9").await;
+        assert!(text.starts_with("HTTP/1.1 204"), "{text}");
 
         serving.stop().await;
     });

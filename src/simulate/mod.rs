@@ -186,7 +186,10 @@ fn rows(r: &RunReport) -> Vec<Vec<String>> {
                     s.denied_below_limit.to_string()
                 },
                 format!("{:.2}", s.redis_calls_per_1k_decisions),
+                // A system that makes no store calls (governor) costs the store nothing:
+                // what Redis spent meanwhile is its own idling.
                 s.store_cpu_us_per_decision
+                    .filter(|_| s.redis_calls_per_1k_decisions > 0.0)
                     .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),
                 f4(s.overshoot_1s),
                 f4(s.overshoot_10s),
@@ -221,6 +224,15 @@ pub(crate) fn table(r: &RunReport) -> String {
         out.push_str(&line(&mut row.into_iter()));
     }
     out.push_str(&notes(r).join(""));
+    if r.systems
+        .iter()
+        .any(|(_, s)| s.store_cpu_us_per_decision.is_some())
+    {
+        out.push_str(
+            "store us/dec: the store's Redis CPU (user + system, INFO cpu) per decision over \
+             the measured window; RSS MB: this process's memory at the end+its growth\n",
+        );
+    }
     out
 }
 

@@ -164,6 +164,16 @@ fn a_large_fleets_slower_reports_still_account_each_second() {
             );
         };
         println!("after {:?}: {text}\n{stats:?}", waited.elapsed());
+        // The fleet's set expires a report's life after the last report (it was kept for
+        // ever once every agent had stopped).
+        let life: i64 = store
+            .query(redis::cmd("PTTL").arg("lh:agents"))
+            .await
+            .unwrap();
+        assert!(
+            life > 0 && life as u64 <= leasehold_store::report::REPORT_TTL_MS,
+            "lh:agents lives {life} ms"
+        );
         stop.store(true, Ordering::Relaxed);
         for t in load {
             t.await.unwrap();

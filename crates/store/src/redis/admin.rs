@@ -39,18 +39,24 @@ impl RedisStore {
             .arg(REPORT_TTL_MS);
         let mut zadd = redis::cmd("ZADD");
         zadd.arg(AGENTS_KEY).arg(at_ms).arg(agent.to_string());
+        // The fleet's set lives as long as someone reports: once every agent has stopped
+        // it is gone a report's life later, not kept for ever.
+        let mut life = redis::cmd("PEXPIRE");
+        life.arg(AGENTS_KEY).arg(REPORT_TTL_MS);
         let mut card = redis::cmd("ZCARD");
         card.arg(AGENTS_KEY);
         // All in flight at once: the multiplexed connection writes them together, and
-        // Redis reads them in one go (one network event costs Redis more than the three
+        // Redis reads them in one go (one network event costs Redis more than the four
         // commands).
-        let (set, zadd, card) = tokio::join!(
+        let (set, zadd, life, card) = tokio::join!(
             self.query::<()>(&set),
             self.query::<i64>(&zadd),
+            self.query::<i64>(&life),
             self.query::<u64>(&card)
         );
         set?;
         zadd?;
+        life?;
         card
     }
 

@@ -447,37 +447,15 @@ async fn check_rules(api: &Api, body: RulesBody) -> Response {
 /// The first `name=value` pair of a raw query (its position from 1, and its name as far
 /// as it decodes) whose name or value is not UTF-8 once percent-decoded; `None` if all are.
 fn not_utf8(raw: &str) -> Option<String> {
-    fn decode(part: &str) -> Vec<u8> {
-        let b = part.as_bytes();
-        let mut out = Vec::with_capacity(b.len());
-        let mut i = 0;
-        while i < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            match (
-                b[i],
-                b.get(i + 1).copied().and_then(hex),
-                b.get(i + 2).copied().and_then(hex),
-            ) {
-                (b'%', Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                }
-                (c, _, _) => {
-                    out.push(c);
-                    i += 1;
-                }
-            }
-        }
-        out
-    }
     raw.split('&').enumerate().find_map(|(i, pair)| {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let (name, value) = (decode(name), decode(value));
-        (std::str::from_utf8(&name).is_err() || std::str::from_utf8(&value).is_err()).then(|| {
+        let name = percent_encoding::percent_decode_str(name);
+        let value = percent_encoding::percent_decode_str(value);
+        (name.clone().decode_utf8().is_err() || value.decode_utf8().is_err()).then(|| {
             format!(
                 "{} ({:?})",
                 i + 1,
-                String::from_utf8_lossy(&name)
+                name.decode_utf8_lossy()
                     .chars()
                     .take(40)
                     .collect::<String>()

@@ -327,7 +327,7 @@ end
 -- little-endian unsigned 64-bit integers. struct packs and reads it for a tenth of what
 -- decimal text costs in Lua (wire.rs, compact_value). A write whose expiry the key's
 -- already covers keeps it (SET ... KEEPTTL: a tenth of a key's decision less than
--- PXAT); one that does not sets it a slack beyond (KEEP_SLACK). The 34-byte form
+-- PXAT); one that does not sets it a slack beyond (keep_slack). The 34-byte form
 -- before the expiry was kept is read as one whose expiry covers nothing.
 local COMPACT, COMPACT_OLD = nil, nil
 local COMPACT_TAG = 'L1'
@@ -349,7 +349,6 @@ end
 local function keep_slack(grace)
   return (grace - grace % 2000) / 2000
 end
-
 
 -- A state at level tok (carry car in period per) at ts, with nothing else: no lease,
 -- demand, split or term.
@@ -1101,9 +1100,10 @@ local function expiry(pxat, at)
   return t
 end
 
--- Writes compact key `key` (not a hash: SET would replace it; GET refuses one) at tok, car,
--- ts and per, its expiry kept when that (kept, ms) covers at (ms), else at and slack
--- beyond it. pxat: the batch's expiries as text.
+-- Writes compact key `key` at tok, car, ts and per, its expiry kept when that (kept, ms)
+-- covers at (ms), else at and slack beyond it. pxat: the batch's expiries as text. (The
+-- general path's: a batch of compact and new keys only writes its own in decide_levels,
+-- after all are decided.)
 local function write_compact(key, tok, car, ts, per, at, kept, slack, pxat)
   if kept >= at then
     redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, ts, per, kept),
@@ -1167,7 +1167,7 @@ local function exact_one(key, p, cost, first, count, server_now, s, rt, out, pxa
       and s.su == 0 and s.ru == 0 and s.rq == 0 and s.rr == 0 then
     -- Nothing but a level left (never split, no record ever to drop, no share, no
     -- term): compact again, in one SET, which replaces the hash.
-    write_compact(key, s.tok, s.car, s.ts, p.per, at, 0, keep_slack(p.grace), pxat)
+    write_compact(key, s.tok, s.car, s.ts, p.per, at, 0, p.slack, pxat)
     return
   end
   redis.call('HSET', key, STATE, pack_state(s))
@@ -1196,7 +1196,7 @@ local function exact_compact(key, p, cost, first, count, server_now, v, out, pxa
     end
     if same then return end
   end
-  write_compact(key, tok, car, now, p.per, at, kept, keep_slack(p.grace), pxat)
+  write_compact(key, tok, car, now, p.per, at, kept, p.slack, pxat)
 end
 
 -- The most integers one struct.unpack returns (the Lua stack holds 8 000 values).

@@ -186,10 +186,7 @@ fn rows(r: &RunReport) -> Vec<Vec<String>> {
                     s.denied_below_limit.to_string()
                 },
                 format!("{:.2}", s.redis_calls_per_1k_decisions),
-                // A system that makes no store calls (governor) costs the store nothing:
-                // what Redis spent meanwhile is its own idling.
                 s.store_cpu_us_per_decision
-                    .filter(|_| s.redis_calls_per_1k_decisions > 0.0)
                     .map_or_else(|| "-".to_owned(), |u| format!("{u:.3}")),
                 f4(s.overshoot_1s),
                 f4(s.overshoot_10s),

@@ -134,8 +134,8 @@ pub(crate) struct SystemReport {
     /// The memory the store's Redis used at the end of the run (single Redis only).
     pub(crate) store_mb: Option<f64>,
     /// The CPU the store's Redis processes spent over the measured window (after the
-    /// warm-up), µs per decision, and in all, s (Target::usage_us; none for the embedded
-    /// store).
+    /// warm-up), µs per decision (none for a system that made no store calls), and in all,
+    /// s (Target::usage_us; none for the embedded store).
     pub(crate) store_cpu_us_per_decision: Option<f64>,
     pub(crate) store_cpu_s: Option<f64>,
     /// Of the store's time over the measured window, what its script calls took (INFO

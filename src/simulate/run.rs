@@ -491,7 +491,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
             if let (Some(before), Some(after)) = (usage_before, usage_after) {
                 let us = after.0.saturating_sub(before.0) as f64;
                 report.store_cpu_s = Some(us / 1e6);
-                report.store_cpu_us_per_decision = Some(us / report.decisions.max(1) as f64);
+                // A system that makes no store calls (governor) costs the store nothing:
+                // what Redis spent meanwhile is its own idling.
+                report.store_cpu_us_per_decision =
+                    (calls > 0).then(|| us / report.decisions.max(1) as f64);
                 report.store_scripts_s = Some(after.1.saturating_sub(before.1) as f64 / 1e6);
             }
             Ok::<_, String>(report)

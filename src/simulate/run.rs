@@ -180,15 +180,21 @@ pub(super) async fn worker(
         // (a new key: always a store call) must not weigh 16 times the others.
         let sample = (i + phase16).is_multiple_of(16);
         let t0 = sample.then(|| run.clock.raw());
-        let outcome = sys
-            .decide(
-                limiter.as_ref(),
-                agent,
-                key,
-                &run.keys.names[key as usize],
-                cost,
-            )
-            .await;
+        // Whether the decision waited (for the store): then the other tasks ran meanwhile.
+        let mut waited = false;
+        let mut decision = std::pin::pin!(sys.decide(
+            limiter.as_ref(),
+            agent,
+            key,
+            &run.keys.names[key as usize],
+            cost,
+        ));
+        let outcome = std::future::poll_fn(|cx| {
+            let p = decision.as_mut().poll(cx);
+            waited |= p.is_pending();
+            p
+        })
+        .await;
         let counted = elapsed >= run.warm_up;
         if let Some(t0) = t0
             && counted
@@ -219,7 +225,11 @@ pub(super) async fn worker(
         // between requests; a worker deciding flat out lets the other tasks run every
         // YIELD_EVERY (by time: 64 decisions would hold a thread for 200 µs where each
         // goes to the store, and a store reply would wait for every worker's turn).
-        if elapsed.saturating_sub(last_yield) >= YIELD_EVERY {
+        // A decision that waited has let them run: its caller decides again at once (and
+        // joins the batch its agent's sender takes next).
+        if waited {
+            last_yield = elapsed;
+        } else if elapsed.saturating_sub(last_yield) >= YIELD_EVERY {
             last_yield = elapsed;
             tokio::task::yield_now().await;
         }

@@ -1175,7 +1175,7 @@ fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
         let st = store(&server.url()).await;
         let rule = RuleName::new("keep").expect("rule name");
         let key = BucketKey::new(&rule, "tenant").expect("key");
-        let p = params(100, "1000/s", "100ms", "2s", None);
+        let p = params(100, "1000/s", "100ms", "100ms", None);
         let mut model = GlobalBucket::new();
         let mut last_now = 0;
         let mut counts = BatchCounts::default();
@@ -1205,8 +1205,9 @@ fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
             )
             .await;
             expiries.push(model.state().expect("a compact bucket").expire_at_ms);
-            // A pause past the slack once, halfway: the next write sets a new expiry.
-            let pause = if step == 20 { 1_200 } else { 5 };
+            // A pause past the slack (ten graces: 1 s) once, halfway: the next write sets a
+            // new expiry.
+            let pause = if step == 20 { 1_500 } else { 5 };
             tokio::time::sleep(Duration::from_millis(pause)).await;
         }
         let kept = expiries.windows(2).filter(|w| w[0] == w[1]).count();

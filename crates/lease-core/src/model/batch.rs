@@ -161,7 +161,7 @@ impl GlobalBucket {
             // (`SET ... KEEPTTL`, a tenth of a decision's Redis work less than setting one).
             s.expire_at_ms
         } else {
-            // Else half a grace beyond: a key decided again within it keeps it.
+            // Else ten graces beyond: a key decided again within them keeps it.
             needed_ms + keep_slack_ms(p)
         };
         let nothing_admitted = retry_us.iter().all(|&r| r > 0);
@@ -183,10 +183,12 @@ impl GlobalBucket {
     }
 }
 
-/// How far beyond what it must cover a compact key's expiry is set, ms: half the rule's
-/// grace (the Lua's `keep_slack`).
+/// How far beyond what it must cover a compact key's expiry is set, ms: ten of the
+/// rule's graces (the Lua's `keep_slack`). An idle tenant's key stays that long (10 s at
+/// the default grace), so a tenant seen again within it finds its key instead of making
+/// one, and Redis expires fewer keys.
 fn keep_slack_ms(p: &BucketParams) -> u64 {
-    p.grace_us / 2000
+    p.grace_us / 100
 }
 
 /// A batch's dedup key: the batch's sequence number and answer.

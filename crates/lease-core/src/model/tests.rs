@@ -331,29 +331,32 @@ fn an_exact_batch_decides_costs_in_order_and_its_log_replays_a_retry() {
     // Past the grace (100 ms) the log is gone.
     assert_eq!(log.open(T0 + 100_000, 5), None);
     // No record in the bucket: it expires once full again, a grace after the call, and
-    // half a grace (50 ms) beyond.
+    // ten graces (1 s) beyond.
     let s = b.state().unwrap();
     assert!(s.agents.is_empty());
-    assert_eq!(s.expire_at_ms, (T0 + 100_000 + 10_000_000) / 1000 + 1 + 50);
+    assert_eq!(s.expire_at_ms, (T0 + 100_000 + 10_000_000) / 1000 + 1 + 1000);
 }
 
 #[test]
 fn a_compact_key_keeps_its_expiry_while_it_covers_the_next() {
     let p = params(100, "1000/s");
     let mut b = GlobalBucket::new();
-    // A token taken: full again 1 ms later; expiry a grace (100 ms) after that, and half
-    // a grace beyond.
+    // A token taken: full again 1 ms later; expiry a grace (100 ms) after that, and ten
+    // graces (1 s) beyond.
     decided(b.exact_many(&p, T0, &[1]).unwrap());
-    let first = (T0 + 1_000 + 100_000) / 1000 + 1 + 50;
+    let first = (T0 + 1_000 + 100_000) / 1000 + 1 + 1000;
     assert_eq!(b.state().unwrap().expire_at_ms, first);
     // 10 ms later it needs 10 ms more: within the slack, kept.
     decided(b.exact_many(&p, T0 + 10_000, &[1]).unwrap());
     assert_eq!(b.state().unwrap().expire_at_ms, first);
-    // 70 ms later, past it: a new one, with the slack again.
-    decided(b.exact_many(&p, T0 + 70_000, &[1]).unwrap());
+    // 990 ms later it needs 990 ms more: still within, kept.
+    decided(b.exact_many(&p, T0 + 990_000, &[1]).unwrap());
+    assert_eq!(b.state().unwrap().expire_at_ms, first);
+    // 1.2 s later, past it: a new one, with the slack again.
+    decided(b.exact_many(&p, T0 + 1_200_000, &[1]).unwrap());
     assert_eq!(
         b.state().unwrap().expire_at_ms,
-        (T0 + 70_000 + 1_000 + 100_000) / 1000 + 1 + 50
+        (T0 + 1_200_000 + 1_000 + 100_000) / 1000 + 1 + 1000
     );
 }
 

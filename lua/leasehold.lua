@@ -326,8 +326,9 @@ end
 -- names; every other field is 0) and the key's expiry as last set (ms, its PXAT) as
 -- little-endian unsigned 64-bit integers. struct packs and reads it for a tenth of what
 -- decimal text costs in Lua (wire.rs, compact_value). A write whose expiry the key's
--- already covers keeps it (SET ... KEEPTTL: a tenth of a key's decision less than
--- PXAT); one that does not sets it a slack beyond (keep_slack: ten graces). The 34-byte
+-- already covers keeps it: SETRANGE at 0 rewrites the string in place, its expiry
+-- untouched (about 5 000 instructions less than SET ... PXAT on Redis 7.0, 1 300 less
+-- than SET ... KEEPTTL, whose GET reply is a string for Lua); one that does not sets it a slack beyond (keep_slack: ten graces). The 34-byte
 -- form before the expiry was kept is read as one whose expiry covers nothing.
 local COMPACT, COMPACT_OLD = nil, nil
 local COMPACT_TAG = 'L1'
@@ -1109,8 +1110,7 @@ end
 -- after all are decided.)
 local function write_compact(key, tok, car, ts, per, at, kept, slack, pxat)
   if kept >= at then
-    redis.call('SET', key, struct.pack(COMPACT, COMPACT_TAG, tok, car, ts, per, kept),
-      'KEEPTTL')
+    redis.call('SETRANGE', key, 0, struct.pack(COMPACT, COMPACT_TAG, tok, car, ts, per, kept))
     return
   end
   at = at + slack
@@ -1322,8 +1322,8 @@ end
 -- A batch whose keys are all compact or new (found: their values from MGET, false for a
 -- new one), its items from args[i]: each key's decisions (Level::refill from its ts, then
 -- its costs in order), every item checked and decided before anything is written, then
--- one SET per key that changed (KEEPTTL when its expiry covers the new one, else PXAT; see
--- COMPACT). Returns the answers, in one table (see Reply).
+-- one write per key that changed (SETRANGE when its expiry covers the new one, else SET
+-- ... PXAT; see COMPACT). Returns the answers, in one table (see Reply).
 -- All of it inline, on locals: a Lua function call costs as much as a key's refill.
 local function decide_levels(keys, rules, args, i, server_now, found)
   local n = #found
@@ -1429,12 +1429,14 @@ local function decide_levels(keys, rules, args, i, server_now, found)
     if v then
       local key = keys[k + 1]
       -- GET: its reply, the value it replaces (none, for a new key), costs Lua less than
-      -- SET's status reply, a table.
+      -- SET's status reply, a table. A key whose expiry is kept is a compact string of the
+      -- same length: SETRANGE rewrites it in place, its expiry untouched, and replies an
+      -- integer.
       local at = ats[k]
       if at then
         redis.call('SET', key, v, 'PXAT', at, 'GET')
       else
-        redis.call('SET', key, v, 'KEEPTTL', 'GET')
+        redis.call('SETRANGE', key, 0, v)
       end
     end
   end

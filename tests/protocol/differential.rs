@@ -1163,11 +1163,11 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
     }
 }
 
-/// A compact key decided again while its expiry still covers the new one keeps it (`SET
-/// ... KEEPTTL`), in Lua as in the model: batches every few ms on one key with a grace of
-/// 2 s (its expiry is set 1 s beyond what it must cover), then a pause past that second,
-/// and a key decided by two agents in one call each; the value, the expiry and each
-/// answer are compared after every batch.
+/// A compact key decided again while its expiry still covers the new one keeps it
+/// (`SETRANGE` in place), in Lua as in the model: batches every few ms on one key with a
+/// grace of 100 ms (its expiry is set ten graces, 1 s, beyond what it must cover), then a
+/// pause past that second, and a key decided by two agents in one call each; the value,
+/// the expiry and each answer are compared after every batch.
 #[test]
 fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
     let server = server();

@@ -407,7 +407,7 @@ pub const COMPACT_TAG: &[u8; 2] = b"L1";
 
 /// A compact bucket's string as a batch writes it: [`COMPACT_TAG`], then tokens,
 /// carry, updated (µs), period (µs) and the key's expiry as last set (ms: a write whose
-/// expiry that covers keeps it, `SET ... KEEPTTL`) as little-endian unsigned 64-bit
+/// expiry that covers keeps it: `SETRANGE` in place) as little-endian unsigned 64-bit
 /// integers (Lua's `struct` reads and writes it far faster than decimal text).
 pub fn compact_value(
     tokens: u64,

@@ -158,7 +158,8 @@ impl GlobalBucket {
             needed_ms
         } else if was_compact && s.expire_at_ms >= needed_ms {
             // The expiry a compact key has, which its string keeps, covers this: kept
-            // (`SET ... KEEPTTL`, a tenth of a decision's Redis work less than setting one).
+            // (`SETRANGE` in place: about 5 000 instructions of Redis's less than setting
+            // one).
             s.expire_at_ms
         } else {
             // Else ten graces beyond: a key decided again within them keeps it.

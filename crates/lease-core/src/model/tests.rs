@@ -334,7 +334,10 @@ fn an_exact_batch_decides_costs_in_order_and_its_log_replays_a_retry() {
     // ten graces (1 s) beyond.
     let s = b.state().unwrap();
     assert!(s.agents.is_empty());
-    assert_eq!(s.expire_at_ms, (T0 + 100_000 + 10_000_000) / 1000 + 1 + 1000);
+    assert_eq!(
+        s.expire_at_ms,
+        (T0 + 100_000 + 10_000_000) / 1000 + 1 + 1000
+    );
 }
 
 #[test]

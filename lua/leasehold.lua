@@ -346,12 +346,14 @@ local function compact_of(key, v)
 end
 
 -- The slack of a compact key's expiry beyond what it must cover: ten of the rule's
--- graces (10 s at the default), ms. A key decided again within it (a tenant's next
--- request, mostly) keeps its expiry and is not made again; Redis expires fewer keys
--- (with half a grace, 1.5 s, long-tail-store's Redis expired a key for every second
--- decision, and its expiry cycle held it up to 25 ms ten times a second).
+-- graces, at most KEEP_SLACK_MAX (10 s at the default grace), ms. A key decided again
+-- within it (a tenant's next request, mostly) keeps its expiry and is not made again;
+-- Redis expires fewer keys (with half a grace, 1.5 s, long-tail-store's Redis expired a
+-- key for every second decision, and its expiry cycle held it up to 25 ms ten times a
+-- second). The bound keeps a rule with a long grace from holding idle tenants for hours.
+local KEEP_SLACK_MAX = 10000
 local function keep_slack(grace)
-  return (grace - grace % 100) / 100
+  return math.min((grace - grace % 100) / 100, KEEP_SLACK_MAX)
 end
 
 -- A state at level tok (carry car in period per) at ts, with nothing else: no lease,

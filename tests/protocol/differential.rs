@@ -1167,7 +1167,8 @@ fn lua_refuses_foreign_values_at_bucket_keys_and_keeps_them() {
 /// (`SETRANGE` in place), in Lua as in the model: batches every few ms on one key with a
 /// grace of 100 ms (its expiry is set ten graces, 1 s, beyond what it must cover), then a
 /// pause past that second, and a key decided by two agents in one call each; the value,
-/// the expiry and each answer are compared after every batch.
+/// the expiry and each answer are compared after every batch. Then a rule with a grace of
+/// an hour, whose slack stops at 10 s.
 #[test]
 fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
     let server = server();
@@ -1221,6 +1222,37 @@ fn a_compact_key_keeps_its_expiry_while_it_covers_the_next_one() {
             "the pause past the slack set no new expiry: {expiries:?}"
         );
         assert_eq!(counts.decided, 40);
+        // A long grace (1 h): the slack stops at 10 s, in Lua as in the model (the
+        // expiries are compared after the call).
+        let long = BucketKey::new(&rule, "long-grace").expect("key");
+        let mut model = GlobalBucket::new();
+        let b = Batch {
+            seq: 100,
+            p: params(100, "1000/s", "100ms", "1h", None),
+            costs: vec![1],
+            other_costs: None,
+        };
+        let mut keys = vec![(&long, &mut model, &b.costs)];
+        exact_batch(
+            &server,
+            &st,
+            agents[0],
+            &b,
+            true,
+            &mut BatchLog::new(),
+            &mut keys,
+            &mut last_now,
+            &mut counts,
+            "a grace of 1 h",
+        )
+        .await;
+        let s = model.state().expect("a compact bucket");
+        let now_ms = last_now / 1000;
+        assert!(
+            s.expire_at_ms <= now_ms + 3_600_000 + 10_000 + 2,
+            "an expiry {} ms away: more than a grace and 10 s",
+            s.expire_at_ms - now_ms
+        );
     });
 }
 

@@ -185,12 +185,16 @@ impl GlobalBucket {
 }
 
 /// How far beyond what it must cover a compact key's expiry is set, ms: ten of the
-/// rule's graces (the Lua's `keep_slack`). An idle tenant's key stays that long (10 s at
-/// the default grace), so a tenant seen again within it finds its key instead of making
-/// one, and Redis expires fewer keys.
+/// rule's graces, at most 10 s (the Lua's `keep_slack`). An idle tenant's key stays that
+/// long (10 s at the default grace), so a tenant seen again within it finds its key
+/// instead of making one, and Redis expires fewer keys; the bound keeps a rule with a
+/// long grace from holding idle tenants for hours.
 fn keep_slack_ms(p: &BucketParams) -> u64 {
-    p.grace_us / 100
+    (p.grace_us / 100).min(KEEP_SLACK_MAX_MS)
 }
+
+/// The most a compact key's expiry is set beyond what it must cover, ms.
+const KEEP_SLACK_MAX_MS: u64 = 10_000;
 
 /// A batch's dedup key: the batch's sequence number and answer.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -363,6 +363,25 @@ fn a_compact_key_keeps_its_expiry_while_it_covers_the_next() {
     );
 }
 
+/// A long grace does not keep an idle tenant's key for ten of them: the slack stops at
+/// 10 s.
+#[test]
+fn a_compact_keys_slack_is_at_most_ten_seconds() {
+    let mut spec = crate::rule::RuleSpec {
+        capacity: 100,
+        rate: "1000/s".into(),
+        ..Default::default()
+    };
+    spec.grace = Some("1h".into());
+    let p = Rule::from_spec("t", &spec).unwrap().bucket_params();
+    let mut b = GlobalBucket::new();
+    decided(b.exact_many(&p, T0, &[1]).unwrap());
+    assert_eq!(
+        b.state().unwrap().expire_at_ms,
+        (T0 + 1_000 + 3_600_000_000) / 1000 + 1 + 10_000
+    );
+}
+
 #[test]
 fn an_exact_batch_leaves_a_split_key_alone() {
     let p = params(10, "1/s");

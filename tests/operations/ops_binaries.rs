@@ -54,6 +54,12 @@ impl Proc {
             Some(_) => "store: redis://",
         };
         assert!(out.lines().any(|l| l.starts_with(want)), "{out}");
+        // An embedded store is a warning in the log too: each instance limits alone.
+        let err = std::fs::read_to_string(&serve.err).unwrap_or_default();
+        let warned = err
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("each serve instance enforces"));
+        assert_eq!(warned, redis.is_none(), "{err}");
         (serve, at)
     }
 

@@ -196,6 +196,13 @@ pub async fn run(
             .to_owned(),
         Some(a) => format!("store: {}", leasehold_store::secret::redact(a)),
     };
+    if matches!(address.as_deref(), None | Some("embedded")) {
+        // Said as a warning too, for log pipelines: a forgotten --redis multiplies every
+        // limit by the number of instances.
+        tracing::warn!(
+            "the store is embedded in this process: each serve instance enforces every limit on its own; give --redis to share them"
+        );
+    }
     builder = match address {
         None => builder.embedded(),
         Some(a) if a == "embedded" => builder.embedded(),

@@ -162,7 +162,8 @@ impl GlobalBucket {
             // one).
             s.expire_at_ms
         } else {
-            // Else ten graces beyond: a key decided again within them keeps it.
+            // Else ten graces beyond, at most 10 s: a key decided again within them keeps
+            // it.
             needed_ms + keep_slack_ms(p)
         };
         let nothing_admitted = retry_us.iter().all(|&r| r > 0);

@@ -6,9 +6,9 @@ use crate::support;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use leasehold_serve::Domains;
 
 const CONFIG: &str = r#"
@@ -1071,6 +1071,80 @@ fn without_its_store_a_yaml_limit_with_no_on_failure_is_a_grpc_error_for_envoy_t
                 Err(e) => panic!("{keys:?}: {e:?}"),
             }
         }
+        serving.stop().await;
+    });
+}
+
+/// `RateLimitRequest` with its entries as bytes, as Envoy sends a header's bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawRequest {
+    #[prost(string, tag = "1")]
+    domain: String,
+    #[prost(message, repeated, tag = "2")]
+    descriptors: Vec<RawDescriptor>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    entries: Vec<RawEntry>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawEntry {
+    #[prost(bytes = "vec", tag = "1")]
+    key: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+/// A descriptor value that is not UTF-8 (a header's bytes) is decided as a subject of its
+/// own, not refused with INTERNAL: Envoy lets a request through when the service fails,
+/// so a refusal would let a client skip its limit with one byte. Values differing only in
+/// such bytes are different subjects.
+#[test]
+fn a_descriptor_value_that_is_not_utf8_is_a_subject_of_its_own() {
+    let server = support::server();
+    support::runtime().block_on(async {
+        let serving = Serving::start_with(&server, CONFIG, Default::default(), false, None).await;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", serving.grpc))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        let mut call = async |value: &[u8]| {
+            let req = RawRequest {
+                domain: "messaging".into(),
+                descriptors: vec![RawDescriptor {
+                    entries: vec![RawEntry {
+                        key: b"tenant".to_vec(),
+                        value: value.to_vec(),
+                    }],
+                }],
+            };
+            grpc.ready().await.unwrap();
+            let codec = tonic_prost::ProstCodec::<RawRequest, RateLimitResponse>::default();
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            );
+            grpc.unary(tonic::Request::new(req), path, codec)
+                .await
+                .unwrap_or_else(|s| panic!("{value:?}: {s}"))
+                .into_inner()
+                .overall_code
+        };
+        // B = 2: two admitted, then over the limit.
+        let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+        assert_eq!(call(b"\xff").await, ok);
+        assert_eq!(call(b"\xff").await, ok);
+        assert_eq!(call(b"\xff").await, over);
+        // Another byte, and the same byte after valid text: other subjects.
+        assert_eq!(call(b"\xfe").await, ok);
+        assert_eq!(call(b"a\xff").await, ok);
+        assert_eq!(call(b"a\xfe").await, ok);
+        assert_eq!(call(b"a\xfe").await, ok);
+        assert_eq!(call(b"a\xfe").await, over);
         serving.stop().await;
     });
 }

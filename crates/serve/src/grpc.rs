@@ -3,6 +3,10 @@
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
@@ -11,7 +15,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::{
-    Duration as PbDuration, ListValue, Struct, Value, value::Kind,
+    Duration as PbDuration, ListValue, Struct, UInt64Value, Value, value::Kind,
 };
 use tonic::{Request, Response, Status};
 
@@ -30,9 +34,151 @@ impl Rls {
         Self { decider }
     }
 
-    /// As a tonic service.
-    pub fn into_server(self) -> RateLimitServiceServer<Self> {
-        RateLimitServiceServer::new(self)
+    /// As a tonic service: envoy-types' generated server, but for `ShouldRateLimit`'s
+    /// request, read by [`RawRequest`] (see [`Server`]).
+    pub fn into_server(self) -> Server {
+        Server(Arc::new(self))
+    }
+}
+
+/// The rate limit service's gRPC server. The generated one reads descriptor entries as
+/// protobuf strings, and a value that is not UTF-8 (a header's bytes, which Envoy passes
+/// on as they came) fails the whole call with INTERNAL, which Envoy lets through by
+/// default (`failure_mode_deny: false`): a client could skip its limit with one byte.
+/// This one reads the entries as bytes and decides such a value as its own subject
+/// ([`subject_text`]).
+#[derive(Clone, Debug)]
+pub struct Server(Arc<Rls>);
+
+impl tonic::server::NamedService for Server {
+    const NAME: &'static str = <RateLimitServiceServer<Rls> as tonic::server::NamedService>::NAME;
+}
+
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+type BoxFuture<T, E> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, E>> + Send>>;
+
+impl<B> tonic::codegen::Service<tonic::codegen::http::Request<B>> for Server
+where
+    B: tonic::codegen::Body + Send + 'static,
+    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        if req.uri().path() != SHOULD_RATE_LIMIT {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let method = ShouldRateLimit(self.0.clone());
+        Box::pin(async move {
+            let codec = tonic_prost::ProstCodec::<RateLimitResponse, RawRequest>::default();
+            Ok(tonic::server::Grpc::new(codec).unary(method, req).await)
+        })
+    }
+}
+
+struct ShouldRateLimit(Arc<Rls>);
+
+impl tonic::server::UnaryService<RawRequest> for ShouldRateLimit {
+    type Response = RateLimitResponse;
+    type Future = BoxFuture<Response<RateLimitResponse>, Status>;
+
+    fn call(&mut self, request: Request<RawRequest>) -> Self::Future {
+        let rls = self.0.clone();
+        Box::pin(async move {
+            let (metadata, extensions, raw) = request.into_parts();
+            let request = Request::from_parts(metadata, extensions, raw.into_request());
+            rls.should_rate_limit(request).await
+        })
+    }
+}
+
+/// `RateLimitRequest` with its descriptors' entries as bytes (the same wire format).
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawRequest {
+    #[prost(string, tag = "1")]
+    domain: String,
+    #[prost(message, repeated, tag = "2")]
+    descriptors: Vec<RawDescriptor>,
+    #[prost(uint32, tag = "3")]
+    hits_addend: u32,
+}
+
+/// `RateLimitDescriptor`, its entries as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    entries: Vec<RawEntry>,
+    #[prost(message, optional, tag = "2")]
+    limit: Option<RateLimitOverride>,
+    #[prost(message, optional, tag = "3")]
+    hits_addend: Option<UInt64Value>,
+    #[prost(bool, tag = "4")]
+    is_negative_hits: bool,
+}
+
+/// A descriptor entry, key and value as bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawEntry {
+    #[prost(bytes = "vec", tag = "1")]
+    key: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+impl RawRequest {
+    fn into_request(self) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: self.domain,
+            descriptors: self
+                .descriptors
+                .into_iter()
+                .map(|d| RateLimitDescriptor {
+                    entries: d
+                        .entries
+                        .into_iter()
+                        .map(|e| Entry {
+                            key: subject_text(e.key),
+                            value: subject_text(e.value),
+                        })
+                        .collect(),
+                    limit: d.limit,
+                    hits_addend: d.hits_addend,
+                    is_negative_hits: d.is_negative_hits,
+                })
+                .collect(),
+            hits_addend: self.hits_addend,
+        }
+    }
+}
+
+/// A descriptor entry's bytes as text: UTF-8 as it is; any other byte as U+FFFD and its
+/// two hex digits, so that values differing in such bytes stay different subjects
+/// (a lossy decoding would make them one, and let one client spend another's limit).
+fn subject_text(bytes: Vec<u8>) -> String {
+    match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => {
+            let bytes = e.into_bytes();
+            let mut out = String::with_capacity(bytes.len() + 8);
+            for chunk in bytes.utf8_chunks() {
+                out.push_str(chunk.valid());
+                for b in chunk.invalid() {
+                    out.push('\u{FFFD}');
+                    out.push_str(&format!("{b:02x}"));
+                }
+            }
+            out
+        }
     }
 }
 

@@ -118,6 +118,10 @@ async fn workload(
     (rate, all, over)
 }
 
+/// The allocator the `leasehold` binary runs serve with (src/main.rs).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let (clients, secs, keys) = (
         env("SERVE_CLIENTS", 64),

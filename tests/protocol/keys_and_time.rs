@@ -202,14 +202,25 @@ fn i7_each_call_touches_exactly_its_own_key() {
     });
     let n: i64 = server.cmd(&["DBSIZE"]).expect("DBSIZE");
     assert_eq!(n as usize, subjects.len());
-    for line in LIBRARY
-        .lines()
-        .filter(|l| l.contains("redis.call(") || l.contains("redis.pcall("))
-    {
+    // `rcall` is `redis.call` bound to a local by the first call (and only there).
+    assert_eq!(
+        LIBRARY.matches("rcall = ").count() + LIBRARY.matches("rcall, ").count(),
+        2,
+        "rcall is declared and bound once each"
+    );
+    assert!(LIBRARY.contains(
+        "sfind, rcall, spack, sunpack = string.find, redis.call, struct.pack, struct.unpack\n"
+    ));
+    let calls = LIBRARY.lines().filter(|l| {
+        l.contains("redis.call(") || l.contains("redis.pcall(") || l.contains("rcall(")
+    });
+    assert!(calls.clone().any(|l| l.contains("rcall(")));
+    for line in calls {
         let args = line
             .split("redis.call(")
             .nth(1)
             .or_else(|| line.split("redis.pcall(").nth(1))
+            .or_else(|| line.split("rcall(").nth(1))
             .unwrap_or_default();
         let target = args
             .split(',')
@@ -251,13 +262,14 @@ fn i7_each_call_touches_exactly_its_own_key() {
     assert!(batch.contains("if not bucket_key(key) then fail("));
     assert!(
         batch.find("if not bucket_key(key) then fail(")
-            < batch.find("redis.call('MGET', unpack(keys, 2, nkeys))"),
+            < batch.find("rcall('MGET', unpack(keys, 2, nkeys))"),
         "the batch's keys are checked before they are read"
     );
     assert!(batch.contains("      absent[#absent + 1] = key\n"));
-    assert!(LIBRARY.contains(
-        "  return #key <= 512 and string.find(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil\n"
-    ));
+    assert!(
+        LIBRARY
+            .contains("  return #key <= 512 and sfind(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil\n")
+    );
     let check = "if dkey ~= keys[2] .. ':b:' .. id .. ':' .. fmt(seq) then";
     assert!(batch.contains(check));
     assert!(

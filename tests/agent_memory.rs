@@ -3,6 +3,8 @@
 //! `max_keys`, every decision stays right (each subject's one token is admitted once and
 //! then denied), and the process's memory stays bounded.
 //!
+//! Long subjects (1 MB descriptor values) cost a key its digest, not their bytes.
+//!
 //! `LEASEHOLD_FLOOD_KEYS` (default 50 000) and `LEASEHOLD_FLOOD_MAX_KEYS` (default 5 000)
 //! set the size; the README's figure is 1 000 000 keys with the default cap of 50 000 in
 //! a release build.
@@ -101,6 +103,66 @@ fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
             ((after as f64) - (before as f64)) < bound,
             "RSS grew by {:.1} MB",
             (after as f64 - before as f64) / 1e6
+        );
+    });
+}
+
+#[test]
+fn long_subjects_cost_a_key_their_digest_not_their_bytes() {
+    // 100 subjects of 1 MB, each its own key: kept as they came they would be 100 MB of
+    // the agent's memory for as long as their keys live.
+    let (n, size) = (100usize, 1 << 20);
+    let server = support::server();
+    support::runtime().block_on(async {
+        let limiter = Limiter::builder()
+            .redis(server.url())
+            .rules(support::rules(RULES))
+            .config({
+                let mut c = LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        // One buffer, its last bytes changed per subject: the test's own allocations do
+        // not grow with n.
+        let mut subject = vec![b'v'; size];
+        let at = |i: usize, s: &mut Vec<u8>| {
+            s[size - 8..].copy_from_slice(&(i as u64).to_be_bytes());
+        };
+        let before = rss();
+        for i in 0..n {
+            at(i, &mut subject);
+            let first = limiter.check(&"api".into(), &subject, 1).await.unwrap();
+            let second = limiter.check(&"api".into(), &subject, 1).await.unwrap();
+            assert!(
+                matches!(first, Decision::Allowed { .. }),
+                "subject {i}: its own bucket, admitted once: {first:?}"
+            );
+            assert!(
+                matches!(second, Decision::Denied { .. }),
+                "subject {i}: the same bucket again, denied: {second:?}"
+            );
+        }
+        let after = rss();
+        assert!(
+            limiter.keys_in_memory() >= n,
+            "{} keys in memory",
+            limiter.keys_in_memory()
+        );
+        // Each is still its own key (a subject differing only in its last bytes).
+        at(0, &mut subject);
+        let again = limiter.check(&"api".into(), &subject, 1).await.unwrap();
+        assert!(matches!(again, Decision::Denied { .. }), "{again:?}");
+        at(n, &mut subject);
+        let new = limiter.check(&"api".into(), &subject, 1).await.unwrap();
+        assert!(matches!(new, Decision::Allowed { .. }), "{new:?}");
+        let grew = (after as f64 - before as f64) / 1e6;
+        println!("{n} keys of {size}-byte subjects: RSS {grew:+.1} MB");
+        assert!(
+            grew < 40.0,
+            "RSS grew by {grew:.1} MB for {n} keys of {size}-byte subjects"
         );
     });
 }

@@ -164,3 +164,50 @@ fn the_coordinator_bounds_an_overridden_key_by_the_overrides_b_and_r() {
         assert_eq!(stats.overshoot, 0.0, "{stats:?}");
     });
 }
+
+#[test]
+fn a_long_subject_follows_its_override_through_reloads() {
+    // A subject past the key map's inline length is kept there by its SHA-256: a reload
+    // finds the live key's override by that digest.
+    let long = format!("tenant-{}", "x".repeat(300));
+    let text = |capacity: Option<u64>| {
+        let mut t =
+            "[rules.api]\ncapacity = 10\nrate = \"1/m\"\nleasing = \"exact\"\ntimeout = \"2s\"\n"
+                .to_owned();
+        if let Some(c) = capacity {
+            t += &format!("[rules.api.overrides.\"{long}\"]\ncapacity = {c}\nrate = \"1/m\"\n");
+        }
+        t
+    };
+    let server = support::server();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.toml");
+    std::fs::write(&path, text(Some(1000))).unwrap();
+    support::runtime().block_on(async {
+        let l = Limiter::builder()
+            .redis(server.url())
+            .rules_file(&path)
+            .config({
+                let mut c = leasehold_agent::LimiterConfig::default();
+                c.store = support::config();
+                c
+            })
+            .build()
+            .await
+            .unwrap();
+        assert_eq!(admitted(&l, &long, 300).await, 300);
+        // B shrinks to 50 below the ~700 the bucket holds: the live key takes it.
+        std::fs::write(&path, text(Some(50))).unwrap();
+        l.reload_rules().unwrap();
+        let n = admitted(&l, &long, 100).await;
+        assert!((50..=51).contains(&n), "{n} admitted after B went to 50");
+        // The override removed: the rule's B = 10.
+        std::fs::write(&path, text(None)).unwrap();
+        l.reload_rules().unwrap();
+        assert_eq!(
+            l.bucket_params_for(&"api".into(), &long).unwrap().capacity,
+            10
+        );
+        assert!(admitted(&l, &long, 20).await <= 11);
+    });
+}

@@ -17,9 +17,32 @@ use super::keymap;
 use super::route::Route;
 use super::table::RuleEntry;
 
-/// A key of the agent's map: rule name and subject, hashed in the same two pieces as the
-/// borrowed [`KeyRef`]. The map's slot keeps the bytes inline when short (no pointer to
-/// follow on a lookup).
+/// Longest subject a key of the map keeps as it is. A longer one is kept as its SHA-256,
+/// in [`HASHED_LEN`] bytes (a length no subject kept as it is has, so the two forms never
+/// meet), as its bucket's Redis key does past [`leasehold_core::key::MAX_INLINE`]: a key's
+/// memory does not grow with what callers send (a 1 MB descriptor value was 1 MB of the
+/// agent's memory for as long as its key lived).
+pub(super) const SUBJECT_INLINE: usize = 64;
+
+/// The length of a subject kept as its SHA-256: the digest, then zeros.
+pub(super) const HASHED_LEN: usize = SUBJECT_INLINE + 1;
+
+/// The SHA-256 of the subject a key of the map keeps in its hashed form, or `None` for
+/// one kept as it is.
+pub(super) fn hashed_subject(kept: &[u8]) -> Option<[u8; 32]> {
+    (kept.len() == HASHED_LEN).then(|| kept[..32].try_into().unwrap_or([0; 32]))
+}
+
+/// `subject` as a key of the map keeps it (see [`SUBJECT_INLINE`]).
+fn hashed(subject: &[u8]) -> [u8; HASHED_LEN] {
+    let mut out = [0u8; HASHED_LEN];
+    out[..32].copy_from_slice(&leasehold_core::key::sha256(subject));
+    out
+}
+
+/// A key of the agent's map: rule name and subject (as the map keeps it), hashed in the
+/// same two pieces as the borrowed [`KeyRef`]. The map's slot keeps the bytes inline when
+/// short (no pointer to follow on a lookup).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct KeyId {
     pub(super) bytes: smallvec::SmallVec<[u8; 40]>,
@@ -28,6 +51,13 @@ pub(super) struct KeyId {
 
 impl KeyId {
     pub(super) fn new(rule: &str, subject: &[u8]) -> Self {
+        let long;
+        let subject = if subject.len() > SUBJECT_INLINE {
+            long = hashed(subject);
+            &long[..]
+        } else {
+            subject
+        };
         let mut bytes = smallvec::SmallVec::with_capacity(rule.len() + subject.len());
         bytes.extend_from_slice(rule.as_bytes());
         bytes.extend_from_slice(subject);
@@ -44,21 +74,33 @@ impl std::hash::Hash for KeyId {
     }
 }
 
-/// A key borrowed: rule name and subject. Every key of the map hashes as one of these.
+/// A key borrowed: rule name and subject as the map keeps it (a long one hashed, see
+/// [`SUBJECT_INLINE`]). Every key of the map hashes as one of these.
 pub(super) struct KeyRef<'a> {
     pub(super) rule: &'a [u8],
-    pub(super) subject: &'a [u8],
+    subject: Subject<'a>,
+}
+
+enum Subject<'a> {
+    AsIs(&'a [u8]),
+    Hashed([u8; HASHED_LEN]),
 }
 
 impl std::hash::Hash for KeyRef<'_> {
     fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
         h.write(self.rule);
-        h.write(self.subject);
+        h.write(self.subject());
     }
 }
 
 impl<'a> KeyRef<'a> {
+    #[inline]
     pub(super) fn new(rule: &'a str, subject: &'a [u8]) -> Self {
+        let subject = if subject.len() > SUBJECT_INLINE {
+            Subject::Hashed(hashed(subject))
+        } else {
+            Subject::AsIs(subject)
+        };
         Self {
             rule: rule.as_bytes(),
             subject,
@@ -68,13 +110,25 @@ impl<'a> KeyRef<'a> {
     /// The key stored as `bytes`, the rule's name being the first `rule_len`.
     pub(super) fn of(bytes: &'a [u8], rule_len: usize) -> Self {
         let (rule, subject) = bytes.split_at(rule_len);
-        Self { rule, subject }
+        Self {
+            rule,
+            subject: Subject::AsIs(subject),
+        }
+    }
+
+    /// The subject as the map keeps it.
+    #[inline]
+    pub(super) fn subject(&self) -> &[u8] {
+        match &self.subject {
+            Subject::AsIs(s) => s,
+            Subject::Hashed(h) => h,
+        }
     }
 
     #[inline]
     pub(super) fn matches(&self, key: &[u8], rule_len: usize) -> bool {
         let (rule, subject) = key.split_at(rule_len);
-        bytes_eq(self.rule, rule) && bytes_eq(self.subject, subject)
+        bytes_eq(self.rule, rule) && bytes_eq(self.subject(), subject)
     }
 }
 

@@ -121,6 +121,18 @@ impl RuleSet {
             .and_then(|(o, entries)| entries.get(o.resolve(subject)?.0))
             .unwrap_or(&self.base)
     }
+
+    /// [`Self::resolve`] for a subject as the key map keeps it (a long one by its
+    /// SHA-256: see [`super::keys::SUBJECT_INLINE`]).
+    pub(super) fn resolve_kept(&self, kept: &[u8]) -> &Arc<RuleEntry> {
+        let Some(digest) = super::keys::hashed_subject(kept) else {
+            return self.resolve(kept);
+        };
+        self.overrides
+            .as_ref()
+            .and_then(|(o, entries)| entries.get(o.resolve_digest(&digest)?.0))
+            .unwrap_or(&self.base)
+    }
 }
 
 pub(super) struct RuleTable {
@@ -266,7 +278,7 @@ impl Limiter {
             let ks = &slot.ks;
             let capacity = match table.get(&ks.rule) {
                 Ok(set) => {
-                    let entry = set.resolve(slot.subject());
+                    let entry = set.resolve_kept(slot.subject());
                     if entry.params != ks.entry.load().params {
                         // A cached denial was timed at the old rate.
                         ks.hot().clear_denial();

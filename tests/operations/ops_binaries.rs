@@ -611,6 +611,16 @@ fn a_wrong_password_is_named_as_such() {
     serve.wait_log("store refused the credentials: check the user and password");
     let (status, body) = http(at, "GET", "/ready", &[], "");
     assert_eq!(status, 503, "{body}");
+    // The probes say it too: an operator reading /health looks at the password, not
+    // the network.
+    for path in ["/ready", "/health"] {
+        let (_, body) = http(at, "GET", path, &[], "");
+        assert!(
+            body.contains("store not reached yet: store refused the credentials"),
+            "{path}: {body}"
+        );
+        assert!(!body.contains("Zq9"), "a password in {path}: {body}");
+    }
     let log = serve.stderr();
     assert!(!log.contains("Zq9"), "a password printed: {log}");
     assert!(serve.running(), "{log}");

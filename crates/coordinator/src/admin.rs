@@ -307,8 +307,8 @@ async fn one_key(State(admin): State<Admin>, uri: Uri) -> Response {
 /// `ready` while the store answers a `PING`, else `degraded: REASON`, as serve's and the
 /// gateway's probes say it.
 async fn readiness(admin: &Admin) -> Result<(), String> {
-    if !admin.store.is_connected() {
-        return Err("store not reached yet; connecting".to_owned());
+    if let Some(why) = admin.store.not_reached() {
+        return Err(why);
     }
     if admin.store.failing_over() {
         return Err("store failover under way".to_owned());

@@ -45,8 +45,8 @@ impl Limiter {
         let Store::Redis(r) = &self.inner.store else {
             return Health::Ready;
         };
-        if !r.is_connected() {
-            return Health::Degraded("store not reached yet; connecting".into());
+        if let Some(why) = r.not_reached() {
+            return Health::Degraded(why);
         }
         if let Some(why) = r.refused() {
             return Health::Degraded(why);

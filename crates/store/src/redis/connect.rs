@@ -529,20 +529,24 @@ impl RedisStore {
                     }
                     Err(e) => {
                         failures += 1;
+                        let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
+                        // Reachable, but not with these credentials: a retry helps
+                        // only once the server's or the address's password changes.
+                        let what = match &e {
+                            StoreError::Unavailable(r)
+                                if r.kind() == redis::ErrorKind::AuthenticationFailed =>
+                            {
+                                "store refused the credentials: check the user and \
+                                 password of the address"
+                            }
+                            _ => "store unreachable",
+                        };
+                        store
+                            .link
+                            .not_reached
+                            .store(Some(Arc::new(format!("{what} ({text})"))));
                         // The first failure, then one line every 15 attempts (20-30 s).
                         if failures == 1 || failures.is_multiple_of(15) {
-                            let text = secrets.iter().fold(e.to_string(), |t, a| redact_in(&t, a));
-                            // Reachable, but not with these credentials: a retry helps
-                            // only once the server's or the address's password changes.
-                            let what = match &e {
-                                StoreError::Unavailable(r)
-                                    if r.kind() == redis::ErrorKind::AuthenticationFailed =>
-                                {
-                                    "store refused the credentials: check the user and \
-                                     password of the address"
-                                }
-                                _ => "store unreachable",
-                            };
                             tracing::error!(
                                 store = %store.link.shown,
                                 error = %text,
@@ -586,6 +590,7 @@ impl RedisStore {
                 conn: std::sync::OnceLock::new(),
                 connected: tokio::sync::watch::Sender::new(false),
                 refused: arc_swap::ArcSwapOption::empty(),
+                not_reached: arc_swap::ArcSwapOption::empty(),
                 shown,
             }),
             loader: Arc::new(Loader {

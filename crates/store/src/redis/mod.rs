@@ -86,6 +86,8 @@ pub(super) struct Link {
     pub(super) connected: tokio::sync::watch::Sender<bool>,
     /// Why the store must not be used, while it must not (see [`RedisStore::refuse`]).
     pub(super) refused: arc_swap::ArcSwapOption<String>,
+    /// Until the store is first reached: why the last attempt failed (redacted).
+    pub(super) not_reached: arc_swap::ArcSwapOption<String>,
     /// The address, without its password, for logs.
     pub(super) shown: String,
 }
@@ -135,6 +137,18 @@ impl RedisStore {
     /// Plain commands ([`RedisStore::query`], the policy and topology reads) still go.
     pub fn refuse(&self, why: Option<String>) {
         self.link.refused.store(why.map(Arc::new));
+    }
+
+    /// While the store has not been reached: `store not reached yet; connecting`, or why
+    /// the last attempt failed (refused credentials, unreachable), for health probes.
+    pub fn not_reached(&self) -> Option<String> {
+        if self.is_connected() {
+            return None;
+        }
+        Some(match self.link.not_reached.load_full() {
+            None => "store not reached yet; connecting".to_owned(),
+            Some(why) => format!("store not reached yet: {why}; retrying"),
+        })
     }
 
     /// Why the store is refused, if it is (see [`RedisStore::refuse`]).

@@ -208,6 +208,9 @@ fn sentinel_addresses_are_checked_and_their_passwords_never_shown() {
                 "redis+sentinel://:pw-secret@127.0.0.1:x/svc",
                 "not a number",
             ),
+            // A cluster address without nodes is named as such, not in the client's words.
+            ("cluster://", "cluster address with no nodes"),
+            ("clusters://,", "cluster address with no nodes"),
         ] {
             let e = open(address, support::config())
                 .await

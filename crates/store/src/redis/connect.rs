@@ -316,6 +316,13 @@ impl Dialer {
     }
 
     pub(super) fn cluster(nodes: &[String], config: &StoreConfig) -> Result<Self, StoreError> {
+        if nodes.is_empty() {
+            return Err(StoreError::Misconfigured(
+                "cluster address with no nodes; expected \
+                 cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...] (clusters:// for TLS)"
+                    .into(),
+            ));
+        }
         let builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)
             .response_timeout(config.call_timeout)

@@ -51,8 +51,12 @@ impl BucketKey {
         key.push_str(rule.as_str());
         key.push('|');
         let start = key.len();
-        escape_into(&mut key, subject);
-        if key.len() - start > MAX_INLINE {
+        // Escaping never shortens: a subject longer than MAX_INLINE is hashed without
+        // first escaping its megabyte.
+        if subject.len() <= MAX_INLINE {
+            escape_into(&mut key, subject);
+        }
+        if subject.len() > MAX_INLINE || key.len() - start > MAX_INLINE {
             key.truncate(start);
             key.push('#');
             for b in Sha256::digest(subject) {

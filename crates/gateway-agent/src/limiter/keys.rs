@@ -33,10 +33,35 @@ pub(super) fn hashed_subject(kept: &[u8]) -> Option<[u8; 32]> {
     (kept.len() == HASHED_LEN).then(|| kept[..32].try_into().unwrap_or([0; 32]))
 }
 
+/// The longest subject whose digest a thread remembers (see [`hashed`]).
+const REMEMBERED_MAX: usize = 4 << 20;
+
+std::thread_local! {
+    /// The last long subject hashed on this thread, and its SHA-256. One check looks its
+    /// key up two to four times (the hot path, the rule's entry, the insertion), and a
+    /// SHA-256 of 1 MB costs about 0.8 ms where comparing it with the last costs 0.05:
+    /// without it, serve took 8.5 ms instead of 5.7 for a 1 MB descriptor value.
+    static LAST_HASHED: std::cell::RefCell<(Vec<u8>, [u8; 32])> =
+        const { std::cell::RefCell::new((Vec::new(), [0; 32])) };
+}
+
 /// `subject` as a key of the map keeps it (see [`SUBJECT_INLINE`]).
 fn hashed(subject: &[u8]) -> [u8; HASHED_LEN] {
+    let digest = LAST_HASHED.with(|last| {
+        let mut last = last.borrow_mut();
+        if last.0 == subject {
+            return last.1;
+        }
+        let digest = leasehold_core::key::sha256(subject);
+        if subject.len() <= REMEMBERED_MAX {
+            last.0.clear();
+            last.0.extend_from_slice(subject);
+            last.1 = digest;
+        }
+        digest
+    });
     let mut out = [0u8; HASHED_LEN];
-    out[..32].copy_from_slice(&leasehold_core::key::sha256(subject));
+    out[..32].copy_from_slice(&digest);
     out
 }
 

@@ -15,13 +15,43 @@ use crate::sentinel::SentinelConn;
 use super::error::{StoreError, redacted};
 use super::{Conn, Link, Loader, RedisStore};
 
-/// `scheme://node` for each of the comma-separated `nodes` (`cluster://` addresses).
+/// `scheme://node` for each of the comma-separated `nodes` (`cluster://` addresses). The
+/// first node's `USER:PASSWORD@`, if it has one, is every node's that has none: a
+/// cluster has one password, written once as a Sentinel address's is
+/// (`cluster://:PW@HOST:PORT,HOST:PORT`).
 pub(super) fn node_urls(scheme: &str, nodes: &str) -> Vec<String> {
+    let mut nodes = nodes.split(',').filter(|n| !n.is_empty()).peekable();
+    let userinfo = nodes
+        .peek()
+        .and_then(|n| n.rsplit_once('@'))
+        .map(|(u, _)| u.to_owned());
     nodes
-        .split(',')
-        .filter(|n| !n.is_empty())
-        .map(|n| format!("{scheme}://{n}"))
+        .map(|n| match &userinfo {
+            Some(u) if !n.contains('@') => format!("{scheme}://{u}@{n}"),
+            _ => format!("{scheme}://{n}"),
+        })
         .collect()
+}
+
+#[cfg(test)]
+mod node_url_tests {
+    use super::node_urls;
+
+    #[test]
+    fn the_first_node_s_credentials_are_every_node_s() {
+        assert_eq!(
+            node_urls("redis", ":pw@h1:1,h2:2,u:other@h3:3"),
+            [
+                "redis://:pw@h1:1",
+                "redis://:pw@h2:2",
+                "redis://u:other@h3:3"
+            ]
+        );
+        assert_eq!(
+            node_urls("rediss", "h1:1,,h2:2"),
+            ["rediss://h1:1", "rediss://h2:2"]
+        );
+    }
 }
 
 pub(super) fn manager_settings(config: &StoreConfig) -> ConnectionManagerConfig {

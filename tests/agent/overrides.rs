@@ -19,6 +19,24 @@ fn rules_text(hot_capacity: u64, hot_rate: &str) -> String {
     )
 }
 
+/// A limiter on `server` whose rules are the file at `path` (reloaded on demand).
+async fn watching(
+    server: &leasehold_redis_harness::RedisServer,
+    path: &std::path::Path,
+) -> Limiter {
+    Limiter::builder()
+        .redis(server.url())
+        .rules_file(path)
+        .config({
+            let mut c = leasehold_agent::LimiterConfig::default();
+            c.store = support::config();
+            c
+        })
+        .build()
+        .await
+        .unwrap()
+}
+
 async fn admitted(l: &Limiter, subject: &str, n: usize) -> usize {
     let mut ok = 0;
     for _ in 0..n {
@@ -36,17 +54,7 @@ fn a_live_bucket_follows_its_override_through_reloads() {
     let path = dir.path().join("limits.toml");
     std::fs::write(&path, rules_text(1000, "1/m")).unwrap();
     support::runtime().block_on(async {
-        let l = Limiter::builder()
-            .redis(server.url())
-            .rules_file(&path)
-            .config({
-                let mut c = leasehold_agent::LimiterConfig::default();
-                c.store = support::config();
-                c
-            })
-            .build()
-            .await
-            .unwrap();
+        let l = watching(&server, &path).await;
         // The rule's B for everyone else, the override's for tenant-42.
         assert_eq!(admitted(&l, "tenant-1", 20).await, 10);
         assert_eq!(admitted(&l, "tenant-42", 300).await, 300);
@@ -184,17 +192,7 @@ fn a_long_subject_follows_its_override_through_reloads() {
     let path = dir.path().join("limits.toml");
     std::fs::write(&path, text(Some(1000))).unwrap();
     support::runtime().block_on(async {
-        let l = Limiter::builder()
-            .redis(server.url())
-            .rules_file(&path)
-            .config({
-                let mut c = leasehold_agent::LimiterConfig::default();
-                c.store = support::config();
-                c
-            })
-            .build()
-            .await
-            .unwrap();
+        let l = watching(&server, &path).await;
         assert_eq!(admitted(&l, &long, 300).await, 300);
         // B shrinks to 50 below the ~700 the bucket holds: the live key takes it.
         std::fs::write(&path, text(Some(50))).unwrap();

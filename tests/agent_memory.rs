@@ -32,29 +32,24 @@ fn rss() -> u64 {
     pages * 4096
 }
 
-/// A limiter on `server` with RULES, keeping at most `max_keys` keys.
-async fn limiter(server: &leasehold_redis_harness::RedisServer, max_keys: usize) -> Limiter {
-    Limiter::builder()
-        .redis(server.url())
-        .rules(support::rules(RULES))
-        .config({
-            let mut c = LimiterConfig::default();
-            c.store = support::config();
-            c.max_keys = max_keys;
-            c
-        })
-        .build()
-        .await
-        .unwrap()
-}
-
 #[test]
 fn a_flood_of_distinct_keys_keeps_memory_bounded_and_decisions_right() {
     let keys = env("LEASEHOLD_FLOOD_KEYS", 50_000);
     let max_keys = env("LEASEHOLD_FLOOD_MAX_KEYS", 5_000);
     let server = support::server();
     support::runtime().block_on(async {
-        let limiter = limiter(&server, max_keys).await;
+        let limiter = Limiter::builder()
+            .redis(server.url())
+            .rules(support::rules(RULES))
+            .config({
+                let mut c = LimiterConfig::default();
+                c.store = support::config();
+                c.max_keys = max_keys;
+                c
+            })
+            .build()
+            .await
+            .unwrap();
         let before = rss();
         let limiter = Arc::new(limiter);
         let tasks = 16;
@@ -119,7 +114,7 @@ fn long_subjects_cost_a_key_their_digest_not_their_bytes() {
     let (n, size) = (100usize, 1 << 20);
     let server = support::server();
     support::runtime().block_on(async {
-        let limiter = limiter(&server, LimiterConfig::default().max_keys).await;
+        let limiter = support::limiter(&server.url(), RULES).await;
         // One buffer, its last bytes changed per subject: the test's own allocations do
         // not grow with n.
         let mut subject = vec![b'v'; size];

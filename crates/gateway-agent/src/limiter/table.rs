@@ -116,21 +116,26 @@ impl RuleSet {
     /// The entry that applies to `subject`; hashes the subject only when the rule has
     /// `sha256:` overrides. Called on the cold path only: a key keeps its entry.
     pub(super) fn resolve(&self, subject: &[u8]) -> &Arc<RuleEntry> {
-        self.overrides
-            .as_ref()
-            .and_then(|(o, entries)| entries.get(o.resolve(subject)?.0))
-            .unwrap_or(&self.base)
+        self.entry_by(|o| o.resolve(subject))
     }
 
     /// [`Self::resolve`] for a subject as the key map keeps it (a long one by its
     /// SHA-256: see [`super::keys::SUBJECT_INLINE`]).
     pub(super) fn resolve_kept(&self, kept: &[u8]) -> &Arc<RuleEntry> {
-        let Some(digest) = super::keys::hashed_subject(kept) else {
-            return self.resolve(kept);
-        };
+        match super::keys::hashed_subject(kept) {
+            Some(digest) => self.entry_by(|o| o.resolve_digest(&digest)),
+            None => self.resolve(kept),
+        }
+    }
+
+    /// The entry of the override `find` names, else the rule's.
+    fn entry_by<'a>(
+        &'a self,
+        find: impl FnOnce(&'a Overrides) -> Option<(&'a str, &'a Rule)>,
+    ) -> &'a Arc<RuleEntry> {
         self.overrides
             .as_ref()
-            .and_then(|(o, entries)| entries.get(o.resolve_digest(&digest)?.0))
+            .and_then(|(o, entries)| entries.get(find(o)?.0))
             .unwrap_or(&self.base)
     }
 }

@@ -146,3 +146,43 @@ fn with_the_store_killed_probes_answer_at_once() {
         assert!(slow.len() <= 1, "answers slower than 150 ms: {slow:?}");
     });
 }
+
+/// Many decisions on one key share one batch call: when that call times out, the shard
+/// counts one failure, not one per decision. (Each waiting decision counted its own, so a
+/// burst of requests on one key while the store, or this process, was slow for one
+/// timeout opened the breaker, logged "store unreachable" and refused every key of the
+/// shard for a cooldown after the store answered again.)
+#[test]
+fn a_burst_waiting_on_one_call_is_one_failure() {
+    let server = server();
+    support::runtime().block_on(async {
+        let l = support::limiter(&server.url(), RULES).await;
+        let api = "api".into();
+        assert!(matches!(
+            l.check(&api, "warm", 1).await.unwrap(),
+            Decision::Allowed { .. }
+        ));
+        server.pause().unwrap();
+        let burst: Vec<_> = (0..40)
+            .map(|_| {
+                let (l, api) = (l.clone(), api.clone());
+                tokio::spawn(async move { l.check(&api, "burst", 1).await.unwrap() })
+            })
+            .collect();
+        for b in burst {
+            let d = b.await.unwrap();
+            assert!(matches!(d, Decision::Unavailable { .. }), "{d:?}");
+        }
+        server.resume().unwrap();
+        let d = l.check(&api, "after", 1).await.unwrap();
+        assert!(
+            matches!(d, Decision::Allowed { .. }),
+            "the store answers again, and one timed-out call did not open the breaker: {d:?}"
+        );
+        let timeouts = l.store_errors(ErrorKind::Timeout);
+        assert!(
+            timeouts >= 40,
+            "each decision that waited out its timeout is counted: {timeouts}"
+        );
+    });
+}

@@ -53,7 +53,7 @@ const SENDERS: usize = 2;
 const SECOND_SENDER_AT: usize = 16;
 
 /// How a queued decision was answered.
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 pub(super) enum Answer {
     /// The store decided it.
     Decided {
@@ -67,6 +67,8 @@ pub(super) enum Answer {
     Moved,
     /// No answer from the store (the failure policy decides).
     Failed,
+    /// No answer within the decision's timeout (the failure policy decides).
+    TimedOut,
 }
 
 struct Item {
@@ -154,11 +156,23 @@ impl ExactBatch {
     }
 
     /// The next call's items, oldest first (each bucket once, within the size caps), or
-    /// `None` when nothing waits: the sending task then ends.
-    fn take(&self) -> Option<Vec<Item>> {
+    /// `None` when nothing waits: the sending task then ends. Items whose decisions all
+    /// stopped waiting by `now` are dropped unsent: the failure policy answered them, so
+    /// they take no tokens, and a call with no time left would count as a failure.
+    fn take(&self, now: Instant) -> Option<Vec<Item>> {
         let mut guard = self.pending.lock();
         let p = &mut *guard;
+        p.items.retain_mut(|it| {
+            let live = it.deadline > now;
+            if !live {
+                for w in it.waiters.drain(..) {
+                    let _ = w.send(Answer::TimedOut);
+                }
+            }
+            live
+        });
         if p.items.is_empty() {
+            p.open.clear();
             p.senders -= 1;
             return None;
         }
@@ -222,15 +236,19 @@ impl Limiter {
             }
             Ok(Ok(Answer::Moved)) => return None,
             Ok(Ok(Answer::Failed) | Err(_)) => self.degraded(ks, entry, cost),
-            // The batch call itself goes on, bounded by its last decision's deadline.
-            Err(_) => self.timed_out(ks, entry, cost),
+            Ok(Ok(Answer::TimedOut)) => self.waited_out(ks, entry, cost),
+            // The batch call itself goes on, bounded by its last decision's deadline, and
+            // counts against the shard once if it times out: the many decisions waiting
+            // on one call are one failure, not many (a burst of them while this process
+            // is too busy to read the reply would otherwise open the breaker at once).
+            Err(_) => self.waited_out(ks, entry, cost),
         };
         Some(d)
     }
 
     /// A sending task of the shard: one call at a time until the queue is empty.
     async fn send_batches(&self, shard: &Breaker) {
-        while let Some(items) = shard.queue.take() {
+        while let Some(items) = shard.queue.take(Instant::now()) {
             let out = self.send_batch(shard, &items).await;
             self.answer(items, out);
             // The callers just answered run before the next batch is taken: a caller that
@@ -243,10 +261,18 @@ impl Limiter {
 
     /// One `lh_exact_batch` call through the shard's breaker; a retry of an unknown
     /// outcome reuses the sequence number. The call ends when its last decision stops
-    /// waiting: then, as a cancelled per-key call, it leaves no verdict on the shard (each
-    /// decision that timed out counted its own).
-    async fn send_batch(&self, shard: &Breaker, items: &[Item]) -> Option<Vec<ExactOutcome>> {
-        let deadline = items.iter().map(|it| it.deadline).max()?;
+    /// waiting, and then counts as one failure on the shard, as a per-key call that timed
+    /// out does.
+    async fn send_batch(
+        &self,
+        shard: &Breaker,
+        items: &[Item],
+    ) -> Result<Vec<ExactOutcome>, Answer> {
+        let deadline = items
+            .iter()
+            .map(|it| it.deadline)
+            .max()
+            .ok_or(Answer::Failed)?;
         let first = &items[0];
         let permit = match shard.enter(self.now_ns()) {
             Ok(p) => p,
@@ -254,7 +280,7 @@ impl Limiter {
                 if why == Refusal::Saturated {
                     first.entry.counters.incr(Counter::StoreErrors);
                 }
-                return None;
+                return Err(Answer::Failed);
             }
         };
         let seq = self.inner.seq.fetch_add(1, Ordering::Relaxed) + 1;
@@ -279,13 +305,15 @@ impl Limiter {
             first.entry.counters.incr(Counter::StoreCalls);
             let call = (self.inner.store).exact_many(self.inner.agent, seq, &calls, attempt == 0);
             let Ok(reply) = timeout_at(deadline, call).await else {
-                drop(permit);
-                return None;
+                // No answer by the last decision's deadline: one failure for the call (it
+                // counts only if nothing on the shard succeeded since it was sent).
+                permit.failed(self.now_ns());
+                return Err(Answer::TimedOut);
             };
             match reply {
                 Ok(out) => {
                     permit.succeeded(self.now_ns());
-                    return Some(out);
+                    return Ok(out);
                 }
                 Err(e) if e.is_retryable() && attempt < 2 && started.elapsed() < replay_window => {
                     attempt += 1;
@@ -311,7 +339,7 @@ impl Limiter {
                             );
                         }
                     }
-                    return None;
+                    return Err(Answer::Failed);
                 }
             }
         }
@@ -319,14 +347,17 @@ impl Limiter {
 
     /// Answers every decision of the batch, and counts them in their keys' policies (a
     /// cold key used fast enough, or leased by others, becomes hot).
-    fn answer(&self, items: Vec<Item>, out: Option<Vec<ExactOutcome>>) {
-        let Some(outs) = out else {
-            for it in items {
-                for w in it.waiters {
-                    let _ = w.send(Answer::Failed);
+    fn answer(&self, items: Vec<Item>, out: Result<Vec<ExactOutcome>, Answer>) {
+        let outs = match out {
+            Ok(outs) => outs,
+            Err(why) => {
+                for it in items {
+                    for w in it.waiters {
+                        let _ = w.send(why);
+                    }
                 }
+                return;
             }
-            return;
         };
         let now = self.now_ns();
         for (it, o) in items.into_iter().zip(outs) {

@@ -153,6 +153,12 @@ impl Limiter {
             .breakers
             .for_slot(ks.slot)
             .failure(self.now_ns(), began, false);
+        self.waited_out(ks, entry, cost)
+    }
+
+    /// A decision whose answer did not come within the rule's timeout, from a call that
+    /// counts against the shard on its own (a batch's): the failure policy decides.
+    pub(super) fn waited_out(&self, ks: &Arc<KeyState>, entry: &RuleEntry, cost: u64) -> Decision {
         entry.counters.incr(Counter::StoreErrors);
         self.inner.error_kinds.incr(ErrorKind::Timeout);
         self.degraded(ks, entry, cost)

@@ -18,19 +18,34 @@ use super::{Conn, Link, Loader, RedisStore};
 /// `scheme://node` for each of the comma-separated `nodes` (`cluster://` addresses). The
 /// first node's `USER:PASSWORD@`, if it has one, is every node's that has none: a
 /// cluster has one password, written once as a Sentinel address's is
-/// (`cluster://:PW@HOST:PORT,HOST:PORT`).
-pub(super) fn node_urls(scheme: &str, nodes: &str) -> Vec<String> {
-    let mut nodes = nodes.split(',').filter(|n| !n.is_empty()).peekable();
-    let userinfo = nodes
-        .peek()
-        .and_then(|n| n.rsplit_once('@'))
-        .map(|(u, _)| u.to_owned());
-    nodes
+/// (`cluster://:PW@HOST:PORT,HOST:PORT`). An empty node between commas (a typo that
+/// would otherwise leave a node out unseen) is refused by its place in the list.
+pub(super) fn node_urls(scheme: &str, nodes: &str) -> Result<Vec<String>, StoreError> {
+    let list: Vec<&str> = nodes.split(',').collect();
+    if list.iter().all(|n| n.is_empty()) {
+        return Ok(Vec::new());
+    }
+    if let Some(i) = list.iter().position(|n| n.is_empty()) {
+        return Err(StoreError::Misconfigured(format!(
+            "cluster address: node {} of {} is empty (two commas in a row, or one at an end); \
+             expected {scheme_name}://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]",
+            i + 1,
+            list.len(),
+            scheme_name = if scheme == "rediss" {
+                "clusters"
+            } else {
+                "cluster"
+            },
+        )));
+    }
+    let userinfo = list[0].rsplit_once('@').map(|(u, _)| u.to_owned());
+    Ok(list
+        .into_iter()
         .map(|n| match &userinfo {
             Some(u) if !n.contains('@') => format!("{scheme}://{u}@{n}"),
             _ => format!("{scheme}://{n}"),
         })
-        .collect()
+        .collect())
 }
 
 #[cfg(test)]
@@ -40,7 +55,7 @@ mod node_url_tests {
     #[test]
     fn the_first_node_s_credentials_are_every_node_s() {
         assert_eq!(
-            node_urls("redis", ":pw@h1:1,h2:2,u:other@h3:3"),
+            node_urls("redis", ":pw@h1:1,h2:2,u:other@h3:3").unwrap(),
             [
                 "redis://:pw@h1:1",
                 "redis://:pw@h2:2",
@@ -48,9 +63,27 @@ mod node_url_tests {
             ]
         );
         assert_eq!(
-            node_urls("rediss", "h1:1,,h2:2"),
+            node_urls("rediss", "h1:1,h2:2").unwrap(),
             ["rediss://h1:1", "rediss://h2:2"]
         );
+        assert!(node_urls("redis", "").unwrap().is_empty());
+        assert!(node_urls("redis", ",").unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_empty_node_is_refused_by_its_place_and_no_password_is_shown() {
+        for (nodes, place) in [
+            (":pw@h1:1,,h2:2", "2 of 3"),
+            (":pw@h1:1,", "2 of 2"),
+            (",h1:1", "1 of 2"),
+        ] {
+            let e = node_urls("redis", nodes).unwrap_err().to_string();
+            assert!(e.contains(&format!("node {place} is empty")), "{e}");
+            assert!(e.contains("cluster://"), "{e}");
+            assert!(!e.contains("pw"), "{e}");
+        }
+        let e = node_urls("rediss", "h1:1,,h2:2").unwrap_err().to_string();
+        assert!(e.contains("clusters://"), "{e}");
     }
 }
 
@@ -234,9 +267,9 @@ impl Dialer {
     /// Takes `address` apart (see [`RedisStore::open`]); errors name what is wrong.
     pub(super) fn new(address: &str, config: &StoreConfig) -> Result<Self, StoreError> {
         if let Some(nodes) = address.strip_prefix("cluster://") {
-            Self::cluster(&node_urls("redis", nodes), config)
+            Self::cluster(&node_urls("redis", nodes)?, config)
         } else if let Some(nodes) = address.strip_prefix("clusters://") {
-            Self::cluster(&node_urls("rediss", nodes), config)
+            Self::cluster(&node_urls("rediss", nodes)?, config)
         } else if let Some(rest) = address.strip_prefix("redis+sentinel://") {
             Self::sentinel(false, rest, config)
         } else if let Some(rest) = address.strip_prefix("rediss+sentinel://") {

@@ -60,6 +60,15 @@ impl Proc {
             .lines()
             .any(|l| l.contains("WARN") && l.contains("each serve instance enforces"));
         assert_eq!(warned, redis.is_none(), "{err}");
+        // And in its health line, which an operator's probe reads.
+        if redis.is_none() {
+            let (status, body) = http(at, "GET", "/health", &[], "");
+            assert_eq!(status, 200, "{body}");
+            assert!(
+                body.starts_with("ready (embedded store: this instance's own limits"),
+                "{body}"
+            );
+        }
         (serve, at)
     }
 

@@ -32,8 +32,9 @@
 //!
 //! And: `GET /`: a page of the rules in force and how to address each ([`crate::page`]).
 //! `GET /health`: 200 `ready`, or `degraded: REASON` while decisions that need the
-//! store follow the failure policies (liveness: the process answers). `GET /ready`: the
-//! same line, 503 while degraded (readiness). `GET /metrics`: Prometheus text.
+//! store follow the failure policies (liveness: the process answers); with the embedded
+//! store the line says so. `GET /ready`: the same line, 503 while degraded (readiness).
+//! `GET /metrics`: Prometheus text.
 
 use std::sync::Arc;
 
@@ -82,7 +83,7 @@ pub fn router(decider: Arc<Decider>, metrics: Option<PrometheusHandle>) -> Route
         .route("/v1/auth", get(auth))
         .route(
             "/health",
-            get(|State(api): State<Api>| async move { api.limiter().health().line() + "\n" }),
+            get(|State(api): State<Api>| async move { health(api.limiter()).1 }),
         )
         .route("/ready", get(ready))
         .route("/metrics", get(render))
@@ -91,8 +92,24 @@ pub fn router(decider: Arc<Decider>, metrics: Option<PrometheusHandle>) -> Route
 
 /// 200 `ready`, or 503 `degraded: REASON`: for an orchestrator's readiness probe.
 async fn ready(State(api): State<Api>) -> Response {
-    let (status, body) = api.limiter().health().probe();
+    let (status, body) = health(api.limiter());
     (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
+}
+
+/// The limiter's probe answer, which says so when the store is this process's own (each
+/// instance then enforces every limit by itself).
+fn health(limiter: &leasehold_agent::Limiter) -> (u16, String) {
+    let (status, line) = limiter.health().probe();
+    if matches!(limiter.store(), leasehold_agent::Store::Embedded(_)) {
+        let line = line.trim_end();
+        return (
+            status,
+            format!(
+                "{line} (embedded store: this instance's own limits; give --redis to share them)\n"
+            ),
+        );
+    }
+    (status, line)
 }
 
 /// The most checks, or descriptors, one request may carry (each may be a store call).

@@ -186,3 +186,34 @@ fn a_burst_waiting_on_one_call_is_one_failure() {
         );
     });
 }
+
+/// A gateway with no traffic finds out that its store died: each idle second it checks
+/// the shard with a `PING`, and failed checks open the breaker as failed calls do, so
+/// readiness says `degraded` before a request has to. (It said `ready` for as long as the
+/// gateway stayed idle, and its next requests found out one refusal at a time.)
+#[test]
+fn an_idle_gateway_sees_its_store_die_without_a_request() {
+    let mut server = server();
+    support::runtime().block_on(async {
+        let l = support::limiter(&server.url(), RULES).await;
+        assert_eq!(l.health(), leasehold_agent::Health::Ready);
+        server.kill();
+        let start = Instant::now();
+        let why = loop {
+            if let leasehold_agent::Health::Degraded(why) = l.health() {
+                break why;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "still ready {:?} after the store died, with no request",
+                start.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        println!(
+            "idle gateway: degraded {:?} after the store died: {why}",
+            start.elapsed()
+        );
+        assert!(why.contains("unreachable"), "{why}");
+    });
+}

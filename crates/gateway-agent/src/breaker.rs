@@ -63,6 +63,8 @@ pub(crate) struct Breaker<Q = ()> {
     failures: AtomicU32,
     open_until_ns: AtomicU64,
     probing: AtomicBool,
+    /// An idle shard's `PING` is under way (see [`Breakers::idle_due`]).
+    pub(crate) idle_check: AtomicBool,
     last_success_ns: AtomicU64,
     in_flight: Arc<Semaphore>,
     config: BreakerConfig,
@@ -120,6 +122,7 @@ impl<Q: Default> Breaker<Q> {
             failures: AtomicU32::new(0),
             open_until_ns: AtomicU64::new(0),
             probing: AtomicBool::new(false),
+            idle_check: AtomicBool::new(false),
             last_success_ns: AtomicU64::new(0),
             in_flight: Arc::new(Semaphore::new(config.max_in_flight)),
             config,
@@ -171,16 +174,25 @@ impl<Q> Breaker<Q> {
             return;
         }
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        if probe || n >= self.config.failures_to_open {
-            let until = now_ns + self.config.cooldown.as_nanos() as u64;
-            if self.open_until_ns.swap(until.max(1), Ordering::AcqRel) == 0 {
-                tracing::warn!(
-                    shard = %self.name,
-                    failures = n,
-                    "store unreachable: breaker open; each rule's failure policy decides \
-                     until a probe succeeds"
-                );
-            }
+        let until = (now_ns + self.config.cooldown.as_nanos() as u64).max(1);
+        let opened = if probe {
+            // A failed probe reopens for a whole cooldown.
+            self.open_until_ns.swap(until, Ordering::AcqRel) == 0
+        } else {
+            // Enough failures open a closed breaker; a call sent before it opened and
+            // failing after does not put the next probe off.
+            n >= self.config.failures_to_open
+                && (self.open_until_ns)
+                    .compare_exchange(0, until, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+        };
+        if opened {
+            tracing::warn!(
+                shard = %self.name,
+                failures = n,
+                "store unreachable: breaker open; each rule's failure policy decides \
+                 until a probe succeeds"
+            );
         }
     }
 
@@ -331,6 +343,27 @@ impl<Q: Default> Breakers<Q> {
             .collect()
     }
 
+    /// The shards whose breaker is closed and that answered nothing for
+    /// [`IDLE_PROBE_AFTER`] at `now_ns`, with no check of theirs under way, each with a
+    /// slot it serves: an idle gateway checks them with a `PING`, so a store that died
+    /// while no decision needed it opens the breaker (and readiness says so) before the
+    /// next request finds out.
+    pub(crate) fn idle_due(&self, now_ns: u64) -> Vec<(u16, Arc<Breaker<Q>>)> {
+        let t = self.topology.load();
+        let idle = IDLE_PROBE_AFTER.as_nanos() as u64;
+        (t.shards.iter().enumerate())
+            .filter(|(_, (_, b))| {
+                b.open_until_ns.load(Ordering::Acquire) == 0
+                    && b.last_success_ns.load(Ordering::Acquire) + idle <= now_ns
+                    && !b.idle_check.load(Ordering::Acquire)
+            })
+            .filter_map(|(i, (_, b))| {
+                let slot = t.by_slot.iter().position(|&s| usize::from(s) == i)?;
+                Some((slot as u16, Arc::clone(b)))
+            })
+            .collect()
+    }
+
     /// The shards known, by name.
     pub(crate) fn shard_names(&self) -> Vec<String> {
         self.topology
@@ -375,6 +408,18 @@ mod tests {
         b.enter(400).unwrap().succeeded(400);
         assert!(b.enter(401).is_ok());
         assert!(b.enter(401).is_ok());
+    }
+
+    #[test]
+    fn a_call_failing_after_the_breaker_opened_does_not_put_the_probe_off() {
+        let b = Breaker::<()>::new("test", config(2, 4));
+        let late = b.enter(0).unwrap();
+        b.enter(1).unwrap().failed(1);
+        b.enter(2).unwrap().failed(2);
+        assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
+        // Sent before the breaker opened, it fails now: the probe stays due at 102.
+        late.failed(90);
+        assert!(b.enter(102).is_ok(), "the probe is due a cooldown after opening");
     }
 
     #[test]

@@ -246,11 +246,16 @@ pub(super) fn wall_ms() -> u64 {
 /// Probes each shard whose breaker is open and due a probe, with a `PING` to it: a
 /// breaker closes once its store answers again even when no decision comes to test it
 /// (readiness would otherwise stay degraded on an idle gateway until its next request).
+/// And checks each closed shard that answered nothing for a second the same way: a store
+/// that died while no decision needed it opens the breaker after as many failed checks
+/// as failed calls would (readiness said `ready` for as long as the gateway was idle,
+/// and its next requests found out one timeout or refusal at a time).
 fn probe_open_shards(limiter: &Limiter) {
     let Store::Redis(r) = &limiter.inner.store else {
         return;
     };
-    for (slot, breaker) in limiter.inner.breakers.probes_due(limiter.now_ns()) {
+    let now = limiter.now_ns();
+    for (slot, breaker) in limiter.inner.breakers.probes_due(now) {
         let (r, l) = (r.clone(), limiter.clone());
         tokio::spawn(async move {
             let Ok(permit) = breaker.enter(l.now_ns()) else {
@@ -260,6 +265,25 @@ fn probe_open_shards(limiter: &Limiter) {
                 Ok(()) => permit.succeeded(l.now_ns()),
                 Err(_) => permit.failed(l.now_ns()),
             }
+        });
+    }
+    if r.not_reached().is_some() {
+        // Not connected yet: readiness says so already, and the dialler retries.
+        return;
+    }
+    for (slot, breaker) in limiter.inner.breakers.idle_due(now) {
+        if breaker.idle_check.swap(true, Ordering::AcqRel) {
+            continue;
+        }
+        let (r, l) = (r.clone(), limiter.clone());
+        tokio::spawn(async move {
+            if let Ok(permit) = breaker.enter(l.now_ns()) {
+                match r.ping_slot(slot).await {
+                    Ok(()) => permit.succeeded(l.now_ns()),
+                    Err(_) => permit.failed(l.now_ns()),
+                }
+            }
+            breaker.idle_check.store(false, Ordering::Release);
         });
     }
 }

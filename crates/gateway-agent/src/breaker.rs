@@ -419,7 +419,10 @@ mod tests {
         assert_eq!(b.enter(50).unwrap_err(), Refusal::Open);
         // Sent before the breaker opened, it fails now: the probe stays due at 102.
         late.failed(90);
-        assert!(b.enter(102).is_ok(), "the probe is due a cooldown after opening");
+        assert!(
+            b.enter(102).is_ok(),
+            "the probe is due a cooldown after opening"
+        );
     }
 
     #[test]

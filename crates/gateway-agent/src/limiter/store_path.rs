@@ -3,7 +3,7 @@
 //! leaves in the key's cell and policy.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use leasehold_core::cell::refill_ns;
@@ -161,6 +161,17 @@ impl Limiter {
     pub(super) fn waited_out(&self, ks: &Arc<KeyState>, entry: &RuleEntry, cost: u64) -> Decision {
         entry.counters.incr(Counter::StoreErrors);
         self.inner.error_kinds.incr(ErrorKind::Timeout);
+        // Timeouts that do not open the breaker (a store, or this process, slow for a
+        // moment) are still worth a line: a burst of them was answered 503 unlogged.
+        static SAID: AtomicU64 = AtomicU64::new(0);
+        if super::once_per(&SAID, self.now_ns(), 10_000_000_000) {
+            tracing::warn!(
+                rule = %entry.name,
+                timeout = ?entry.rule.timeout(),
+                "store answered past a decision's timeout: the failure policy decided it \
+                 (see leasehold_store_errors_by_kind_total{{kind=\"timeout\"}}; said at most every 10 s)"
+            );
+        }
         self.degraded(ks, entry, cost)
     }
 

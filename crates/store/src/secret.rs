@@ -23,6 +23,24 @@ pub const SCHEMES: [&str; 6] = [
 /// that is not a database number or service name, and any query are shown as `***`; an
 /// address without a known scheme is described, not shown.
 pub fn redact(address: &str) -> String {
+    // A cluster's nodes each show, with the credentials of any node that has its own
+    // hidden: taken as one authority, `cluster://h1:1,:PW@h2:2` showed as
+    // `cluster://***@h2:2`, one node short.
+    if let Some((scheme @ ("cluster" | "clusters"), rest)) = address.split_once("://")
+        && rest.contains(',')
+        && !rest.contains(['/', '?', '#'])
+    {
+        let nodes: Vec<String> = (rest.split(','))
+            .map(|n| {
+                let (hidden, h) = match n.rsplit_once('@') {
+                    Some((_, h)) => ("***@", h),
+                    None => ("", n),
+                };
+                format!("{hidden}{}", if host(h, false) { h } else { "***" })
+            })
+            .collect();
+        return format!("{scheme}://{}", nodes.join(","));
+    }
     let Some(parts) = Parts::of(address) else {
         return format!(
             "<not shown: {} characters, not of the form SCHEME://…; SCHEME is one of {}>",
@@ -264,6 +282,14 @@ mod tests {
         assert_eq!(
             redact("cluster://127.0.0.1:7000,127.0.0.1:7001"),
             "cluster://127.0.0.1:7000,127.0.0.1:7001"
+        );
+        assert_eq!(
+            redact("cluster://:pw@127.0.0.1:7000,127.0.0.1:7001"),
+            "cluster://***@127.0.0.1:7000,127.0.0.1:7001"
+        );
+        assert_eq!(
+            redact("clusters://127.0.0.1:7000,:pw@127.0.0.1:7001,h3"),
+            "clusters://127.0.0.1:7000,***@127.0.0.1:7001,***"
         );
         assert_eq!(
             redact_in("failed: s3cret rejected", "redis://:s3cret@h"),

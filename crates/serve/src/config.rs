@@ -176,6 +176,15 @@ pub enum ConfigError {
         /// The domain.
         domain: String,
     },
+    /// A directory with no configuration file in it: served, it would limit nothing.
+    #[error(
+        "{path}: a directory with no *.yaml or *.yml file: every request would pass \
+         unlimited (name a file, or put the domains' YAML files in it)"
+    )]
+    EmptyDirectory {
+        /// The directory.
+        path: String,
+    },
 }
 
 /// The most tokens a second a limit may give (Leasehold's bound on rates).
@@ -355,7 +364,9 @@ fn plain(message: &str) -> String {
 
 impl Domains {
     /// Reads one YAML file, or every `*.yaml` / `*.yml` file of a directory (as
-    /// ratelimit's runtime directory), one domain per file.
+    /// ratelimit's runtime directory), one domain per file. A directory with none is
+    /// refused: at start, and on a reload, which keeps the limits in force (files
+    /// deleted by mistake would otherwise lift every limit).
     pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
         Self::from_path_merging(path, false)
     }
@@ -377,6 +388,11 @@ impl Domains {
                 }
             }
             files.sort();
+            if files.is_empty() {
+                return Err(ConfigError::EmptyDirectory {
+                    path: path.display().to_string(),
+                });
+            }
         } else {
             files.push(path.to_owned());
         }
@@ -1065,5 +1081,20 @@ descriptors:
         assert!(leasehold_core::rule::RuleName::new(&a).is_ok(), "{a}");
         let long = rule_name(&"x".repeat(200));
         assert!(long.len() <= 64, "{long}");
+    }
+
+    #[test]
+    fn a_directory_without_yaml_files_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "not a config").unwrap();
+        let e = Domains::from_path(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("no *.yaml or *.yml file"), "{e}");
+        assert!(e.contains("unlimited"), "{e}");
+        std::fs::write(
+            dir.path().join("gw.yaml"),
+            "domain: gw\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        )
+        .unwrap();
+        assert!(Domains::from_path(dir.path()).is_ok());
     }
 }

@@ -635,6 +635,24 @@ fn a_wrong_password_is_named_as_such() {
     assert!(serve.running(), "{log}");
 }
 
+/// A database number the store lacks is named as such in the log and the probes (it
+/// said "store unreachable").
+#[test]
+fn a_database_the_store_lacks_is_named_as_such() {
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("redis://127.0.0.1:{}/99", redis.port());
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (mut serve, at) = Proc::serve_http(example, Some(&url));
+    serve.wait_log("store has no such database: check the /DB of the address");
+    let (status, body) = http(at, "GET", "/ready", &[], "");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("store not reached yet: store has no such database"),
+        "{body}"
+    );
+    assert!(serve.running(), "{}", serve.stderr());
+}
+
 /// Two `leasehold serve` processes on one Redis; Envoy-like RLQS filters on the first,
 /// which is killed (SIGKILL: nothing released, streams cut) mid-run. The filters'
 /// assignments run out into their fallback, they reconnect to the second, and every

@@ -609,6 +609,11 @@ impl RedisStore {
                                 "store refused the credentials: check the user and \
                                  password of the address"
                             }
+                            // Reachable too: the address names a database it lacks.
+                            _ if text.contains("DB index is out of range") => {
+                                "store has no such database: check the /DB of the address \
+                                 (0 to its `databases` setting less one, 0-15 by default)"
+                            }
                             _ => "store unreachable",
                         };
                         store

@@ -506,11 +506,12 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
              the bucket a little better."
         );
     }
-    let to_envoy: Vec<&str> = (domains.limits().into_iter())
-        .filter(|(_, l)| {
-            l.failure_to_envoy && matches!(l.action, leasehold_serve::config::Action::Rule(_))
+    // By the rule names listed above (a descriptor's value may have been made one).
+    let to_envoy: Vec<&str> = (domains.limits().into_values())
+        .filter_map(|l| match &l.action {
+            leasehold_serve::config::Action::Rule(r) if l.failure_to_envoy => Some(r.as_str()),
+            _ => None,
         })
-        .map(|(key, _)| key)
         .collect();
     if !to_envoy.is_empty() {
         println!(

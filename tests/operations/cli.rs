@@ -234,6 +234,22 @@ fn check_config_reads_ratelimit_yaml() {
             && stdout.contains("2 rule(s)"),
         "{stdout}"
     );
+    // The note on failure policies names the rules as the list does: a value with a `/`
+    // becomes a rule name with a digest, and the note said the value instead.
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/ratelimit.yaml");
+    let (ok, stdout, stderr) = leasehold(&["check-config", example]);
+    assert!(ok, "{stderr}");
+    let listed = (stdout.lines())
+        .find_map(|l| {
+            l.split_whitespace()
+                .next()
+                .filter(|r| r.starts_with("gw.api_key.path_"))
+        })
+        .unwrap_or_else(|| panic!("no path rule listed: {stdout}"));
+    let note = (stdout.lines())
+        .find(|l| l.starts_with("on failure:"))
+        .unwrap_or_else(|| panic!("no failure note: {stdout}"));
+    assert!(note.contains(listed), "{listed} not named so in: {note}");
     let bad = dir.path().join("bad.yml");
     std::fs::write(
         &bad,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use leasehold_core::rule::Leasing;
 use tokio::time::Instant;
 
+use crate::breaker::Breaker;
 use crate::counters::Counter;
 use crate::store::Store;
 
@@ -257,15 +258,7 @@ fn probe_open_shards(limiter: &Limiter) {
     let now = limiter.now_ns();
     for (slot, breaker) in limiter.inner.breakers.probes_due(now) {
         let (r, l) = (r.clone(), limiter.clone());
-        tokio::spawn(async move {
-            let Ok(permit) = breaker.enter(l.now_ns()) else {
-                return;
-            };
-            match r.ping_slot(slot).await {
-                Ok(()) => permit.succeeded(l.now_ns()),
-                Err(_) => permit.failed(l.now_ns()),
-            }
-        });
+        tokio::spawn(async move { ping_through(&r, &l, &breaker, slot).await });
     }
     if r.not_reached().is_some() {
         // Not connected yet: readiness says so already, and the dialler retries.
@@ -277,14 +270,21 @@ fn probe_open_shards(limiter: &Limiter) {
         }
         let (r, l) = (r.clone(), limiter.clone());
         tokio::spawn(async move {
-            if let Ok(permit) = breaker.enter(l.now_ns()) {
-                match r.ping_slot(slot).await {
-                    Ok(()) => permit.succeeded(l.now_ns()),
-                    Err(_) => permit.failed(l.now_ns()),
-                }
-            }
+            ping_through(&r, &l, &breaker, slot).await;
             breaker.idle_check.store(false, Ordering::Release);
         });
+    }
+}
+
+/// A `PING` to the shard serving `slot`, through its breaker: its answer is a success
+/// or a failure there, as a call's is.
+async fn ping_through<Q>(r: &RedisStore, l: &Limiter, breaker: &Breaker<Q>, slot: u16) {
+    let Ok(permit) = breaker.enter(l.now_ns()) else {
+        return;
+    };
+    match r.ping_slot(slot).await {
+        Ok(()) => permit.succeeded(l.now_ns()),
+        Err(_) => permit.failed(l.now_ns()),
     }
 }
 

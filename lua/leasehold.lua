@@ -1419,7 +1419,7 @@ local function decide_levels(keys, rules, args, i, server_now, found)
       local at = (ms - rm) / 1000 + 1
       -- Its expiry: kept when it covers at (see COMPACT), else at and a slack.
       if kept >= at then
-        -- Only the level changes: tok, car and ts, at byte 3.
+        -- Only the level changes: tok, car and ts, at offset 2 (LEVEL).
         ats[k] = false
         found[k] = spack(LEVEL, tok, car, now)
       else

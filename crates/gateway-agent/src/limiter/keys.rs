@@ -76,13 +76,9 @@ pub(super) struct KeyId {
 
 impl KeyId {
     pub(super) fn new(rule: &str, subject: &[u8]) -> Self {
-        let long;
-        let subject = if subject.len() > SUBJECT_INLINE {
-            long = hashed(subject);
-            &long[..]
-        } else {
-            subject
-        };
+        // The subject as the borrowed key keeps it: one place decides which form.
+        let key = KeyRef::new(rule, subject);
+        let subject = key.subject();
         let mut bytes = smallvec::SmallVec::with_capacity(rule.len() + subject.len());
         bytes.extend_from_slice(rule.as_bytes());
         bytes.extend_from_slice(subject);

@@ -114,6 +114,11 @@ enum Command {
         /// Random seed of the workload.
         #[arg(long, default_value_t = 1, env = "LEASEHOLD_SEED")]
         seed: u64,
+        /// Run the whole comparison this many times (1 to 50), each system after the other
+        /// every time, then print each baseline's ratios to Leasehold per run and their
+        /// medians: on a shared machine one run's ratio moves by tens of percent.
+        #[arg(long, default_value_t = 1, env = "LEASEHOLD_REPEAT")]
+        repeat: u32,
         /// Run across this many regions (a private redis-server each, plus the global
         /// one; agent i in region i % N); default: the scenario's.
         #[arg(long, env = "LEASEHOLD_REGIONS")]
@@ -228,6 +233,7 @@ fn main() -> ExitCode {
             plot,
             report,
             seed,
+            repeat,
             regions,
             region_rtt,
         } => {
@@ -263,6 +269,9 @@ fn main() -> ExitCode {
             }
             if warm_up > 0.0 && scenario.regions.is_some() {
                 return usage("--warm-up: not for runs across regions");
+            }
+            if !(1..=50).contains(&repeat) {
+                return usage(&format!("--repeat {repeat}: must be 1..=50"));
             }
             let mut names: Vec<String> = Vec::new();
             for b in compare {
@@ -351,20 +360,31 @@ fn main() -> ExitCode {
                     at.join(", ")
                 );
             }
-            match simulate::run(&opts) {
-                Ok(report) => {
-                    print!("{}", simulate::table(&report));
-                    if let Some(path) = &opts.report {
-                        let page = simulate::html::report(&opts, &report);
-                        if let Err(e) = std::fs::write(path, page) {
-                            return fail(&format!("--report {}: {e}", path.display()));
-                        }
-                        println!("report written to {}", path.display());
-                    }
-                    ExitCode::SUCCESS
+            let mut runs = Vec::new();
+            for i in 1..=repeat {
+                if repeat > 1 {
+                    println!("run {i} of {repeat}");
                 }
-                Err(e) => fail(&e),
+                match simulate::run(&opts) {
+                    Ok(report) => {
+                        print!("{}", simulate::table(&report));
+                        runs.push(report);
+                    }
+                    Err(e) => return fail(&e),
+                }
             }
+            if repeat > 1 {
+                print!("{}", simulate::medians(&runs));
+            }
+            // The JSON report and the plot are the last run's (written as it ends).
+            if let (Some(path), Some(last)) = (&opts.report, runs.last()) {
+                let page = simulate::html::report(&opts, last);
+                if let Err(e) = std::fs::write(path, page) {
+                    return fail(&format!("--report {}: {e}", path.display()));
+                }
+                println!("report written to {}", path.display());
+            }
+            ExitCode::SUCCESS
         }
     }
 }

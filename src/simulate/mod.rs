@@ -233,6 +233,72 @@ pub(crate) fn table(r: &RunReport) -> String {
     out
 }
 
+/// Over repeated runs of one comparison: per baseline, Leasehold's ratio to it in each
+/// run (decisions/s, store CPU per decision, p99) and the median of each, with
+/// Leasehold's worst overshoot over them all. Ratios within one run, where the machine's
+/// neighbours weigh on both systems alike, and their median, are what a shared machine
+/// can compare.
+pub(crate) fn medians(runs: &[RunReport]) -> String {
+    fn lh(r: &RunReport) -> Option<&SystemReport> {
+        r.systems
+            .iter()
+            .find(|(n, _)| n == "leasehold")
+            .map(|(_, s)| s)
+    }
+    let mut out = String::new();
+    let worst = (runs.iter().filter_map(lh))
+        .map(|s| s.overshoot_1s.max(s.overshoot_10s))
+        .filter(|v| !v.is_nan())
+        .fold(0.0, f64::max);
+    out.push_str(&format!(
+        "over {} runs: leasehold's worst overshoot {worst:.4}\n",
+        runs.len()
+    ));
+    let Some(first) = runs.first() else {
+        return out;
+    };
+    for (name, _) in first.systems.iter().filter(|(n, _)| n != "leasehold") {
+        let mut cols: [(&str, Vec<f64>); 3] = [
+            ("decisions/s", vec![]),
+            ("store us/dec", vec![]),
+            ("p99", vec![]),
+        ];
+        for r in runs {
+            let (Some(l), Some(b)) = (
+                lh(r),
+                r.systems.iter().find(|(n, _)| n == name).map(|(_, s)| s),
+            ) else {
+                continue;
+            };
+            cols[0].1.push(l.decisions_per_sec / b.decisions_per_sec);
+            if let (Some(x), Some(y)) = (l.store_cpu_us_per_decision, b.store_cpu_us_per_decision) {
+                cols[1].1.push(x / y);
+            }
+            cols[2]
+                .1
+                .push(l.latency_ns.p99 as f64 / b.latency_ns.p99.max(1) as f64);
+        }
+        let parts: Vec<String> = (cols.iter_mut())
+            .filter(|(_, v)| !v.is_empty() && v.iter().all(|x| x.is_finite()))
+            .map(|(what, v)| {
+                let each: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+                v.sort_by(f64::total_cmp);
+                let m = if v.len() % 2 == 1 {
+                    v[v.len() / 2]
+                } else {
+                    (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+                };
+                format!("{what} {m:.2}x ({})", each.join(", "))
+            })
+            .collect();
+        out.push_str(&format!(
+            "leasehold / {name}, median of the runs' ratios (each run's): {}\n",
+            parts.join("; ")
+        ));
+    }
+    out
+}
+
 /// The lines under the table: regions, faults, rlqs, coordinator.
 fn notes(r: &RunReport) -> Vec<String> {
     let mut out = Vec::new();

@@ -141,6 +141,40 @@ fn a_sparse_load_ends_with_the_run() {
     assert!(took < std::time::Duration::from_secs(60), "took {took:?}");
 }
 
+/// `--repeat` runs the comparison again and ends with each baseline's per-run ratios to
+/// Leasehold and their medians.
+#[test]
+fn repeated_runs_end_with_the_median_ratios() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = Command::new(env!("CARGO_BIN_EXE_leasehold"))
+        .args(["simulate", "--scenario", "hot-key", "--agents", "2"])
+        .args(["--duration", "0.5", "--compare", "naive", "--repeat", "3"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    for i in 1..=3 {
+        assert!(stdout.contains(&format!("run {i} of 3\n")), "{stdout}");
+    }
+    assert!(
+        stdout.contains("over 3 runs: leasehold's worst overshoot 0.0000"),
+        "{stdout}"
+    );
+    let line = (stdout.lines())
+        .find(|l| l.starts_with("leasehold / naive, median of the runs' ratios"))
+        .unwrap_or_else(|| panic!("no median line: {stdout}"));
+    // decisions/s M.MMx (a, b, c): the median is the middle of the three.
+    let (_, rest) = line.split_once("decisions/s ").unwrap();
+    let (m, rest) = rest.split_once("x (").unwrap();
+    let each: Vec<f64> = (rest.split_once(')').unwrap().0.split(", "))
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let mut sorted = each.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(each.len(), 3, "{line}");
+    assert_eq!(format!("{:.2}", sorted[1]), m, "{line}");
+}
+
 #[test]
 fn simulate_spawned_redis_zipf() {
     let r = simulate("spawn", "zipf");
@@ -294,6 +328,7 @@ fn simulate_refuses_bad_input_with_a_reason() {
             "region_rtt",
         ),
         (vec!["--agents", "0"], "--agents 0: must be 1..=1000"),
+        (vec!["--repeat", "0"], "--repeat 0: must be 1..=50"),
         // A file that cannot be created there: refused before the run, not after it.
         (
             vec!["--report", "/proc/leasehold-test.html"],

@@ -69,6 +69,14 @@ impl Proc {
                 "{body}"
             );
         }
+        // And on the page at `/`, beside the health it shows.
+        let (status, page) = http(at, "GET", "/", &[], "");
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(
+            page.contains("id=\"embedded\">(embedded store: this instance's own limits"),
+            redis.is_none(),
+            "{page}"
+        );
         (serve, at)
     }
 

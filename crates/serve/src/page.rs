@@ -91,9 +91,19 @@ pub fn render(decider: &Decider) -> String {
          <h1>leasehold serve</h1>",
     );
     let class = if health == "ready" { "ok" } else { "bad" };
+    // As /health and /ready say it: each instance on its own store limits alone.
+    let own = if matches!(
+        decider.limiter().store(),
+        leasehold_agent::Store::Embedded(_)
+    ) {
+        " <span class=\"bad\" id=\"embedded\">(embedded store: this instance's own limits; \
+         give --redis to share them)</span>"
+    } else {
+        ""
+    };
     let _ = write!(
         out,
-        "<p>store: <span class=\"{class}\" id=\"health\">{}</span> · <a href=\"/metrics\">/metrics</a> · \
+        "<p>store: <span class=\"{class}\" id=\"health\">{}</span>{own} · <a href=\"/metrics\">/metrics</a> · \
          <a href=\"/ready\">/ready</a> · keys shared by many gateways, their shares and the bound: \
          the coordinator's page</p>",
         escape(&health)

@@ -117,7 +117,12 @@ enum Command {
         /// Run the whole comparison this many times (1 to 50), each system after the other
         /// every time, then print each baseline's ratios to Leasehold per run and their
         /// medians: on a shared machine one run's ratio moves by tens of percent.
-        #[arg(long, default_value_t = 1, env = "LEASEHOLD_REPEAT")]
+        #[arg(
+            long,
+            default_value_t = 1,
+            value_parser = clap::value_parser!(u32).range(1..=50),
+            env = "LEASEHOLD_REPEAT"
+        )]
         repeat: u32,
         /// Run across this many regions (a private redis-server each, plus the global
         /// one; agent i in region i % N); default: the scenario's.
@@ -270,9 +275,6 @@ fn main() -> ExitCode {
             if warm_up > 0.0 && scenario.regions.is_some() {
                 return usage("--warm-up: not for runs across regions");
             }
-            if !(1..=50).contains(&repeat) {
-                return usage(&format!("--repeat {repeat}: must be 1..=50"));
-            }
             let mut names: Vec<String> = Vec::new();
             for b in compare {
                 let name = match b {
@@ -375,6 +377,12 @@ fn main() -> ExitCode {
             }
             if repeat > 1 {
                 print!("{}", simulate::medians(&runs));
+                if opts.json.is_some() || opts.plot.is_some() || opts.report.is_some() {
+                    println!(
+                        "the JSON report, plot and HTML report are the last run's (run {repeat} of \
+                         {repeat}); the medians are the lines above"
+                    );
+                }
             }
             // The JSON report and the plot are the last run's (written as it ends).
             if let (Some(path), Some(last)) = (&opts.report, runs.last()) {

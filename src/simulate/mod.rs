@@ -257,6 +257,24 @@ pub(crate) fn medians(runs: &[RunReport]) -> String {
     let Some(first) = runs.first() else {
         return out;
     };
+    // Leasehold's own figures too: what two builds' runs compare by.
+    let own: Vec<&SystemReport> = runs.iter().filter_map(lh).collect();
+    let mut parts = vec![format!(
+        "decisions/s {:.0}",
+        median(own.iter().map(|s| s.decisions_per_sec).collect())
+    )];
+    let cpu: Vec<f64> = own
+        .iter()
+        .filter_map(|s| s.store_cpu_us_per_decision)
+        .collect();
+    if cpu.len() == own.len() && !cpu.is_empty() {
+        parts.push(format!("store us/dec {:.3}", median(cpu)));
+    }
+    parts.push(format!(
+        "p99 {:.0} ns",
+        median(own.iter().map(|s| s.latency_ns.p99 as f64).collect())
+    ));
+    out.push_str(&format!("leasehold's medians: {}\n", parts.join("; ")));
     for (name, _) in first.systems.iter().filter(|(n, _)| n != "leasehold") {
         let mut cols: [(&str, Vec<f64>); 3] = [
             ("decisions/s", vec![]),
@@ -282,13 +300,7 @@ pub(crate) fn medians(runs: &[RunReport]) -> String {
             .filter(|(_, v)| !v.is_empty() && v.iter().all(|x| x.is_finite()))
             .map(|(what, v)| {
                 let each: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
-                v.sort_by(f64::total_cmp);
-                let m = if v.len() % 2 == 1 {
-                    v[v.len() / 2]
-                } else {
-                    (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
-                };
-                format!("{what} {m:.2}x ({})", each.join(", "))
+                format!("{what} {:.2}x ({})", median(v.clone()), each.join(", "))
             })
             .collect();
         out.push_str(&format!(
@@ -296,7 +308,22 @@ pub(crate) fn medians(runs: &[RunReport]) -> String {
             parts.join("; ")
         ));
     }
+    if first.systems.len() > 1 {
+        out.push_str(
+            "ratios: decisions/s above 1x, store us/dec and p99 below 1x are in leasehold's favour\n",
+        );
+    }
     out
+}
+
+/// The median of `v` (the mean of the middle two for an even count; 0 for none).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// The lines under the table: regions, faults, rlqs, coordinator.

@@ -173,6 +173,10 @@ fn repeated_runs_end_with_the_median_ratios() {
     sorted.sort_by(f64::total_cmp);
     assert_eq!(each.len(), 3, "{line}");
     assert_eq!(format!("{:.2}", sorted[1]), m, "{line}");
+    assert!(
+        stdout.contains("leasehold's medians: decisions/s "),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -328,7 +332,14 @@ fn simulate_refuses_bad_input_with_a_reason() {
             "region_rtt",
         ),
         (vec!["--agents", "0"], "--agents 0: must be 1..=1000"),
-        (vec!["--repeat", "0"], "--repeat 0: must be 1..=50"),
+        (
+            vec!["--repeat", "0"],
+            "'--repeat <REPEAT>': 0 is not in 1..=50",
+        ),
+        (
+            vec!["--repeat=-1"],
+            "'--repeat <REPEAT>': -1 is not in 1..=50",
+        ),
         // A file that cannot be created there: refused before the run, not after it.
         (
             vec!["--report", "/proc/leasehold-test.html"],

@@ -87,7 +87,7 @@ pub fn render(decider: &Decider) -> String {
          h1{font-size:18px}h2{font-size:15px;border-bottom:1px solid #ddd;margin-top:1.4em}\
          table{border-collapse:collapse}th,td{padding:2px 8px;text-align:left;vertical-align:top}\
          th{background:#f3f3f3}code{font-size:12px;word-break:break-all}.ok{color:#17702a}\
-         .bad{color:#b00020;font-weight:600}.dim{color:#777}</style></head><body>\
+         .bad{color:#b00020;font-weight:600}.warn{color:#8a5300}.dim{color:#777}</style></head><body>\
          <h1>leasehold serve</h1>",
     );
     let class = if health == "ready" { "ok" } else { "bad" };
@@ -96,7 +96,7 @@ pub fn render(decider: &Decider) -> String {
         decider.limiter().store(),
         leasehold_agent::Store::Embedded(_)
     ) {
-        " <span class=\"bad\" id=\"embedded\">(embedded store: this instance's own limits; \
+        " <span class=\"warn\" id=\"embedded\">(embedded store: this instance's own limits; \
          give --redis to share them)</span>"
     } else {
         ""

@@ -72,14 +72,27 @@ pub fn what_is_wrong(address: &str) -> String {
     };
     let single = matches!(p.scheme, "redis" | "rediss");
     if !p.hosts_ok {
-        return if single {
+        let shape = if single {
             "the part after `@` (or after `://`) is not HOST:PORT (PORT 1 to 65535, \
              [ADDRESS]:PORT for IPv6)"
-                .into()
         } else {
             "the part after `@` (or after `://`) is not HOST:PORT[,HOST:PORT...] (PORT 1 to \
              65535, [ADDRESS]:PORT for IPv6)"
-                .into()
+        };
+        // Which node, and what of it: said in words, never shown (a password typed in
+        // the wrong place would stand there).
+        let nodes: Vec<&str> = p.hosts.split(',').collect();
+        if single && nodes.len() > 1 {
+            return format!("{shape}: one Redis takes one HOST:PORT (several nodes: cluster://…)");
+        }
+        let why = nodes
+            .iter()
+            .enumerate()
+            .find_map(|(i, h)| host_problem(h, single).map(|why| (i, why)));
+        return match why {
+            Some((_, why)) if nodes.len() == 1 => format!("{shape}: {why}"),
+            Some((i, why)) => format!("{shape}: node {} of {}: {why}", i + 1, nodes.len()),
+            None => shape.into(),
         };
     }
     if !p.path.is_empty() && !p.path_ok {
@@ -216,20 +229,48 @@ fn plain(s: &str) -> bool {
 /// `HOST:PORT` (`[v6]:PORT`); for one Redis, `localhost` or an address may leave the
 /// port out.
 fn host(h: &str, port_optional: bool) -> bool {
+    host_problem(h, port_optional).is_none()
+}
+
+/// What keeps `h` from being `HOST:PORT` (see [`host`]), in words that show none of it.
+fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
+    if h.is_empty() {
+        return Some("it is empty");
+    }
     let (name, port) = match h.rsplit_once(':') {
         Some((n, p)) if !n.ends_with(':') || n.starts_with('[') => (n, Some(p)),
         _ => (h, None),
     };
-    let port_ok = match port {
-        Some(p) => p.parse::<u16>().is_ok_and(|p| p > 0) && p.chars().all(|c| c.is_ascii_digit()),
+    match port {
+        Some(p)
+            if !(p.parse::<u16>().is_ok_and(|p| p > 0)
+                && p.chars().all(|c| c.is_ascii_digit())) =>
+        {
+            return Some("its PORT is not a number from 1 to 65535");
+        }
+        Some(_) => {}
         // A bare word could be a password typed where the host goes.
-        None => port_optional && (name == "localhost" || name.parse::<std::net::IpAddr>().is_ok()),
-    };
-    let name_ok = match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
-        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
-        None => !name.is_empty() && name.len() <= 253 && plain(name),
-    };
-    port_ok && name_ok
+        None if port_optional
+            && (name == "localhost" || name.parse::<std::net::IpAddr>().is_ok()) => {}
+        None if name.starts_with('[') || name.contains("::") => {
+            return Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT");
+        }
+        None => return Some("it has no :PORT"),
+    }
+    match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
+        Some(v6) if v6.parse::<std::net::Ipv6Addr>().is_err() => {
+            Some("what is in brackets is not an IPv6 address")
+        }
+        Some(_) => None,
+        None if name.starts_with('[') || name.contains(':') => {
+            Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT")
+        }
+        None if name.is_empty() => Some("its HOST is empty"),
+        None if name.len() > 253 || !plain(name) => {
+            Some("its HOST is not a host name or address (letters, digits, `-`, `_`, `.`)")
+        }
+        None => None,
+    }
 }
 
 /// `s` with its `%XX` escapes decoded, when it has any.
@@ -338,6 +379,28 @@ mod tests {
         for (address, says) in [
             ("redis://:pw@127.0.0.1:notaport", "is not HOST:PORT"),
             ("redis://127.0.0.1:99999", "PORT 1 to 65535"),
+            (
+                "redis://:pw@127.0.0.1:notaport",
+                "): its PORT is not a number from 1 to 65535",
+            ),
+            ("redis://:pw@:6379", "): its HOST is empty"),
+            ("redis://:pw@", "): it is empty"),
+            ("redis://:pw@cache.internal", "): it has no :PORT"),
+            ("redis://:pw@[::1", "): an IPv6 address goes in brackets"),
+            ("redis://::1:6379", "): an IPv6 address goes in brackets"),
+            (
+                "redis://[::zz]:6379",
+                "): what is in brackets is not an IPv6 address",
+            ),
+            (
+                "redis://ca$he:6379",
+                "): its HOST is not a host name or address",
+            ),
+            ("redis://a:1,b:2", "one Redis takes one HOST:PORT"),
+            (
+                "cluster://a:1,b:x,c:3",
+                "node 2 of 3: its PORT is not a number",
+            ),
             ("redis://h:1/abc", "not /DB, a database number"),
             ("redis+sentinel://h:1/a b", "not /SERVICE"),
             ("cluster://a:1,b:x", "HOST:PORT[,HOST:PORT...]"),

@@ -345,6 +345,11 @@ fn simulate_refuses_bad_input_with_a_reason() {
             vec!["--report", "/proc/leasehold-test.html"],
             "--report /proc/leasehold-test.html",
         ),
+        // A malformed address: refused before the run, what is wrong named, none shown.
+        (
+            vec!["--store", "redis://:hunter2@127.0.0.1:notaport"],
+            "--store: store address: the part after `@`",
+        ),
         // Nothing listens on port 1: the error names the store, its password hidden.
         (
             vec!["--store", "redis://:hunter2@127.0.0.1:1", "--duration", "1"],
@@ -361,7 +366,10 @@ fn simulate_refuses_bad_input_with_a_reason() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("hunter2"), "{args:?}: {err}");
         // A bad scenario is refused before the run's header.
-        if args[0] == "--agents" || args[0] == "--report" {
+        if args[0] == "--agents"
+            || args[0] == "--report"
+            || args.iter().any(|a| a.contains("notaport"))
+        {
             assert!(out.stdout.is_empty(), "{args:?} printed before refusing");
         }
     }

@@ -62,6 +62,25 @@ pub fn redact(address: &str) -> String {
     out
 }
 
+/// What is wrong with the shape of `address` (see [`what_is_wrong`]), or `None` when its
+/// scheme, hosts and database or service are well formed: a check made before anything
+/// is started, which shows none of the address.
+pub fn shape_problem(address: &str) -> Option<String> {
+    match Parts::of(address) {
+        // One Redis named without a port is port 6379, as redis-rs takes it (shown hidden:
+        // a bare word could be a password typed where the host goes).
+        Some(p)
+            if (p.hosts_ok
+                || matches!(p.scheme, "redis" | "rediss")
+                    && host_problem(p.hosts, true) == Some(NO_PORT))
+                && (p.path.is_empty() || p.path_ok) =>
+        {
+            None
+        }
+        _ => Some(what_is_wrong(address)),
+    }
+}
+
 /// What is wrong with an address that does not parse, in words that show none of it.
 pub fn what_is_wrong(address: &str) -> String {
     let Some(p) = Parts::of(address) else {
@@ -232,6 +251,9 @@ fn host(h: &str, port_optional: bool) -> bool {
     host_problem(h, port_optional).is_none()
 }
 
+/// A host without its port.
+const NO_PORT: &str = "it has no :PORT";
+
 /// What keeps `h` from being `HOST:PORT` (see [`host`]), in words that show none of it.
 fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
     if h.is_empty() {
@@ -255,7 +277,7 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
         None if name.starts_with('[') || name.contains("::") => {
             return Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT");
         }
-        None => return Some("it has no :PORT"),
+        None => return Some(NO_PORT),
     }
     match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
         Some(v6) if v6.parse::<std::net::Ipv6Addr>().is_err() => {
@@ -371,6 +393,25 @@ mod tests {
             let why = what_is_wrong(a);
             assert!(!why.contains("Pw7"), "{a:?}: {why:?}");
         }
+    }
+
+    #[test]
+    fn shape_problem_passes_good_addresses_and_names_the_bad() {
+        for good in [
+            "redis://127.0.0.1:6379",
+            "redis://localhost",
+            "redis://cache.internal",
+            "rediss://:pw@cache.internal:6380/2",
+            "cluster://:pw@a:1,b:2",
+            "redis+sentinel://s1:26379,s2:26379/mymaster",
+        ] {
+            assert_eq!(shape_problem(good), None, "{good}");
+        }
+        let why = shape_problem("redis://:hunter2@127.0.0.1:notaport").unwrap_or_default();
+        assert!(why.contains("its PORT is not a number"), "{why}");
+        assert!(!why.contains("hunter2"), "{why}");
+        let why = shape_problem("cluster://a:1,,b:2").unwrap_or_default();
+        assert!(why.contains("node 2 of 3: it is empty"), "{why}");
     }
 
     /// A refused address is explained in words, not redis-rs's "InvalidClientConfig".

@@ -60,11 +60,10 @@ impl std::str::FromStr for StoreChoice {
             {
                 Err(format!("store address: {why}"))
             }
+            // The first node's credentials are every node's, as the library takes them.
             list if list.starts_with("cluster://") => Ok(Self::Cluster(
-                list["cluster://".len()..]
-                    .split(',')
-                    .map(|n| format!("redis://{n}"))
-                    .collect(),
+                leasehold_store::redis::node_urls("redis", &list["cluster://".len()..])
+                    .map_err(|e| e.to_string())?,
             )),
             // Sentinel (and TLS cluster) addresses are the library's, serve's, the
             // coordinator's and the gateway's; named by their scheme only.

@@ -284,8 +284,11 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
             Some("what is in brackets is not an IPv6 address")
         }
         Some(_) => None,
-        None if name.starts_with('[') || name.contains(':') => {
+        None if name.starts_with('[') || name.contains("::") => {
             Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT")
+        }
+        None if name.contains(':') => {
+            Some("it has more than one `:PORT` (an IPv6 address goes in brackets: [ADDRESS]:PORT)")
         }
         None if name.is_empty() => Some("its HOST is empty"),
         None if name.len() > 253 || !plain(name) => {
@@ -438,6 +441,18 @@ mod tests {
                 "): its HOST is not a host name or address",
             ),
             ("redis://a:1,b:2", "one Redis takes one HOST:PORT"),
+            (
+                "redis://127.0.0.1:6379:6380",
+                "): it has more than one `:PORT`",
+            ),
+            (
+                "redis://127.0.0.1:0",
+                "): its PORT is not a number from 1 to 65535",
+            ),
+            (
+                "redis://127.0.0.1:",
+                "): its PORT is not a number from 1 to 65535",
+            ),
             (
                 "cluster://a:1,b:x,c:3",
                 "node 2 of 3: its PORT is not a number",

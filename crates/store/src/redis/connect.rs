@@ -20,7 +20,7 @@ use super::{Conn, Link, Loader, RedisStore};
 /// cluster has one password, written once as a Sentinel address's is
 /// (`cluster://:PW@HOST:PORT,HOST:PORT`). An empty node between commas (a typo that
 /// would otherwise leave a node out unseen) is refused by its place in the list.
-pub(super) fn node_urls(scheme: &str, nodes: &str) -> Result<Vec<String>, StoreError> {
+pub fn node_urls(scheme: &str, nodes: &str) -> Result<Vec<String>, StoreError> {
     let list: Vec<&str> = nodes.split(',').collect();
     if list.iter().all(|n| n.is_empty()) {
         return Ok(Vec::new());
@@ -220,6 +220,16 @@ pub(super) fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreEr
         };
         StoreError::Misconfigured(format!("redis url {shown}: {why}"))
     };
+    // redis-rs takes port 0, an empty port or a host with `$` in it and fails later, as
+    // if the store were down: refused here, saying what is wrong.
+    if let Some(why) = crate::secret::shape_problem(url) {
+        let shown = redact(url);
+        return Err(StoreError::Misconfigured(if shown.starts_with('<') {
+            format!("redis url {shown}")
+        } else {
+            format!("redis url {shown}: {why}")
+        }));
+    }
     if url.starts_with("rediss://") {
         #[cfg(not(feature = "tls"))]
         return Err(no_tls(&redact(url)));
@@ -385,6 +395,16 @@ impl Dialer {
                  cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...] (clusters:// for TLS)"
                     .into(),
             ));
+        }
+        // As for one Redis (`client`): a node redis-rs would take and fail on later.
+        if let Some((i, why)) = (nodes.iter().enumerate())
+            .find_map(|(i, n)| crate::secret::shape_problem(n).map(|why| (i, why)))
+        {
+            return Err(StoreError::Misconfigured(format!(
+                "cluster node {} ({}): {why}",
+                i + 1,
+                redact(&nodes[i])
+            )));
         }
         let builder = redis::cluster::ClusterClient::builder(nodes.to_vec())
             .connection_timeout(config.connect_timeout)

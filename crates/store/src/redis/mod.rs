@@ -24,7 +24,7 @@ mod library;
 pub use bucket::fcall;
 pub(crate) use bucket::validate_batch;
 pub(crate) use connect::Certs;
-pub use connect::{StoreConfig, TlsFiles};
+pub use connect::{StoreConfig, TlsFiles, node_urls};
 use error::classify;
 pub use error::{ErrorKind, StoreError};
 use redis::aio::ConnectionManager;

@@ -115,8 +115,9 @@ enum Command {
         #[arg(long, default_value_t = 1, env = "LEASEHOLD_SEED")]
         seed: u64,
         /// Run the whole comparison this many times (1 to 50), each system after the other
-        /// every time, then print each baseline's ratios to Leasehold per run and their
-        /// medians: on a shared machine one run's ratio moves by tens of percent.
+        /// every time, then print Leasehold's medians and each baseline's ratios to
+        /// Leasehold per run with their medians: on a shared machine one run's ratio moves
+        /// by tens of percent.
         #[arg(
             long,
             default_value_t = 1,

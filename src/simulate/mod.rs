@@ -233,9 +233,9 @@ pub(crate) fn table(r: &RunReport) -> String {
     out
 }
 
-/// Over repeated runs of one comparison: per baseline, Leasehold's ratio to it in each
-/// run (decisions/s, store CPU per decision, p99) and the median of each, with
-/// Leasehold's worst overshoot over them all. Ratios within one run, where the machine's
+/// Over repeated runs of one comparison: Leasehold's worst overshoot over them all, its
+/// own medians, and per baseline Leasehold's ratio to it in each run (decisions/s, store
+/// CPU per decision, p99) with the median of each. Ratios within one run, where the machine's
 /// neighbours weigh on both systems alike, and their median, are what a shared machine
 /// can compare.
 pub(crate) fn medians(runs: &[RunReport]) -> String {
@@ -296,7 +296,7 @@ pub(crate) fn medians(runs: &[RunReport]) -> String {
                 .1
                 .push(l.latency_ns.p99 as f64 / b.latency_ns.p99.max(1) as f64);
         }
-        let parts: Vec<String> = (cols.iter_mut())
+        let parts: Vec<String> = (cols.iter())
             .filter(|(_, v)| !v.is_empty() && v.iter().all(|x| x.is_finite()))
             .map(|(what, v)| {
                 let each: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();

@@ -616,6 +616,16 @@ fn serve_listeners_share_one_connection_budget() {
     assert!(serve.running(), "{log}");
 }
 
+/// serve on `url`, once its log says `logged`; `/ready` then answers 503.
+fn serve_degraded(url: &str, logged: &str) -> (Proc, SocketAddr, String) {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let (serve, at) = Proc::serve_http(example, Some(url));
+    serve.wait_log(logged);
+    let (status, body) = http(at, "GET", "/ready", &[], "");
+    assert_eq!(status, 503, "{body}");
+    (serve, at, body)
+}
+
 /// A wrong password is not an outage: serve stays up, degraded, and says the store
 /// refused the credentials (not that it is unreachable), without printing either password.
 #[test]
@@ -623,11 +633,10 @@ fn a_wrong_password_is_named_as_such() {
     let redis =
         RedisServer::start_with(&["--requirepass", "right-Zq9"]).unwrap_or_else(|e| panic!("{e}"));
     let url = format!("redis://:wrong-Zq9@127.0.0.1:{}", redis.port());
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
-    let (mut serve, at) = Proc::serve_http(example, Some(&url));
-    serve.wait_log("store refused the credentials: check the user and password");
-    let (status, body) = http(at, "GET", "/ready", &[], "");
-    assert_eq!(status, 503, "{body}");
+    let (mut serve, at, _) = serve_degraded(
+        &url,
+        "store refused the credentials: check the user and password",
+    );
     // The probes say it too: an operator reading /health looks at the password, not
     // the network.
     for path in ["/ready", "/health"] {
@@ -649,11 +658,10 @@ fn a_wrong_password_is_named_as_such() {
 fn a_database_the_store_lacks_is_named_as_such() {
     let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
     let url = format!("redis://127.0.0.1:{}/99", redis.port());
-    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
-    let (mut serve, at) = Proc::serve_http(example, Some(&url));
-    serve.wait_log("store has no such database: check the /DB of the address");
-    let (status, body) = http(at, "GET", "/ready", &[], "");
-    assert_eq!(status, 503, "{body}");
+    let (mut serve, _, body) = serve_degraded(
+        &url,
+        "store has no such database: check the /DB of the address",
+    );
     assert!(
         body.contains("store not reached yet: store has no such database"),
         "{body}"

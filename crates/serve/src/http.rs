@@ -96,20 +96,20 @@ async fn ready(State(api): State<Api>) -> Response {
     (StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body).into_response()
 }
 
-/// The limiter's probe answer, which says so when the store is this process's own (each
-/// instance then enforces every limit by itself).
+/// What the health line adds when the store is this process's own (each instance then
+/// enforces every limit by itself): `/health`, `/ready` and the page at `/` say it.
+pub(crate) fn embedded_note(limiter: &leasehold_agent::Limiter) -> Option<&'static str> {
+    matches!(limiter.store(), leasehold_agent::Store::Embedded(_))
+        .then_some("(embedded store: this instance's own limits; give --redis to share them)")
+}
+
+/// The limiter's probe answer, with [`embedded_note`].
 fn health(limiter: &leasehold_agent::Limiter) -> (u16, String) {
     let (status, line) = limiter.health().probe();
-    if matches!(limiter.store(), leasehold_agent::Store::Embedded(_)) {
-        let line = line.trim_end();
-        return (
-            status,
-            format!(
-                "{line} (embedded store: this instance's own limits; give --redis to share them)\n"
-            ),
-        );
+    match embedded_note(limiter) {
+        Some(note) => (status, format!("{} {note}\n", line.trim_end())),
+        None => (status, line),
     }
-    (status, line)
 }
 
 /// The most checks, or descriptors, one request may carry (each may be a store call).

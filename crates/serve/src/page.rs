@@ -92,15 +92,9 @@ pub fn render(decider: &Decider) -> String {
     );
     let class = if health == "ready" { "ok" } else { "bad" };
     // As /health and /ready say it: each instance on its own store limits alone.
-    let own = if matches!(
-        decider.limiter().store(),
-        leasehold_agent::Store::Embedded(_)
-    ) {
-        " <span class=\"warn\" id=\"embedded\">(embedded store: this instance's own limits; \
-         give --redis to share them)</span>"
-    } else {
-        ""
-    };
+    let own = crate::http::embedded_note(decider.limiter())
+        .map(|note| format!(" <span class=\"warn\" id=\"embedded\">{note}</span>"))
+        .unwrap_or_default();
     let _ = write!(
         out,
         "<p>store: <span class=\"{class}\" id=\"health\">{}</span>{own} · <a href=\"/metrics\">/metrics</a> · \

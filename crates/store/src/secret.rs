@@ -254,6 +254,9 @@ fn host(h: &str, port_optional: bool) -> bool {
 /// A host without its port.
 const NO_PORT: &str = "it has no :PORT";
 
+/// An IPv6 address without its brackets (or with one of them).
+const IPV6_BRACKETS: &str = "an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT";
+
 /// What keeps `h` from being `HOST:PORT` (see [`host`]), in words that show none of it.
 fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
     if h.is_empty() {
@@ -274,9 +277,7 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
         // A bare word could be a password typed where the host goes.
         None if port_optional
             && (name == "localhost" || name.parse::<std::net::IpAddr>().is_ok()) => {}
-        None if name.starts_with('[') || name.contains("::") => {
-            return Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT");
-        }
+        None if name.starts_with('[') || name.contains("::") => return Some(IPV6_BRACKETS),
         None => return Some(NO_PORT),
     }
     match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
@@ -284,9 +285,7 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
             Some("what is in brackets is not an IPv6 address")
         }
         Some(_) => None,
-        None if name.starts_with('[') || name.contains("::") => {
-            Some("an IPv6 address goes in brackets, then its port: [ADDRESS]:PORT")
-        }
+        None if name.starts_with('[') || name.contains("::") => Some(IPV6_BRACKETS),
         None if name.contains(':') => {
             Some("it has more than one `:PORT` (an IPv6 address goes in brackets: [ADDRESS]:PORT)")
         }

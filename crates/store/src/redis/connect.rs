@@ -206,29 +206,27 @@ pub(super) fn no_tls(address: &str) -> StoreError {
 
 /// A client for one node, with the TLS files when the URL asks for TLS.
 pub(super) fn client(url: &str, tls: &TlsFiles) -> Result<redis::Client, StoreError> {
-    let bad = |e: RedisError| {
-        // redis-rs says only "did not parse - InvalidClientConfig": say what is wrong.
+    let refused = |why: String| {
         let shown = redact(url);
-        if shown.starts_with('<') {
+        StoreError::Misconfigured(if shown.starts_with('<') {
             // Not SCHEME://… at all: the description says so.
-            return StoreError::Misconfigured(format!("redis url {shown}"));
-        }
-        let why = if e.kind() == redis::ErrorKind::InvalidClientConfig {
+            format!("redis url {shown}")
+        } else {
+            format!("redis url {shown}: {why}")
+        })
+    };
+    // redis-rs says only "did not parse - InvalidClientConfig": say what is wrong.
+    let bad = |e: RedisError| {
+        refused(if e.kind() == redis::ErrorKind::InvalidClientConfig {
             crate::secret::what_is_wrong(url)
         } else {
             redact_in(&e.to_string(), url)
-        };
-        StoreError::Misconfigured(format!("redis url {shown}: {why}"))
+        })
     };
     // redis-rs takes port 0, an empty port or a host with `$` in it and fails later, as
     // if the store were down: refused here, saying what is wrong.
     if let Some(why) = crate::secret::shape_problem(url) {
-        let shown = redact(url);
-        return Err(StoreError::Misconfigured(if shown.starts_with('<') {
-            format!("redis url {shown}")
-        } else {
-            format!("redis url {shown}: {why}")
-        }));
+        return Err(refused(why));
     }
     if url.starts_with("rediss://") {
         #[cfg(not(feature = "tls"))]

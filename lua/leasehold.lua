@@ -879,6 +879,12 @@ local function rate(keys, p, held, want, tokens, demand)
   local s, rec, now, replay = open(key, p)
   if replay then return replay end
   local moved = where(s, p, now)
+  -- While its record lives, the burst counted is at most the record's (ops.rs, rate: a
+  -- lost reply may have shrunk it).
+  if rec then
+    held = math.min(held, rec.held)
+    tokens = math.min(tokens, held)
+  end
   -- A lost bucket restarts empty, as for an acquire.
   if s.created and held > 0 then s.tok, s.car = 0, 0 end
   s.out = s.out - (rec and rec.held or 0) + held
@@ -897,11 +903,22 @@ local function rate(keys, p, held, want, tokens, demand)
   end
   part = math.floor(part)
   local share = math.min(part, math.max(whole - s.sh, 0))
+  -- The burst's fair part of B (ops.rs, rate): its demand's part of the demands, one
+  -- token at least; a burst above it shrinks to it, never below the tokens the agent may
+  -- still hold (the whole ones it declared and a fraction: its bucket does not refill
+  -- while the call is out), and grows no further.
+  local fair = p.cap
+  if s.ds > 0 then fair = math.max(math.floor(p.cap * demand / s.ds), 1) end
+  local cap = math.max(fair, tokens + 1)
+  if held > cap then
+    s.out = s.out - (held - cap)
+    held = cap
+  end
   -- The burst grows towards want while the bursts leave room under B, the room gained
   -- starting empty; a share needs a burst of one token at least.
   local grow = 0
   if not moved and share > 0 then
-    grow = math.min(math.max(want - held, 0), math.max(p.cap - s.out, 0))
+    grow = math.min(math.max(want - held, 0), math.max(p.cap - s.out, 0), math.max(cap - held, 0))
   end
   s.out = s.out + grow
   local burst = held + grow

@@ -473,6 +473,67 @@ fn a_share_needs_room_for_a_burst() {
     assert_eq!(st.level(&p, T0_US + 500_000), 0);
 }
 
+/// Bursts that filled B before other agents came shrink to their fair part of B (their
+/// demand's part of the demands) as they renew, and the agents that came get bursts, so
+/// shares, on their next call. (They were kept for ever: 8 agents flat out, 5 holding B
+/// between them, admitted 5/8 of the rate.) A shrink whose reply was lost does not count
+/// the old burst again when the agent, which never saw it, declares it.
+#[test]
+fn bursts_that_fill_b_make_room_for_agents_that_come_later() {
+    let (_, p) = params(1_000, "2000/s", 2_000_000);
+    let mut st = Store::new();
+    let outstanding = |st: &Store| st.bucket.state().unwrap().outstanding;
+    // Five agents at 300 a second, asking for bursts of 200: from the full level, B in all.
+    for a in 1..=5 {
+        let g = RateGrant::of(&st.lease(&p, T0_US, AgentId(a), 1, 0, 200, 300_000), 0);
+        assert_eq!((g.burst, g.paid), (200, 200), "agent {a}");
+    }
+    assert_eq!(outstanding(&st), 1_000);
+    // Three more, flat out: no room for their bursts.
+    for a in 6..=8 {
+        let g = RateGrant::of(
+            &st.lease(&p, T0_US + 10, AgentId(a), 1, 0, 1_000, 2_000_000),
+            0,
+        );
+        assert_eq!((g.share, g.burst), (0, 0), "agent {a}: the bursts fill B");
+        assert!(g.limited);
+    }
+    // The five go flat out too, and renew twice, their buckets spent: the first round
+    // still sees some of the old demands; by the second each burst is 1 000 / 8. The
+    // fifth's last reply is lost.
+    for (seq, at) in [(2, 100_000), (3, 200_000)] {
+        for a in 1..=5 {
+            let g = RateGrant::of(
+                &st.lease_holding(&p, T0_US + at, AgentId(a), seq, 200, 1_000, 0, 2_000_000),
+                200,
+            );
+            assert!(g.burst <= 200 && g.share > 0, "agent {a}: {g:?}");
+            if seq == 3 {
+                assert_eq!(g.burst, 125, "agent {a}");
+            }
+        }
+    }
+    assert_eq!(outstanding(&st), 625);
+    // It declares the burst it knew, 200, holding nothing: 125 is what counts.
+    let g = RateGrant::of(
+        &st.lease_holding(&p, T0_US + 250_000, AgentId(5), 4, 200, 1_000, 0, 2_000_000),
+        200,
+    );
+    assert_eq!(g.burst, 125, "{g:?}");
+    assert_eq!(outstanding(&st), 625);
+    // The three ask again (their records, with their demands, still live): a burst of
+    // their part each, and a share.
+    for a in 6..=8 {
+        let g = RateGrant::of(
+            &st.lease(&p, T0_US + 300_000, AgentId(a), 2, 0, 1_000, 2_000_000),
+            0,
+        );
+        assert_eq!(g.burst, 125, "agent {a}");
+        assert!(g.share > 0, "agent {a}");
+    }
+    assert_eq!(outstanding(&st), 1_000);
+}
+
 /// Demand moving between agents every term: 16 agents, 1.2x the rate offered by four of
 /// them at a time, the four changing every term. Each agent offers its requests as they
 /// come, refuses what its grant does not cover, and calls the store as its

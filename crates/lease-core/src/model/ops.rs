@@ -480,6 +480,16 @@ pub(super) fn rate(
     let moved = c.s.moved(now);
     let (prior_held, prior_demand, prior_share) =
         (c.prior_held(), c.prior_demand(), c.prior_share());
+    // While its record lives, the burst counted is at most the record's: a call whose
+    // reply was lost may have shrunk it (below), and the agent, which never saw that,
+    // declares the old one. Its bucket has refilled nothing since (no reply), so it holds
+    // less than the shrunk burst still.
+    let (held, tokens) = if c.prior.is_some() {
+        let held = held.min(prior_held);
+        (held, tokens.min(held))
+    } else {
+        (held, tokens)
+    };
     let s = &mut c.s;
     // A lost bucket restarts empty, as for an acquire (an agent's first call reports
     // demand, but no burst).
@@ -510,13 +520,37 @@ pub(super) fn rate(
     };
     let part = part.floor() as u64;
     let mut share = part.min(whole.saturating_sub(s.shared));
+    // The burst's fair part of B: its demand's part of the demands, one token at least
+    // (floating point, as the Lua). A burst above it shrinks to it at this call, and grows
+    // no further: bursts that filled B before other agents came were kept for ever, and
+    // those agents got no burst, so no share (8 agents flat out, 5 of them holding B
+    // between them: 5/8 of the rate admitted). It never shrinks below the tokens the
+    // agent may still hold — the whole ones it declared, and a fraction — since its
+    // bucket refills nothing while the call is out ([`LocalRate::renewing`]): what is
+    // outstanding still counts all it can spend.
+    //
+    // [`LocalRate::renewing`]: crate::rate_lease::LocalRate::renewing
+    let fair = if s.demand_sum == 0 {
+        p.capacity
+    } else {
+        ((p.capacity as f64 * demand as f64 / s.demand_sum as f64).floor() as u64).max(1)
+    };
+    let cap = fair.max(tokens + 1);
+    let held = if held > cap {
+        s.outstanding -= held - cap;
+        cap
+    } else {
+        held
+    };
     // The burst grows towards `want` while the bursts leave room under B; the room it
     // gains starts empty (the level's cap falls by it), so the tokens that exist stay
     // within B. A share needs a burst of one token at least to be spent.
     let grow = if moved || share == 0 {
         0
     } else {
-        (want.saturating_sub(held)).min(p.capacity.saturating_sub(s.outstanding))
+        (want.saturating_sub(held))
+            .min(p.capacity.saturating_sub(s.outstanding))
+            .min(cap.saturating_sub(held))
     };
     s.outstanding += grow;
     let burst = held + grow;

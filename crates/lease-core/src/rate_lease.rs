@@ -29,7 +29,12 @@
 //! proportional part of `r` (`r · d / Σd`) when that is less — the parts of the live
 //! demands never sum over `r`; never more
 //! than the other live shares leave (the reply says so, and the agent asks again a window
-//! later). An agent whose demand grows gets its part within one term: every other agent
+//! later). A burst is at most its fair part of `B` (the agent's demand's part of the
+//! demands, one token at least): one above it shrinks at the agent's next call, so agents
+//! that came after the bursts filled `B` get one, and with it a share. It never shrinks
+//! below what the agent may still hold (the whole tokens it declared, and a fraction: its
+//! bucket refills nothing while the call is out), so what is outstanding still counts all
+//! it can spend. An agent whose demand grows gets its part within one term: every other agent
 //! renews within a term, to its own part of the new total.
 
 use crate::cell::{Cell, Refill};
@@ -298,6 +303,20 @@ pub struct RatePolicy {
     calls: u64,
     /// When demand was first offered since the policy began (agent ns; 0: not yet).
     first_offered_ns: u64,
+    /// The bucket's whole rate, thousandths of a token per second (0: not known yet, before
+    /// the first call): the most demand it reports or compares. Demand past the whole rate
+    /// says nothing more about how to share it, and a flat-out caller's refusals (millions
+    /// a second, swinging with how much CPU its tasks get) had every agent's report
+    /// "double" or "halve" each window: calls each window, shares following the swings,
+    /// and the rate one agent gave up left unused until another renewed (8 agents flat out
+    /// on 2 cores admitted half their rate).
+    cap_milli: u64,
+}
+
+/// A rule's rate in thousandths of a token per second.
+fn rate_milli(p: &BucketParams) -> u64 {
+    let milli = u128::from(p.rate.tokens()) * 1_000_000_000 / u128::from(p.rate.period_us().max(1));
+    u64::try_from(milli).unwrap_or(u64::MAX).max(1)
 }
 
 fn changed(now: u64, reported: u64) -> bool {
@@ -337,14 +356,24 @@ impl RatePolicy {
             .sum()
     }
 
-    /// The demand offered over the last window, thousandths of a token per second.
+    /// `milli`, at most the bucket's whole rate (once known).
+    fn capped(&self, milli: u64) -> u64 {
+        if self.cap_milli == 0 {
+            milli
+        } else {
+            milli.min(self.cap_milli)
+        }
+    }
+
+    /// The demand offered over the last window, thousandths of a token per second, at most
+    /// the bucket's rate.
     pub fn window_milli(&self, now_ns: u64) -> u64 {
-        self.window_tokens(now_ns).saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS
+        self.capped(self.window_tokens(now_ns).saturating_mul(1_000_000_000_000) / DEMAND_WINDOW_NS)
     }
 
     /// The demand offered since the last call, thousandths of a token per second; before
     /// the first, the last window's, or the average since the first token when the window
-    /// saw nothing.
+    /// saw nothing. At most the bucket's rate.
     pub fn demand_milli(&self, now_ns: u64) -> u64 {
         if self.calls == 0 {
             // Requests that come in bunches (four at once, five times a second) leave most
@@ -359,7 +388,7 @@ impl RatePolicy {
                 .saturating_sub(self.first_offered_ns)
                 .max(DEMAND_WINDOW_NS);
             let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
-            return u64::try_from(rate).unwrap_or(u64::MAX);
+            return self.capped(u64::try_from(rate).unwrap_or(u64::MAX));
         }
         let since = now_ns.saturating_sub(self.last_call_ns);
         let least = if self.reported_milli == 0 {
@@ -371,7 +400,7 @@ impl RatePolicy {
             return self.window_milli(now_ns);
         }
         let rate = u128::from(self.since_call) * 1_000_000_000_000 / u128::from(since);
-        u64::try_from(rate).unwrap_or(u64::MAX)
+        self.capped(u64::try_from(rate).unwrap_or(u64::MAX))
     }
 
     /// The last window's rate doubled or halved since the report, with enough tokens in
@@ -456,7 +485,11 @@ impl RatePolicy {
             return false;
         }
         let per_s = |milli: u64| u128::from(milli) * u128::from(since) / 1_000_000_000_000;
-        let offered = u128::from(self.since_call);
+        // What the bucket's whole rate brings at most counts (see `cap_milli`).
+        let mut offered = u128::from(self.since_call);
+        if self.cap_milli != 0 {
+            offered = offered.min(per_s(self.cap_milli));
+        }
         offered > 2 * (u128::from(burst) + per_s(share_milli))
             && offered > 2 * per_s(self.reported_milli)
     }
@@ -588,6 +621,7 @@ impl RateKey {
     /// than given up and asked again from a level that may be empty.
     pub fn call(&mut self, cell: &Cell, p: &BucketParams, now_ns: u64) -> Op {
         self.sync(cell, now_ns);
+        self.policy.cap_milli = rate_milli(p);
         let demand = self.policy.calling(now_ns);
         // Demand is in thousandths of a token per second.
         let half = (demand / 2_000).clamp(1, p.capacity);

@@ -58,6 +58,40 @@ fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
     });
 }
 
+/// Gateways added to a fleet that is already flat out on a key (a scale-out under load):
+/// the first ones' bursts may hold all of B, and the newcomers get a burst, and with it a
+/// share, once those renew (their bursts shrink to their part of B). They got none for as
+/// long as the first ones kept renewing: 5 of 8 agents held B and the other 3 admitted
+/// nothing from a lease.
+#[test]
+fn gateways_added_under_load_get_a_share() {
+    let server = server();
+    support::runtime().block_on(async {
+        let mut agents = Vec::new();
+        for _ in 0..8 {
+            agents.push(support::limiter(&server.url(), RULES).await);
+        }
+        support::flat_out(&agents[..5], 1, "rl", "tenant", Duration::from_secs(1)).await;
+        let (admitted, _, elapsed) =
+            support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(3)).await;
+        let late: Vec<u64> = (agents[5..].iter())
+            .map(|l| l.stats("rl").unwrap().admitted_lease)
+            .collect();
+        println!(
+            "late agents admitted from their leases: {late:?}; all: {admitted} in {elapsed:.2}s"
+        );
+        assert!(
+            late.iter().all(|&n| n > 0),
+            "a late agent got no share: {late:?}"
+        );
+        assert_eq!(
+            field(&server, "lh:{rl|tenant}", "sn"),
+            8,
+            "every agent holds a share"
+        );
+    });
+}
+
 /// What a rate lease's admissions report as remaining (the quota headers, serve's
 /// `limit_remaining`): what the agent can still admit, falling with each admission. (It
 /// read the rate reply's burst as the bucket's level: 4, 3, 2, then 5, 5 with a reset of 0,

@@ -92,6 +92,31 @@ fn gateways_added_under_load_get_a_share() {
     });
 }
 
+/// A Redis that restarts empty under rate leases (no persistence: every bucket and
+/// record gone): the agents' next renewals find no record and a new bucket, and every
+/// agent holds a share again; what is admitted after the restart stays within what the
+/// agents' bursts held plus B + r·t.
+#[test]
+fn rate_leases_come_back_after_redis_restarts_empty() {
+    let mut server = server();
+    support::runtime().block_on(async {
+        let mut agents = Vec::new();
+        for _ in 0..4 {
+            agents.push(support::limiter(&server.url(), RULES).await);
+        }
+        let (before, _, _) =
+            support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(2)).await;
+        server.restart().expect("restart");
+        let (after, decisions, elapsed) =
+            support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(3)).await;
+        let holders = field(&server, "lh:{rl|tenant}", "sn");
+        println!("before the restart {before}; after it {after} of {decisions} in {elapsed:.2}s; {holders} shares");
+        assert!(after as f64 <= 2.0 * 1000.0 + 2000.0 * elapsed, "{after}");
+        assert!(after as f64 >= 0.5 * 2000.0 * elapsed, "{after}: the shares did not come back");
+        assert_eq!(holders, 4);
+    });
+}
+
 /// What a rate lease's admissions report as remaining (the quota headers, serve's
 /// `limit_remaining`): what the agent can still admit, falling with each admission. (It
 /// read the rate reply's burst as the bucket's level: 4, 3, 2, then 5, 5 with a reset of 0,

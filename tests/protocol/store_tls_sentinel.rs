@@ -242,6 +242,19 @@ fn sentinel_addresses_are_checked_and_their_passwords_never_shown() {
 /// failover to its switch, so the whole run admits at most B + r·T.
 #[test]
 fn a_planned_sentinel_failover_under_load_admits_at_most_the_bound() {
+    planned_failover_under_load("auto");
+}
+
+/// As above, the key leased by rate: the shares and bursts written to the old primary
+/// after the new one was promoted are lost with it, and the agents' renewals on the new
+/// primary find their records as replicated (or none): still at most B + r·T.
+#[test]
+fn a_planned_sentinel_failover_under_rate_leases_admits_at_most_the_bound() {
+    planned_failover_under_load("rate");
+}
+
+/// Four callers flat out on one key of `leasing` through a Sentinel failover.
+fn planned_failover_under_load(leasing: &str) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let set = Arc::new(SentinelSet::start().unwrap_or_else(|e| panic!("{e}")));
@@ -250,7 +263,7 @@ fn a_planned_sentinel_failover_under_load_admits_at_most_the_bound() {
         let limiter = support::limiter(
             &set.url(),
             &format!(
-                "[rules.hot]\ncapacity = {capacity}\nrate = \"{rate}/s\"\non_failure = \"fail_closed\"\n"
+                "[rules.hot]\ncapacity = {capacity}\nrate = \"{rate}/s\"\non_failure = \"fail_closed\"\nleasing = \"{leasing}\"\n"
             ),
         )
         .await;

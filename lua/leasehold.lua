@@ -918,7 +918,8 @@ local function rate(keys, p, held, want, tokens, demand)
   -- starting empty; a share needs a burst of one token at least.
   local grow = 0
   if not moved and share > 0 then
-    grow = math.min(math.max(want - held, 0), math.max(p.cap - s.out, 0), math.max(cap - held, 0))
+    grow = math.min(math.max(want - held, 0), math.max(p.cap - s.out, 0),
+      math.max(cap - held, 0))
   end
   s.out = s.out + grow
   local burst = held + grow

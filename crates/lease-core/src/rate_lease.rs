@@ -307,9 +307,9 @@ pub struct RatePolicy {
     /// the first call): the most demand it reports or compares. Demand past the whole rate
     /// says nothing more about how to share it, and a flat-out caller's refusals (millions
     /// a second, swinging with how much CPU its tasks get) had every agent's report
-    /// "double" or "halve" each window: calls each window, shares following the swings,
-    /// and the rate one agent gave up left unused until another renewed (8 agents flat out
-    /// on 2 cores admitted half their rate).
+    /// "double" or "halve" each window: calls each window, and shares and bursts (a part
+    /// of `B` by demand) following the swings (8 agents flat out on 2 cores: 342-654 store
+    /// calls in 4 s without it, 447-480 with it).
     cap_milli: u64,
 }
 

@@ -16,10 +16,7 @@ const RULES: &str =
 fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
     let server = server();
     support::runtime().block_on(async {
-        let mut agents = Vec::new();
-        for _ in 0..8 {
-            agents.push(support::limiter(&server.url(), RULES).await);
-        }
+        let agents = support::limiters(&server.url(), RULES, 8).await;
         let (admitted, decisions, elapsed) =
             support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(4)).await;
         let calls: u64 = agents
@@ -67,10 +64,7 @@ fn agents_flat_out_on_rate_leases_keep_the_bound_and_call_a_few_times_a_term() {
 fn gateways_added_under_load_get_a_share() {
     let server = server();
     support::runtime().block_on(async {
-        let mut agents = Vec::new();
-        for _ in 0..8 {
-            agents.push(support::limiter(&server.url(), RULES).await);
-        }
+        let agents = support::limiters(&server.url(), RULES, 8).await;
         support::flat_out(&agents[..5], 1, "rl", "tenant", Duration::from_secs(1)).await;
         let (admitted, _, elapsed) =
             support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(3)).await;
@@ -100,10 +94,7 @@ fn gateways_added_under_load_get_a_share() {
 fn rate_leases_come_back_after_redis_restarts_empty() {
     let mut server = server();
     support::runtime().block_on(async {
-        let mut agents = Vec::new();
-        for _ in 0..4 {
-            agents.push(support::limiter(&server.url(), RULES).await);
-        }
+        let agents = support::limiters(&server.url(), RULES, 4).await;
         let (before, _, _) =
             support::flat_out(&agents, 1, "rl", "tenant", Duration::from_secs(2)).await;
         server.restart().expect("restart");

@@ -303,10 +303,7 @@ fn eight_agents_on_one_hot_key_never_admit_more_than_the_bucket() {
     let server: RedisServer = server();
     let rules = "[rules.hot]\ncapacity = 1000\nrate = \"2000/s\"\n";
     support::runtime().block_on(async {
-        let mut agents = Vec::new();
-        for _ in 0..8 {
-            agents.push(limiter(&server.url(), rules).await);
-        }
+        let agents = support::limiters(&server.url(), rules, 8).await;
         let (admitted, decisions, elapsed) =
             support::flat_out(&agents, 2, "hot", "tenant-hot", Duration::from_secs(secs)).await;
         let calls: u64 = agents.iter().map(|l| l.stats("hot").unwrap().store_calls).sum();

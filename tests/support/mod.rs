@@ -88,6 +88,15 @@ pub async fn limiter(url: &str, toml: &str) -> leasehold_agent::Limiter {
     limiter_with(leasehold_agent::Limiter::builder().redis(url), toml).await
 }
 
+/// `n` limiters on the Redis at `url`, each with the rules in `toml` (a fleet of agents).
+pub async fn limiters(url: &str, toml: &str, n: usize) -> Vec<leasehold_agent::Limiter> {
+    let mut agents = Vec::with_capacity(n);
+    for _ in 0..n {
+        agents.push(limiter(url, toml).await);
+    }
+    agents
+}
+
 /// `builder` with the rules in `toml` and test timeouts, built.
 pub async fn limiter_with(
     builder: leasehold_agent::LimiterBuilder,

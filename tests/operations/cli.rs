@@ -75,6 +75,27 @@ fn check_config_names_what_is_wrong() {
     assert!(!ok && stderr.contains("/nonexistent.toml"), "{stderr}");
 }
 
+/// A rule leased by rate: check-config says how many gateways its capacity suits (each
+/// share needs a burst out of B), and what serves a small B shared by many.
+#[test]
+fn check_config_says_how_many_gateways_a_rate_leased_capacity_suits() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("rate.toml");
+    std::fs::write(
+        &path,
+        "[rules.big]\ncapacity = 20000\nrate = \"20000/s\"\nleasing = \"rate\"\n\
+         [rules.small]\ncapacity = 100\nrate = \"20000/s\"\nleasing = \"rate\"\n",
+    )
+    .expect("write");
+    let (ok, stdout, stderr) = leasehold(&["check-config", path.to_str().expect("utf-8 path")]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("the smallest here, 100, suits about 20 gateways"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("leasing = \"exact\""), "{stdout}");
+}
+
 #[test]
 fn coordinator_names_what_is_wrong() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");

@@ -73,7 +73,7 @@ enum Command {
             env = "LEASEHOLD_SCENARIO"
         )]
         scenario: String,
-        /// A scenario file (TOML; see `src/simulate/scenario.rs`).
+        /// A scenario file (TOML; the format: docs/scenarios.md).
         #[arg(long, env = "LEASEHOLD_SCENARIO_FILE")]
         scenario_file: Option<PathBuf>,
         /// embedded | spawn (a private redis-server) | spawn-replica | cluster-spawn |

@@ -1,59 +1,5 @@
 //! Scenarios: the workload `leasehold simulate` runs, built in or read from a TOML file.
-//!
-//! ```toml
-//! name = "my-scenario"
-//! agents = 8                  # gateways, each with its own agent (--agents overrides)
-//! threads_per_agent = 1
-//! costs = [[1, 0.9], [5, 0.1]]  # cost, weight
-//!
-//! [rule]                      # one rule, as in a rules file
-//! capacity = 1000
-//! rate = "2000/s"
-//!
-//! [keys]
-//! count = 1
-//! distribution = "uniform"    # or "zipf", with zipf_s = 1.1
-//!
-//! [[phases]]                  # from `at` (fraction of the run) until the next phase
-//! at = 0.0
-//! offered = 0.0               # decisions/s per active agent; 0 = as fast as it can
-//! # total = 26000.0           # or decisions/s for all active agents together (the same
-//! #                           # load whatever --agents says)
-//! active = [0, 1, 2, 3]       # which agents send (default: all)
-//! skew = "zipf:1.2"           # how the active agents share `offered` x their number:
-//!                             # "even" (default), "zipf:S" (the k-th active agent weighs
-//!                             # 1/(k+1)^S), "one:F" (one agent sends F of it)
-//! rotate = 16                 # the skew's ranks move this many agents on (moving demand)
-//! rates = [900.0, 10.0]       # or each agent's own rate (decisions/s; missing = 0)
-//!
-//! [[faults]]
-//! at = 0.5
-//! action = "crash-agent"      # the agent stops at once, abandoning its leases
-//! agent = 3
-//! # also: "leave-agent" (the agent returns its leases and stops), "join-agent" (the agent
-//! # starts only then), "kill-store" / "restore-store" (embedded or spawn stores; a
-//! # spawned Redis restarts empty), "stall-replication" (the replica stops receiving
-//! # writes), "promote-replica" (the replica becomes the primary and the old primary
-//! # rejoins, empty, as its replica; both for the spawn-replica store),
-//! # "stop-coordinator" / "start-coordinator" (Redis stores)
-//! ```
-//!
-//! On a Redis store Leasehold runs with a coordinator in the same process (accounting,
-//! hot-key splitting); `split_above = 2000.0` sets its per-shard budget of store calls
-//! per second for one key (default 5000).
-//!
-//! `regions = 3` runs across regions: a private redis-server per region plus the global
-//! one, agent `i` in region `i % regions`, each region's coordinator brokering its budget
-//! from the global store through a link of `region_rtt` (default `"80ms"`, a fault proxy
-//! with half of it each way). The rule should have `scope = "global"` (set when absent).
-//! Faults `partition-region` / `heal-region` (with `region = K`) cut and restore region
-//! K's link.
-//!
-//! `store = "cluster-spawn"` (or another `--store` value) names the store the scenario
-//! runs on when `--store` is not given.
-//!
-//! An `[agent]` table tunes every agent: `hot_above_per_sec = 100` (the local rate above
-//! which a cold key leases), `horizon = "200ms"` (how much demand a lease covers).
+//! The format, every field and fault, and how the table reads: docs/scenarios.md.
 
 use serde::{Deserialize, Serialize};
 
@@ -803,6 +749,20 @@ impl Scenario {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// docs/scenarios.md's example is a scenario this reads and accepts.
+    #[test]
+    fn the_documented_example_is_valid() {
+        let doc = include_str!("../../docs/scenarios.md");
+        let example = doc
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .expect("a TOML block in docs/scenarios.md");
+        let s: Scenario = toml::from_str(example).unwrap_or_else(|e| panic!("{e}"));
+        s.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((s.agents, s.faults.len()), (8, 1));
+    }
 
     #[test]
     fn every_built_in_is_valid_and_round_trips_through_toml() {

@@ -463,7 +463,9 @@ fn usage(message: &str) -> ExitCode {
     ExitCode::from(2)
 }
 
-fn print_rule(label: &str, r: &leasehold::core::Rule) {
+/// One row of check-config's table; `on_failure` in place of the rule's own policy (a
+/// limit that leaves a store outage to Envoy).
+fn print_rule(label: &str, r: &leasehold::core::Rule, on_failure: Option<&str>) {
     let s = leasehold::store::rules::RuleSummary::of(label, r);
     println!(
         "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  {}",
@@ -475,7 +477,7 @@ fn print_rule(label: &str, r: &leasehold::core::Rule) {
         s.ttl,
         s.mode,
         if s.shadow { "yes" } else { "no" },
-        s.on_failure
+        on_failure.unwrap_or(&s.on_failure)
     );
     if let Some(local) = s.local {
         println!("{:<36} {local}", "");
@@ -499,6 +501,20 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
             names.join(", ")
         );
     }
+    // By the rule names listed below (a descriptor's value may have been made one): limits
+    // with no leasehold.on_failure leave a store outage to Envoy, as envoyproxy/ratelimit
+    // does.
+    let to_envoy: Vec<&str> = (domains.limits().into_values())
+        .filter_map(|l| match &l.action {
+            leasehold_serve::config::Action::Rule(r) if l.failure_to_envoy => Some(r.as_str()),
+            _ => None,
+        })
+        .collect();
+    let envoy = |name: &str| {
+        to_envoy
+            .contains(&name)
+            .then_some("Envoy's (gRPC), 503 (HTTP)")
+    };
     println!(
         "{:<36} {:>10} {:>14} {:>9} {:>7} {:>9} {:>10} {:>6}  on failure",
         "rule / override", "capacity", "rate", "lease max", "leasing", "ttl/term", "mode", "shadow"
@@ -512,7 +528,8 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
             rated = true;
             rated_b = rated_b.min(r.capacity().get());
         }
-        print_rule(&r.name().to_string(), r);
+        let name = r.name().to_string();
+        print_rule(&name, r, envoy(&name));
         for (subject, o) in rules
             .overrides(r.name().as_str())
             .into_iter()
@@ -523,7 +540,7 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
             if shown.len() < subject.len() {
                 shown.push('…');
             }
-            print_rule(&format!("  override {shown:?}"), o);
+            print_rule(&format!("  override {shown:?}"), o, envoy(&name));
             if o.leasing() == Leasing::Rate {
                 rated = true;
                 rated_b = rated_b.min(o.capacity().get());
@@ -553,13 +570,6 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
             (rated_b / 5).max(1)
         );
     }
-    // By the rule names listed above (a descriptor's value may have been made one).
-    let to_envoy: Vec<&str> = (domains.limits().into_values())
-        .filter_map(|l| match &l.action {
-            leasehold_serve::config::Action::Rule(r) if l.failure_to_envoy => Some(r.as_str()),
-            _ => None,
-        })
-        .collect();
     if !to_envoy.is_empty() {
         println!(
             "on failure: {} limit(s) with no leasehold.on_failure ({}{}) answer a store outage \

@@ -271,6 +271,11 @@ fn check_config_reads_ratelimit_yaml() {
         .find(|l| l.starts_with("on failure:"))
         .unwrap_or_else(|| panic!("no failure note: {stdout}"));
     assert!(note.contains(listed), "{listed} not named so in: {note}");
+    // Its row says the same: Envoy decides (it said fail_closed, the rule's own default).
+    let row = (stdout.lines())
+        .find(|l| l.starts_with(listed))
+        .unwrap_or_default();
+    assert!(row.ends_with("Envoy's (gRPC), 503 (HTTP)"), "{row}");
     let bad = dir.path().join("bad.yml");
     std::fs::write(
         &bad,

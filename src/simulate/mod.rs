@@ -383,8 +383,8 @@ fn notes(r: &RunReport) -> Vec<String> {
     if let Some(c) = &r.coordinator {
         out.push(format!(
             "coordinator (leasehold run, {} instance(s)): {} split(s) started; measured from agent \
-             reports, each agent's first one its baseline: {} tokens admitted after it, worst \
-             overshoot {:.4}\n",
+             reports, each agent's first one its baseline: {} tokens admitted after it (the \
+             warm-up included, unlike the table), worst overshoot {:.4}\n",
             c.instances, c.splits, c.admitted, c.worst_overshoot
         ));
     }

@@ -269,7 +269,8 @@ fn serve_s_page_lists_the_yaml_s_rules_and_the_addresses_it_shows_work() {
     let (status, page) = http(addr, "GET", "/", &[], "");
     assert_eq!(status, 200, "{page}");
     assert!(page.contains("<code>gw.api_key</code>"), "{page}");
-    assert!(page.contains("5 per minute"), "{page}");
+    // The limit and the bucket behind it (B, and how it is leased).
+    assert!(page.contains("5 per minute (B 5, auto leasing)"), "{page}");
     assert!(page.contains("unlimited"), "{page}");
     // A value is text, never markup.
     assert!(

@@ -103,6 +103,7 @@ pub fn render(decider: &Decider) -> String {
         escape(&health)
     );
     let limits = domains.limits();
+    let summaries = rules.summaries();
     if !limits.is_empty() {
         let _ = write!(
             out,
@@ -121,10 +122,15 @@ pub fn render(decider: &Decider) -> String {
             let what = match &l.action {
                 Action::Unlimited => "unlimited: always OK, not counted".to_owned(),
                 Action::DenyAll => "requests_per_unit 0: always over the limit".to_owned(),
-                Action::Rule(_) => format!(
-                    "{} per {}{}",
+                Action::Rule(r) => format!(
+                    "{} per {}{}{}",
                     l.requests_per_unit,
                     l.unit.map_or("?", |u| u.name()),
+                    // The bucket behind it: its capacity (B) and how it is leased.
+                    (summaries.iter()).find(|s| s.name == r.as_str()).map_or(
+                        String::new(),
+                        |s| format!(" (B {}, {} leasing)", s.capacity, s.leasing)
+                    ),
                     if l.shadow {
                         " (shadow: never enforced)"
                     } else {
@@ -148,8 +154,7 @@ pub fn render(decider: &Decider) -> String {
         out.push_str("</table>");
     }
     let yaml_rule = |name: &str| domains.has_rule(name) || name.starts_with("_limit.");
-    let own: Vec<RuleSummary> = rules
-        .summaries()
+    let own: Vec<RuleSummary> = summaries
         .into_iter()
         .filter(|s| !yaml_rule(s.name.split(' ').next_back().unwrap_or_default()))
         .collect();

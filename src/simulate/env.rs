@@ -45,20 +45,17 @@ impl std::str::FromStr for StoreChoice {
             "spawn" => Ok(Self::Spawn),
             "spawn-replica" => Ok(Self::SpawnReplica),
             "cluster-spawn" => Ok(Self::ClusterSpawn),
-            // A malformed address is refused before anything starts, in words that show
-            // none of it.
-            url if (url.starts_with("redis://") || url.starts_with("rediss://"))
+            // A malformed address (one Redis or a cluster's nodes) is refused before anything
+            // starts, in words that show none of it.
+            url if ["redis://", "rediss://", "cluster://"]
+                .iter()
+                .any(|p| url.starts_with(p))
                 && let Some(why) = leasehold_store::secret::shape_problem(url) =>
             {
                 Err(format!("store address: {why}"))
             }
             url if url.starts_with("redis://") || url.starts_with("rediss://") => {
                 Ok(Self::Redis(url.to_owned()))
-            }
-            list if list.starts_with("cluster://")
-                && let Some(why) = leasehold_store::secret::shape_problem(list) =>
-            {
-                Err(format!("store address: {why}"))
             }
             // The first node's credentials are every node's, as the library takes them.
             list if list.starts_with("cluster://") => Ok(Self::Cluster(

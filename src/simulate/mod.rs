@@ -239,12 +239,10 @@ pub(crate) fn table(r: &RunReport) -> String {
 /// neighbours weigh on both systems alike, and their median, are what a shared machine
 /// can compare.
 pub(crate) fn medians(runs: &[RunReport]) -> String {
-    fn lh(r: &RunReport) -> Option<&SystemReport> {
-        r.systems
-            .iter()
-            .find(|(n, _)| n == "leasehold")
-            .map(|(_, s)| s)
+    fn system<'a>(r: &'a RunReport, name: &str) -> Option<&'a SystemReport> {
+        r.systems.iter().find(|(n, _)| n == name).map(|(_, s)| s)
     }
+    let lh = |r| system(r, "leasehold");
     let mut out = String::new();
     let worst = (runs.iter().filter_map(lh))
         .map(|s| s.overshoot_1s.max(s.overshoot_10s))
@@ -282,10 +280,7 @@ pub(crate) fn medians(runs: &[RunReport]) -> String {
             ("p99", vec![]),
         ];
         for r in runs {
-            let (Some(l), Some(b)) = (
-                lh(r),
-                r.systems.iter().find(|(n, _)| n == name).map(|(_, s)| s),
-            ) else {
+            let (Some(l), Some(b)) = (lh(r), system(r, name)) else {
                 continue;
             };
             cols[0].1.push(l.decisions_per_sec / b.decisions_per_sec);

@@ -520,14 +520,18 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
         "rule / override", "capacity", "rate", "lease max", "leasing", "ttl/term", "mode", "shadow"
     );
     let mut overrides = 0;
-    let mut rated = false;
-    // The smallest capacity leased by rate: what bounds how many gateways can hold a burst.
+    // The smallest capacity leased by rate (none: u64::MAX): what bounds how many gateways
+    // can hold a burst.
+    let rate_capacity = |r: &leasehold::core::Rule| {
+        if r.leasing() == Leasing::Rate {
+            r.capacity().get()
+        } else {
+            u64::MAX
+        }
+    };
     let mut rated_b = u64::MAX;
     for r in rules.iter() {
-        if r.leasing() == Leasing::Rate {
-            rated = true;
-            rated_b = rated_b.min(r.capacity().get());
-        }
+        rated_b = rated_b.min(rate_capacity(r));
         let name = r.name().to_string();
         print_rule(&name, r, envoy(&name));
         for (subject, o) in rules
@@ -541,14 +545,11 @@ fn check_config(file: &std::path::Path, merge: bool) -> ExitCode {
                 shown.push('…');
             }
             print_rule(&format!("  override {shown:?}"), o, envoy(&name));
-            if o.leasing() == Leasing::Rate {
-                rated = true;
-                rated_b = rated_b.min(o.capacity().get());
-            }
+            rated_b = rated_b.min(rate_capacity(o));
             overrides += 1;
         }
     }
-    if rated {
+    if rated_b < u64::MAX {
         println!(
             "rate: each gateway holds a share of the rate and a burst for the term, renewed at \
              three quarters of it (a second before its end past 4 s); the term is shorter \

@@ -15,6 +15,14 @@ fn leasehold(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `check-config` on a file named `name` holding `text` (in a temporary folder).
+fn check_config_of(name: &str, text: &str) -> (bool, String, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write");
+    leasehold(&["check-config", path.to_str().expect("utf-8 path")])
+}
+
 /// The example files: the rules file, and the envoyproxy/ratelimit file the README's and
 /// docs/serve.md's serve commands name.
 #[test]
@@ -50,7 +58,6 @@ fn check_config_accepts_the_example_files() {
 
 #[test]
 fn check_config_names_what_is_wrong() {
-    let dir = tempfile::tempdir().expect("tempdir");
     let cases = [
         ("[rules.a]\ncapacity = 10\nrate = \"0/s\"\n", "rule a: rate"),
         (
@@ -64,10 +71,8 @@ fn check_config_names_what_is_wrong() {
         ("[rules.a]\ncapacity = 10\n", "rate"),
         ("not toml at all [", "rules file"),
     ];
-    for (i, (text, want)) in cases.iter().enumerate() {
-        let path = dir.path().join(format!("bad{i}.toml"));
-        std::fs::write(&path, text).expect("write");
-        let (ok, _, stderr) = leasehold(&["check-config", path.to_str().expect("utf-8 path")]);
+    for (text, want) in cases {
+        let (ok, _, stderr) = check_config_of("bad.toml", text);
         assert!(!ok, "accepted {text:?}");
         assert!(stderr.contains(want), "for {text:?}: {stderr}");
     }
@@ -79,15 +84,11 @@ fn check_config_names_what_is_wrong() {
 /// share needs a burst out of B), and what serves a small B shared by many.
 #[test]
 fn check_config_says_how_many_gateways_a_rate_leased_capacity_suits() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("rate.toml");
-    std::fs::write(
-        &path,
+    let (ok, stdout, stderr) = check_config_of(
+        "rate.toml",
         "[rules.big]\ncapacity = 20000\nrate = \"20000/s\"\nleasing = \"rate\"\n\
          [rules.small]\ncapacity = 100\nrate = \"20000/s\"\nleasing = \"rate\"\n",
-    )
-    .expect("write");
-    let (ok, stdout, stderr) = leasehold(&["check-config", path.to_str().expect("utf-8 path")]);
+    );
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("the smallest here, 100, suits about 20 gateways"),
@@ -238,16 +239,12 @@ fn a_malformed_address_is_explained() {
 /// check a file without starting serve), and names what is wrong in a bad one.
 #[test]
 fn check_config_reads_ratelimit_yaml() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let good = dir.path().join("rls.yaml");
-    std::fs::write(
-        &good,
+    let (ok, stdout, stderr) = check_config_of(
+        "rls.yaml",
         "domain: messaging\ndescriptors:\n  - key: message_type\n    value: marketing\n    \
          descriptors:\n      - key: to_number\n        rate_limit: {unit: day, requests_per_unit: 5}\n  \
          - key: to_number\n    rate_limit: {unit: day, requests_per_unit: 100}\n",
-    )
-    .expect("write");
-    let (ok, stdout, stderr) = leasehold(&["check-config", good.to_str().expect("utf-8")]);
+    );
     assert!(ok, "{stderr}");
     assert!(
         stdout.contains("domain(s) messaging")
@@ -276,13 +273,10 @@ fn check_config_reads_ratelimit_yaml() {
         .find(|l| l.starts_with(listed))
         .unwrap_or_default();
     assert!(row.ends_with("Envoy's (gRPC), 503 (HTTP)"), "{row}");
-    let bad = dir.path().join("bad.yml");
-    std::fs::write(
-        &bad,
+    let (ok, _, stderr) = check_config_of(
+        "bad.yml",
         "domain: x\ndescriptors:\n  - key: a\n    rate_limit: {unit: fortnight, requests_per_unit: 5}\n",
-    )
-    .expect("write");
-    let (ok, _, stderr) = leasehold(&["check-config", bad.to_str().expect("utf-8")]);
+    );
     assert!(!ok && stderr.contains("\"fortnight\""), "{stderr}");
 }
 

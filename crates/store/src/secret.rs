@@ -75,9 +75,56 @@ pub fn shape_problem(address: &str) -> Option<String> {
                     && host_problem(p.hosts, true) == Some(NO_PORT))
                 && (p.path.is_empty() || p.path_ok) =>
         {
-            None
+            query_problem(address, &p)
         }
         _ => Some(what_is_wrong(address)),
+    }
+}
+
+/// What is wrong with the `?…` or `#…` that ends a well-formed address, or `None`.
+/// redis-rs reads only `?protocol=` (resp2 or resp3) there, and `#insecure` on
+/// rediss://, and drops anything else without a word: `?db=2` would leave the database
+/// at 0, `?password=…` connect with none. Names only the parameters it knows by name (a
+/// password can stand anywhere in a mistyped address).
+fn query_problem(address: &str, p: &Parts) -> Option<String> {
+    let q = p.query?;
+    // Parts splits at the first `?` or `#`: which of them it was.
+    let (query, fragment) = if address[..address.len() - q.len()].ends_with('#') {
+        (None, Some(q))
+    } else {
+        match q.split_once('#') {
+            Some((q, f)) => (Some(q), Some(f)),
+            None => (Some(q), None),
+        }
+    };
+    let read = "only `?protocol=resp2` (or `resp3`) is read there, and `#insecure` on rediss://";
+    for item in query.into_iter().flat_map(|q| q.split('&')) {
+        match item.split_once('=').map_or(item, |(name, _)| name) {
+            "" | "protocol" => {}
+            "db" => {
+                return Some(format!(
+                    "`?db=` is not read: the database goes in the path, \
+                     redis://HOST:PORT/DB ({read})"
+                ));
+            }
+            name @ ("user" | "username" | "pass" | "password") => {
+                return Some(format!(
+                    "`?{name}=` is not read: credentials go before the host, \
+                     redis://USER:PASSWORD@HOST:PORT, a password with `@ : / ? # %` in it \
+                     percent-encoded ({read})"
+                ));
+            }
+            _ => {
+                return Some(format!(
+                    "it ends in a parameter redis-rs would ignore: {read}"
+                ));
+            }
+        }
+    }
+    match fragment {
+        None | Some("") => None,
+        Some("insecure") if p.scheme == "rediss" => None,
+        Some(_) => Some(format!("it ends in a `#…` redis-rs does not read: {read}")),
     }
 }
 
@@ -414,6 +461,61 @@ mod tests {
         assert!(!why.contains("hunter2"), "{why}");
         let why = shape_problem("cluster://a:1,,b:2").unwrap_or_default();
         assert!(why.contains("node 2 of 3: it is empty"), "{why}");
+    }
+
+    /// redis-rs drops a query parameter it does not read without a word: refused, by
+    /// name when it is one it knows, its value never shown.
+    #[test]
+    fn a_query_redis_rs_would_ignore_is_refused() {
+        for good in [
+            "redis://h:1/0?protocol=resp3",
+            "redis://h:1?protocol=2",
+            "rediss://:pw@h:1/2#insecure",
+            "rediss://h:1?protocol=resp3#insecure",
+            "redis://h:1/?",
+        ] {
+            assert_eq!(shape_problem(good), None, "{good}");
+        }
+        let pw = "Zq9-secret";
+        for (bad, says) in [
+            (
+                "redis://h:1?db=2".to_owned(),
+                "`?db=` is not read: the database goes in the path",
+            ),
+            (
+                format!("redis://h:1/0?password={pw}"),
+                "`?password=` is not read: credentials go",
+            ),
+            (
+                format!("rediss://h:1?user=app&pass={pw}"),
+                "`?user=` is not read",
+            ),
+            (
+                format!("redis://h:1?{pw}"),
+                "a parameter redis-rs would ignore",
+            ),
+            (
+                format!("redis://h:1?protocol=resp3&{pw}=1"),
+                "a parameter redis-rs would ignore",
+            ),
+            (
+                "redis://h:1#insecure".to_owned(),
+                "a `#…` redis-rs does not read",
+            ),
+            (
+                format!("rediss://h:1#{pw}"),
+                "a `#…` redis-rs does not read",
+            ),
+            (
+                format!("cluster://a:1,b:2?password={pw}"),
+                "`?password=` is not read",
+            ),
+        ] {
+            let why = shape_problem(&bad).unwrap_or_default();
+            assert!(why.contains(says), "{bad}: {why}");
+            assert!(!why.contains("Zq9"), "{bad}: {why}");
+            assert!(!redact(&bad).contains("Zq9"), "{bad}");
+        }
     }
 
     /// A refused address is explained in words, not redis-rs's "InvalidClientConfig".

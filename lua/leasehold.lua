@@ -135,15 +135,15 @@ local function bucket_key(key)
   return #key <= 512 and sfind(key, '^lh:{[%w%._%-]+|[^{}|]+}$') ~= nil
 end
 
+-- Plain bucket keys seen valid, kept as agents_seen are: a hot key's calls match the
+-- pattern once (it cost an acquire 2%).
+local plain_seen, plain_kept, PLAIN_KEPT = {}, 0, 4096
+
 -- The one key a call may touch (I7): a bucket key as key.rs builds it, lh:{RULE|SUBJECT},
 -- a split part's, lh:{RULE|SUBJECT|SALT.PART}, or a region's, lh:{RULE|SUBJECT|region}.
 -- Part arguments come with a part key and only with one; a region's key takes its floor
 -- there instead. Checked before anything is read or written, so a foreign key (an
 -- application's hash, say) is never touched.
--- Plain bucket keys seen valid, kept as agents_seen are: a hot key's calls match the
--- pattern once (it cost an acquire 2%).
-local plain_seen, plain_kept, PLAIN_KEPT = {}, 0, 4096
-
 local function the_key(keys, p)
   if #keys ~= 1 then fail('LH_ARG exactly one key expected, got ' .. #keys) end
   local key = keys[1]

@@ -97,6 +97,29 @@ impl Rate {
         self.period_us
     }
 
+    /// This rate for a bucket of `capacity` whose arithmetic must stay within `max_units`
+    /// (`capacity * period_us + tokens <= max_units`): itself when it fits, else the
+    /// nearest rate below it over a period short enough, `floor(tokens * d / period_us)`
+    /// every `d` µs (short by less than one of those tokens: 86 401/day at B = 86 401 runs
+    /// as 52 123 every 52 123 185 854 µs, 0.0015% short); `None` when not even one token
+    /// fits.
+    pub fn within_units(self, capacity: u64, max_units: u64) -> Option<Self> {
+        let fits = |r: &Self| {
+            u128::from(capacity) * u128::from(r.period_us) + u128::from(r.tokens)
+                <= u128::from(max_units)
+        };
+        if fits(&self) {
+            return Some(self);
+        }
+        // d * (capacity + ceil(tokens / period)) <= max_units keeps the new rate within.
+        let per_us_ceil = self.tokens.div_ceil(self.period_us);
+        let d = max_units / capacity.checked_add(per_us_ceil)?.checked_add(1)?;
+        let tokens = u128::from(self.tokens) * u128::from(d) / u128::from(self.period_us);
+        let tokens = NonZeroU64::new(u64::try_from(tokens).ok()?)?;
+        let r = Self::new(tokens, Duration::from_micros(d)).ok()?;
+        fits(&r).then_some(r)
+    }
+
     /// Tokens per second, for display and metrics only; never used in bucket math.
     pub fn per_sec_f64(&self) -> f64 {
         self.tokens as f64 * 1e6 / self.period_us as f64
@@ -156,6 +179,33 @@ pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rate_too_fine_for_its_capacity_is_approximated_from_below() {
+        let units = 1u64 << 52;
+        let day: Rate = "86401/day".parse().unwrap();
+        let r = day.within_units(86_401, units).unwrap();
+        assert!(
+            u128::from(86_401u64) * u128::from(r.period_us()) + u128::from(r.tokens())
+                <= u128::from(units)
+        );
+        // At most the rate asked, and within 0.01% of it.
+        assert!(
+            u128::from(r.tokens()) * u128::from(day.period_us())
+                <= u128::from(day.tokens()) * u128::from(r.period_us())
+        );
+        let (asked, got) = (day.per_sec_f64(), r.per_sec_f64());
+        assert!(got <= asked && got > asked * 0.9999, "{asked} {got}");
+        // A rate that fits is itself; one that cannot hold a token is refused.
+        let s: Rate = "1000/s".parse().unwrap();
+        assert_eq!(s.within_units(1000, units), Some(s));
+        assert_eq!(s.within_units(units, units), None);
+        let year: Rate = "4294967295/365d".parse().unwrap();
+        let r = year.within_units(4_294_967_295, units).unwrap();
+        assert!(
+            r.per_sec_f64() <= year.per_sec_f64() && r.per_sec_f64() > year.per_sec_f64() * 0.99
+        );
+    }
 
     #[test]
     fn parses_and_reduces() {

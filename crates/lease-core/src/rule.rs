@@ -545,7 +545,12 @@ impl Rule {
             rule: rule(),
             source,
         })?;
-        // Keeps every product of the bucket arithmetic exact in Lua doubles.
+        // Keeps every product of the bucket arithmetic exact in Lua doubles: a rate whose
+        // lowest terms are too fine for the capacity (86 401/day at B = 86 401: a period of
+        // 86 400 s in µs) runs at the nearest rate below it that fits.
+        let rate = rate
+            .within_units(capacity.get(), MAX_BUCKET_UNITS)
+            .unwrap_or(rate);
         let bound =
             u128::from(capacity.get()) * u128::from(rate.period_us()) + u128::from(rate.tokens());
         if bound > u128::from(MAX_BUCKET_UNITS) {
@@ -1216,6 +1221,22 @@ mod tests {
         assert_eq!(r.failure_policy(), FailurePolicy::FailClosed);
         assert_eq!(r.lease_max().get(), 12);
         assert_eq!(r.bucket_params().mode, Mode::Strict);
+    }
+
+    /// envoyproxy/ratelimit's `requests_per_unit: 86401, unit: day` (capacity 86 401, a
+    /// rate whose lowest terms need the day in µs) loads, a hair under the rate asked.
+    #[test]
+    fn a_day_limit_that_does_not_divide_the_day_loads_a_hair_under() {
+        for (n, per) in [(86_401u64, "86400s"), (100_001, "2592000s"), (1_234_567, "86400s")] {
+            let r = Rule::from_spec("a", &spec(n, &format!("{n}/{per}"))).unwrap();
+            let asked: Rate = format!("{n}/{per}").parse().unwrap();
+            let (got, want) = (r.rate().per_sec_f64(), asked.per_sec_f64());
+            assert!(got <= want && got > want * 0.999, "{n}/{per}: {got} against {want}");
+            assert!(
+                u128::from(n) * u128::from(r.rate().period_us()) + u128::from(r.rate().tokens())
+                    <= u128::from(MAX_BUCKET_UNITS)
+            );
+        }
     }
 
     #[test]

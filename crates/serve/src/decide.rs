@@ -183,31 +183,33 @@ impl Decider {
     }
 
     /// The rule of a descriptor's own limit, made (and given to the limiter) the first
-    /// time it is named; `None` past [`MAX_OVERRIDE_LIMITS`].
-    fn override_rule(&self, rpu: u32, unit: Unit) -> Option<String> {
+    /// time it is named; why not, past [`MAX_OVERRIDE_LIMITS`] or when the rule is
+    /// refused.
+    fn override_rule(&self, rpu: u32, unit: Unit) -> Result<String, String> {
         let name = format!("_limit.{rpu}-per-{}", unit.name());
         let mut overrides = self
             .overrides
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         if overrides.contains_key(&(rpu, unit)) {
-            return Some(name);
+            return Ok(name);
         }
         if overrides.len() >= MAX_OVERRIDE_LIMITS {
-            return None;
+            return Err(format!(
+                "{MAX_OVERRIDE_LIMITS} distinct descriptor limits are kept already"
+            ));
         }
         let spec = RuleSpec::new(u64::from(rpu), format!("{rpu}/{}s", unit.seconds()));
-        let rule = Rule::from_spec(&name, &spec).ok()?;
+        let rule = Rule::from_spec(&name, &spec).map_err(|e| e.to_string())?;
         overrides.insert((rpu, unit), rule);
         let domains = self.domains.load();
         if let Err(e) =
             (self.limiter).set_rules(&with_overrides(&domains.rules(), overrides.values()))
         {
-            tracing::error!(error = %e, limit = %name, "a request's limit was refused");
             overrides.remove(&(rpu, unit));
-            return None;
+            return Err(e.to_string());
         }
-        Some(name)
+        Ok(name)
     }
 
     /// Decides a request of `domain` with `descriptors` (a domain not configured: every
@@ -507,12 +509,12 @@ impl Decider {
             Action::Unlimited
         } else {
             match self.override_rule(rpu, unit) {
-                Some(rule) => Action::Rule(rule.into()),
-                None => {
+                Ok(rule) => Action::Rule(rule.into()),
+                Err(why) => {
                     tracing::warn!(
-                        max = MAX_OVERRIDE_LIMITS,
-                        "descriptor limits: as many distinct limits as kept; this one is \
-                         not applied (the YAML's applies)"
+                        limit = %format!("{rpu}/{}", unit.name()),
+                        why = %why,
+                        "a descriptor's own limit is not applied (the YAML's applies)"
                     );
                     let m = domains.find(domain, &d.entries)?;
                     return Some(Found {

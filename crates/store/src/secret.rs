@@ -82,8 +82,8 @@ pub fn shape_problem(address: &str) -> Option<String> {
 }
 
 /// What is wrong with the `?…` or `#…` that ends a well-formed address, or `None`.
-/// redis-rs reads only `?protocol=` (resp2 or resp3) there, and `#insecure` on
-/// rediss://, and drops anything else without a word: `?db=2` would leave the database
+/// redis-rs reads only `?protocol=` (resp2 or resp3) there (and `#insecure` on
+/// rediss://, which this build cannot honour), and drops anything else without a word: `?db=2` would leave the database
 /// at 0, `?password=…` connect with none. Names only the parameters it knows by name (a
 /// password can stand anywhere in a mistyped address).
 fn query_problem(address: &str, p: &Parts) -> Option<String> {
@@ -97,7 +97,7 @@ fn query_problem(address: &str, p: &Parts) -> Option<String> {
             None => (Some(q), None),
         }
     };
-    let read = "only `?protocol=resp2` (or `resp3`) is read there, and `#insecure` on rediss://";
+    let read = "only `?protocol=resp2` (or `resp3`) is read there";
     for item in query.into_iter().flat_map(|q| q.split('&')) {
         match item.split_once('=').map_or(item, |(name, _)| name) {
             "" | "protocol" => {}
@@ -123,7 +123,13 @@ fn query_problem(address: &str, p: &Parts) -> Option<String> {
     }
     match fragment {
         None | Some("") => None,
-        Some("insecure") if p.scheme == "rediss" => None,
+        // redis-rs would take it on rediss://, then fail at every connection: skipping
+        // the certificate check is not built in.
+        Some("insecure") => Some(
+            "`#insecure` (no check of the server's certificate) is not supported: give the \
+             server's CA instead (--redis-ca-file, LEASEHOLD_REDIS_CA_FILE)"
+                .into(),
+        ),
         Some(_) => Some(format!("it ends in a `#…` redis-rs does not read: {read}")),
     }
 }
@@ -201,8 +207,13 @@ pub fn redact_in(text: &str, address: &str) -> String {
                 maybe.push(p.path.trim_start_matches('/'));
             }
             if let Some(q) = p.query {
+                // Each parameter's value, or the whole of one without `=` (a password typed
+                // there); a name before `=` stays, so that a message can say `?db=`.
                 maybe.push(q);
-                maybe.extend(q.split(['&', '=']));
+                maybe.extend(
+                    q.split(['&', '#'])
+                        .map(|i| i.split_once('=').map_or(i, |(_, v)| v)),
+                );
             }
             secrets.extend(
                 maybe
@@ -470,8 +481,7 @@ mod tests {
         for good in [
             "redis://h:1/0?protocol=resp3",
             "redis://h:1?protocol=2",
-            "rediss://:pw@h:1/2#insecure",
-            "rediss://h:1?protocol=resp3#insecure",
+            "rediss://h:1?protocol=resp3#",
             "redis://h:1/?",
         ] {
             assert_eq!(shape_problem(good), None, "{good}");
@@ -500,7 +510,11 @@ mod tests {
             ),
             (
                 "redis://h:1#insecure".to_owned(),
-                "a `#…` redis-rs does not read",
+                "`#insecure` (no check of the server's",
+            ),
+            (
+                "rediss://h:1/2#insecure".to_owned(),
+                "give the server's CA instead",
             ),
             (
                 format!("rediss://h:1#{pw}"),

@@ -1227,11 +1227,18 @@ mod tests {
     /// rate whose lowest terms need the day in µs) loads, a hair under the rate asked.
     #[test]
     fn a_day_limit_that_does_not_divide_the_day_loads_a_hair_under() {
-        for (n, per) in [(86_401u64, "86400s"), (100_001, "2592000s"), (1_234_567, "86400s")] {
+        for (n, per) in [
+            (86_401u64, "86400s"),
+            (100_001, "2592000s"),
+            (1_234_567, "86400s"),
+        ] {
             let r = Rule::from_spec("a", &spec(n, &format!("{n}/{per}"))).unwrap();
             let asked: Rate = format!("{n}/{per}").parse().unwrap();
             let (got, want) = (r.rate().per_sec_f64(), asked.per_sec_f64());
-            assert!(got <= want && got > want * 0.999, "{n}/{per}: {got} against {want}");
+            assert!(
+                got <= want && got > want * 0.999,
+                "{n}/{per}: {got} against {want}"
+            );
             assert!(
                 u128::from(n) * u128::from(r.rate().period_us()) + u128::from(r.rate().tokens())
                     <= u128::from(MAX_BUCKET_UNITS)

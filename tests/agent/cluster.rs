@@ -163,11 +163,20 @@ fn a_planned_cluster_failover_under_load_admits_at_most_the_bound() {
     let rule = RuleName::new("hot").unwrap();
     let slot = BucketKey::new(&rule, "tenant").unwrap().slot();
     let primary = c.owner(slot).unwrap();
-    let replicas: Vec<String> = c
-        .node(primary.port)
-        .unwrap()
-        .cmd(&["CLUSTER", "REPLICAS", &primary.id])
-        .unwrap();
+    // The primary learns of its replica by gossip: synced replicas can still be missing
+    // from its list for a moment on a busy machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let replicas: Vec<String> = loop {
+        let r: Vec<String> = c
+            .node(primary.port)
+            .unwrap()
+            .cmd(&["CLUSTER", "REPLICAS", &primary.id])
+            .unwrap();
+        if !r.is_empty() || std::time::Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     let replica_port: u16 = replicas
         .first()
         .and_then(|line| line.split_whitespace().nth(1))

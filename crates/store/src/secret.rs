@@ -82,10 +82,10 @@ pub fn shape_problem(address: &str) -> Option<String> {
 }
 
 /// What is wrong with the `?…` or `#…` that ends a well-formed address, or `None`.
-/// redis-rs reads only `?protocol=` (resp2 or resp3) there (and `#insecure` on
-/// rediss://, which this build cannot honour), and drops anything else without a word: `?db=2` would leave the database
-/// at 0, `?password=…` connect with none. Names only the parameters it knows by name (a
-/// password can stand anywhere in a mistyped address).
+/// redis-rs reads only `?protocol=` (resp2 or resp3) there (and `#insecure` on rediss://,
+/// which this build cannot honour), and drops anything else without a word: `?db=2`
+/// would leave the database at 0, `?password=…` connect with none. Names only the
+/// parameters it knows by name (a password can stand anywhere in a mistyped address).
 fn query_problem(address: &str, p: &Parts) -> Option<String> {
     let q = p.query?;
     // Parts splits at the first `?` or `#`: which of them it was.

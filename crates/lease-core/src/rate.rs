@@ -104,11 +104,7 @@ impl Rate {
     /// as 52 123 every 52 123 185 854 µs, 0.0015% short); `None` when not even one token
     /// fits.
     pub fn within_units(self, capacity: u64, max_units: u64) -> Option<Self> {
-        let fits = |r: &Self| {
-            u128::from(capacity) * u128::from(r.period_us) + u128::from(r.tokens)
-                <= u128::from(max_units)
-        };
-        if fits(&self) {
+        if self.fits_units(capacity, max_units) {
             return Some(self);
         }
         // d * (capacity + ceil(tokens / period)) <= max_units keeps the new rate within.
@@ -117,7 +113,20 @@ impl Rate {
         let tokens = u128::from(self.tokens) * u128::from(d) / u128::from(self.period_us);
         let tokens = NonZeroU64::new(u64::try_from(tokens).ok()?)?;
         let r = Self::new(tokens, Duration::from_micros(d)).ok()?;
-        fits(&r).then_some(r)
+        r.fits_units(capacity, max_units).then_some(r)
+    }
+
+    /// Whether a bucket of `capacity` at this rate keeps its arithmetic within
+    /// `max_units`: `capacity * period_us + tokens <= max_units`.
+    pub fn fits_units(&self, capacity: u64, max_units: u64) -> bool {
+        u128::from(capacity) * u128::from(self.period_us) + u128::from(self.tokens)
+            <= u128::from(max_units)
+    }
+
+    /// Thousandths of a token per second, rounded down (at most `u64::MAX`).
+    pub fn milli_per_sec(&self) -> u64 {
+        let milli = u128::from(self.tokens) * 1_000_000_000 / u128::from(self.period_us);
+        u64::try_from(milli).unwrap_or(u64::MAX)
     }
 
     /// Tokens per second, for display and metrics only; never used in bucket math.

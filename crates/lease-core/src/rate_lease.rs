@@ -313,12 +313,6 @@ pub struct RatePolicy {
     cap_milli: u64,
 }
 
-/// A rule's rate in thousandths of a token per second.
-fn rate_milli(p: &BucketParams) -> u64 {
-    let milli = u128::from(p.rate.tokens()) * 1_000_000_000 / u128::from(p.rate.period_us().max(1));
-    u64::try_from(milli).unwrap_or(u64::MAX).max(1)
-}
-
 fn changed(now: u64, reported: u64) -> bool {
     now > 2 * reported.max(1) || now * 2 < reported
 }
@@ -621,7 +615,8 @@ impl RateKey {
     /// than given up and asked again from a level that may be empty.
     pub fn call(&mut self, cell: &Cell, p: &BucketParams, now_ns: u64) -> Op {
         self.sync(cell, now_ns);
-        self.policy.cap_milli = rate_milli(p);
+        // At least 1: 0 would read as not known.
+        self.policy.cap_milli = p.rate.milli_per_sec().max(1);
         let demand = self.policy.calling(now_ns);
         // Demand is in thousandths of a token per second.
         let half = (demand / 2_000).clamp(1, p.capacity);

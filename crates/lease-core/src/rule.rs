@@ -548,12 +548,7 @@ impl Rule {
         // Keeps every product of the bucket arithmetic exact in Lua doubles: a rate whose
         // lowest terms are too fine for the capacity (86 401/day at B = 86 401: a period of
         // 86 400 s in µs) runs at the nearest rate below it that fits.
-        let rate = rate
-            .within_units(capacity.get(), MAX_BUCKET_UNITS)
-            .unwrap_or(rate);
-        let bound =
-            u128::from(capacity.get()) * u128::from(rate.period_us()) + u128::from(rate.tokens());
-        if bound > u128::from(MAX_BUCKET_UNITS) {
+        let Some(rate) = rate.within_units(capacity.get(), MAX_BUCKET_UNITS) else {
             return Err(RuleError::Range {
                 rule: rule(),
                 field: "capacity",
@@ -565,7 +560,7 @@ impl Rule {
                     rate.period_us(),
                 ),
             });
-        }
+        };
         let range = |field, value: u64, why: String| RuleError::Range {
             rule: rule(),
             field,
@@ -928,10 +923,7 @@ impl Rule {
                 (Some(n), Some(d)) => Rate::new(n, Duration::from_micros(d)).ok(),
                 _ => None,
             };
-            r.filter(|r| {
-                u128::from(tokens) * u128::from(r.period_us()) + u128::from(r.tokens())
-                    <= u128::from(MAX_BUCKET_UNITS)
-            })
+            r.filter(|r| r.fits_units(tokens, MAX_BUCKET_UNITS))
         };
         let (Some(seat_rate), Some(global_rate)) =
             (part(seat.get()), part(b - seat.get() * agents))
@@ -1105,9 +1097,7 @@ impl Rule {
                         self.rate.per_sec_f64()
                     ));
                 };
-                let units = u128::from(capacity.get()) * u128::from(rate.period_us())
-                    + u128::from(rate.tokens());
-                if units > u128::from(MAX_BUCKET_UNITS) {
+                if !rate.fits_units(capacity.get(), MAX_BUCKET_UNITS) {
                     return Err(format!(
                         "rule {name}: region {region:?}'s share needs a shorter rate period"
                     ));

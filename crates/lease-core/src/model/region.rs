@@ -99,12 +99,6 @@ impl RegionState {
     }
 }
 
-/// The rule's rate, thousandths of a token per second.
-fn rule_milli(global: &BucketParams) -> u64 {
-    let r = u128::from(global.rate.tokens()) * 1_000_000_000 / u128::from(global.rate.period_us());
-    u64::try_from(r).unwrap_or(u64::MAX)
-}
-
 /// How a broker runs its keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BrokerConfig {
@@ -266,7 +260,7 @@ impl KeyBroker {
                 // refused until this grant arrives. Ask for the rule's rate over the
                 // horizon (a round trip of a token at a time would cost a renewal).
                 if !self.acquired && rate == 0 {
-                    rate = rule_milli(global);
+                    rate = global.rate.milli_per_sec();
                 }
                 let need = u128::from(rate) * u128::from(horizon) / 1_000_000_000;
                 // What the bucket itself holds, not what its agents hold: their leases are
@@ -368,7 +362,7 @@ impl KeyBroker {
             _ => 0,
         };
         let share = u128::from(demand) * u128::from(reply.scale_ppm) / 1_000_000;
-        let rate_milli = u64::try_from(share.min(u128::from(rule_milli(global))))
+        let rate_milli = u64::try_from(share.min(u128::from(global.rate.milli_per_sec())))
             .unwrap_or(u64::MAX)
             .min(MAX_HELD);
         self.rtt_us = now.saturating_sub(sent);

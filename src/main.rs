@@ -82,6 +82,12 @@ enum Command {
         /// a value clap refused would be echoed, password and all.)
         #[arg(long, env = "LEASEHOLD_STORE", hide_env_values = true)]
         store: Option<String>,
+        /// Let a spawned Redis (spawn, spawn-replica) share the cores with the agents and
+        /// the load. By default, on two cores or more, it runs on a core of its own, as a
+        /// Redis server has its own machine: sharing, the scheduler's preemptions of Redis
+        /// set both systems' tails.
+        #[arg(long, env = "LEASEHOLD_SHARED_CORES")]
+        shared_cores: bool,
         /// Agents (gateways); default: the scenario's.
         #[arg(long, env = "LEASEHOLD_AGENTS")]
         agents: Option<usize>,
@@ -231,6 +237,7 @@ fn main() -> ExitCode {
             scenario,
             scenario_file,
             store,
+            shared_cores,
             agents,
             duration,
             warm_up,
@@ -336,6 +343,7 @@ fn main() -> ExitCode {
                 report,
                 seed,
                 progress: true,
+                shared_cores,
             };
             // A bad scenario is refused before anything is printed or started.
             if let Err(e) = opts.scenario.validate() {

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use leasehold::agent::EmbeddedStore;
 use leasehold_redis_harness::{Cluster, FaultProxy, RedisServer, ReplicaPair};
 
+use super::cores::RedisCore;
+
 /// Where the global buckets live.
 #[derive(Clone, Debug)]
 pub(crate) enum StoreChoice {
@@ -262,6 +264,23 @@ impl Env {
             StoreChoice::Redis(url) => Self::External(Target::Redis(url.clone())),
             StoreChoice::Cluster(nodes) => Self::External(Target::Cluster(nodes.clone())),
         })
+    }
+
+    /// Runs its redis-server processes on `core` (see [`RedisCore`]); again after a
+    /// fault restarts one.
+    pub(super) fn pin(&self, core: Option<&RedisCore>) -> Result<(), String> {
+        let Some(core) = core else {
+            return Ok(());
+        };
+        let servers = match self {
+            Self::Single(server) => vec![server],
+            Self::Pair { pair, .. } => vec![&pair.primary, &pair.replica],
+            Self::Embedded(_) | Self::External(_) | Self::Cluster(_) => Vec::new(),
+        };
+        for pid in servers.iter().filter_map(|s| s.pid()) {
+            core.pin(pid)?;
+        }
+        Ok(())
     }
 
     pub(super) fn target(&self) -> Target {

@@ -8,6 +8,7 @@
 //! even share of the rule (`r / agents`, `B / agents`): the usual way to run a local-only
 //! limiter behind a load balancer.
 
+mod cores;
 mod env;
 pub(crate) mod html;
 mod regions;
@@ -38,6 +39,9 @@ pub(crate) struct Options {
     pub(crate) report: Option<PathBuf>,
     pub(crate) seed: u64,
     pub(crate) progress: bool,
+    /// A spawned Redis shares the cores with the load instead of having one of its own
+    /// ([`cores`]).
+    pub(crate) shared_cores: bool,
 }
 
 /// The whole report of a run.

@@ -11,7 +11,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;
 
-use super::env::{self, Env, Target, rss_mb};
+use super::cores::RedisCore;
+use super::env::{self, Env, StoreChoice, Target, rss_mb};
 use super::report::{self};
 use super::scenario::{Pace, Scenario};
 use super::systems::{Outcome, RULE, System};
@@ -341,6 +342,13 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let rule = opts.scenario.validate()?;
     let rules =
         Rules::from_rules([Rule::from_spec(RULE, &opts.scenario.rule).map_err(|e| e.to_string())?]);
+    // Before the runtime's threads start: they inherit the cores left to this process.
+    let redis_core = match opts.store {
+        StoreChoice::Spawn | StoreChoice::SpawnReplica if !opts.shared_cores => {
+            RedisCore::reserve()?
+        }
+        _ => None,
+    };
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores)
@@ -381,7 +389,11 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     for (n, name) in names.iter().enumerate() {
         progress.set_prefix(name.clone());
         let mut env = Env::start(&opts.store)?;
+        env.pin(redis_core.as_ref())?;
         store_name = env.describe();
+        if let Some(core) = &redis_core {
+            store_name = format!("{store_name} (Redis on core {} of its own)", core.core());
+        }
         let naive_offline = Arc::new(AtomicBool::new(false));
         let rss_before = rss_mb();
         let report = rt.block_on(async {
@@ -457,7 +469,10 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
                         ("stop-coordinator" | "start-coordinator", None) => {}
                         // Restarting a node blocks this thread; the workers run on the
                         // runtime's.
-                        _ => env.fault(&f.action, &naive_offline)?,
+                        _ => {
+                            env.fault(&f.action, &naive_offline)?;
+                            env.pin(redis_core.as_ref())?;
+                        }
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;

@@ -221,6 +221,11 @@ impl RedisServer {
         log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
     }
 
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The port.
     pub fn port(&self) -> u16 {
         self.port

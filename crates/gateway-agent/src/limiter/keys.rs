@@ -325,6 +325,17 @@ impl KeyState {
                     < crate::report::REPORT_TTL_MS * 1_000_000)
     }
 
+    /// Reads what [`KeyState::idle_if_evictable`] reads of the state, to bring it into the
+    /// cache along with other keys' states.
+    #[inline]
+    pub(super) fn warm(&self) -> u64 {
+        self.without_store.load(Ordering::Relaxed)
+            ^ self.last_io_ns.load(Ordering::Relaxed)
+            ^ self.waiters.load(Ordering::Relaxed) as u64
+            ^ u64::from(self.seat.full_at(0))
+            ^ u64::from(self.region)
+    }
+
     /// How long the key has been idle, if it may leave the map to make room: inactive
     /// (no lease, no tokens held or unreported) and no caller waiting on it.
     pub(super) fn idle_if_evictable(&self, now: u64) -> Option<u64> {

@@ -46,10 +46,10 @@ pub enum RateError {
         text: String,
     },
     /// The period is shorter than one microsecond or longer than [`MAX_PERIOD_US`].
-    #[error("rate period must be between 1µs and {max_days} days (got {period_us}µs)", max_days = MAX_PERIOD_US / 86_400_000_000)]
+    #[error("rate period must be between 1µs and {max_days} days (got {})", humantime::format_duration(*period), max_days = MAX_PERIOD_US / 86_400_000_000)]
     Period {
-        /// The period given, in microseconds.
-        period_us: u128,
+        /// The period given.
+        period: Duration,
     },
     /// More than [`MAX_TOKENS_PER_SEC`] tokens per second.
     #[error("rate of {tokens} tokens per {period_us}µs exceeds {MAX_TOKENS_PER_SEC} tokens/s")]
@@ -67,7 +67,7 @@ impl Rate {
     pub fn new(tokens: NonZeroU64, period: Duration) -> Result<Self, RateError> {
         let period_us = period.as_micros();
         if period_us == 0 || period_us > u128::from(MAX_PERIOD_US) {
-            return Err(RateError::Period { period_us });
+            return Err(RateError::Period { period });
         }
         let period_us = period_us as u64;
         let tokens = tokens.get();
@@ -242,6 +242,11 @@ mod tests {
             "1/0s".parse::<Rate>(),
             Err(RateError::Period { .. })
         ));
+        // The period as given, not rounded to µs.
+        let e = "1/1ns".parse::<Rate>().unwrap_err().to_string();
+        assert!(e.contains("got 1ns"), "{e}");
+        let e = "5/0.5us".parse::<Rate>().unwrap_err().to_string();
+        assert!(e.contains("got 500ns"), "{e}");
         assert!(matches!(
             "1/1000d".parse::<Rate>(),
             Err(RateError::Period { .. })

@@ -160,6 +160,9 @@ pub fn load(path: &Path, merge: bool) -> Result<(Domains, Rules), String> {
         );
     if yaml {
         let domains = Domains::from_path_merging(path, merge).map_err(|e| e.to_string())?;
+        for line in domains.unmatched_replaces() {
+            tracing::warn!(config = %path.display(), "{line}");
+        }
         let rules = domains.rules();
         Ok((domains, rules))
     } else {

@@ -680,6 +680,34 @@ impl Domains {
         out
     }
 
+    /// Each `replaces` entry naming no limit of its domain, as a line for the log: it
+    /// replaces nothing. (envoyproxy/ratelimit loads such a file too, so it is loaded.)
+    pub fn unmatched_replaces(&self) -> Vec<String> {
+        fn walk<'a>(n: &'a Node, out: &mut Vec<&'a Limit>) {
+            out.extend(&n.limit);
+            for c in n.children.values() {
+                walk(c, out);
+            }
+        }
+        let mut lines = Vec::new();
+        for (domain, node) in &self.domains {
+            let mut limits = Vec::new();
+            walk(node, &mut limits);
+            for l in &limits {
+                for r in &l.replaces {
+                    if !limits.iter().any(|o| o.name.as_deref() == Some(r.as_str())) {
+                        lines.push(format!(
+                            "{}: replaces {r:?}, but no limit of domain {domain} has that name: \
+                             it replaces nothing",
+                            l.full_key
+                        ));
+                    }
+                }
+            }
+        }
+        lines
+    }
+
     /// True when `domain` is configured.
     pub fn has_domain(&self, domain: &str) -> bool {
         self.domains.contains_key(domain)
@@ -1042,6 +1070,14 @@ descriptors:
         assert!(e.contains("share_threshold"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: n, replaces: [{name: n}]}\n").unwrap_err();
         assert!(e.contains("replaces names its own"), "{e}");
+        // A replaces entry that names no limit is loaded, as ratelimit loads it, and said.
+        let d = load("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, name: n, replaces: [{name: m}, {name: o}]}\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, name: m}\n").unwrap_or_else(|e| panic!("{e}"));
+        let lines = d.unmatched_replaces();
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].starts_with("d.a: replaces \"o\", but no limit of domain d"),
+            "{lines:?}"
+        );
         let e = load("domain: d\ndescriptors:\n  - key: a\n  - key: a\n").unwrap_err();
         assert!(e.contains("duplicate"), "{e}");
         let e = load("domain: d\ndescriptors:\n  - key: ''\n").unwrap_err();

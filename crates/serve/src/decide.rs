@@ -9,6 +9,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -506,16 +507,28 @@ impl Decider {
         let action = if rpu == 0 {
             Action::DenyAll
         } else if u64::from(rpu) > MAX_PER_SECOND * unit.seconds() {
+            static SAID: AtomicU64 = AtomicU64::new(0);
+            if said_now(&SAID) {
+                tracing::warn!(
+                    limit = %format!("{rpu}/{}", unit.name()),
+                    "a descriptor's own limit above {MAX_PER_SECOND} a second is taken as no \
+                     limit: its requests are all OK (said at most every 10 s)"
+                );
+            }
             Action::Unlimited
         } else {
             match self.override_rule(rpu, unit) {
                 Ok(rule) => Action::Rule(rule.into()),
                 Err(why) => {
-                    tracing::warn!(
-                        limit = %format!("{rpu}/{}", unit.name()),
-                        why = %why,
-                        "a descriptor's own limit is not applied (the YAML's applies)"
-                    );
+                    static SAID: AtomicU64 = AtomicU64::new(0);
+                    if said_now(&SAID) {
+                        tracing::warn!(
+                            limit = %format!("{rpu}/{}", unit.name()),
+                            why = %why,
+                            "a descriptor's own limit is not applied (the YAML's applies; said \
+                             at most every 10 s)"
+                        );
+                    }
                     let m = domains.find(domain, &d.entries)?;
                     return Some(Found {
                         limit: Cow::Borrowed(m.limit),
@@ -769,9 +782,31 @@ fn refill_time(missing: u64, rate: leasehold_core::Rate) -> Duration {
     Duration::from_micros(leasehold_core::Level::default().time_until(missing, rate))
 }
 
+/// Whether a warning that every request could repeat is due: at most once every 10 s
+/// for each `slot` (the wall clock's seconds when it was last said).
+fn said_now(slot: &AtomicU64) -> bool {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = slot.load(Ordering::Relaxed);
+    (last == 0 || now >= last + 10)
+        && slot
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_warning_is_said_once_in_ten_seconds() {
+        let slot = AtomicU64::new(0);
+        assert!(said_now(&slot));
+        assert!(!said_now(&slot));
+        slot.fetch_sub(10, Ordering::Relaxed);
+        assert!(said_now(&slot));
+    }
 
     /// Per-value metric keys are bounded: past the cap, new keys count as `_overflow`,
     /// and keys seen before keep their own series.

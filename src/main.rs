@@ -423,7 +423,15 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(&format!("tokio runtime: {e}")),
     };
-    let done = rt.block_on(leasehold::coordinator::cli::run(args, stop_signal()));
+    // The rules as serve reads them: envoyproxy/ratelimit's YAML (its limits' rules, named
+    // as serve names them) or a Leasehold rules file.
+    let load: leasehold::coordinator::cli::LoadRules =
+        |path| leasehold_serve::cli::load(path, true).map(|(_, rules)| rules);
+    let done = rt.block_on(leasehold::coordinator::cli::run_with(
+        args,
+        stop_signal(),
+        load,
+    ));
     match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),

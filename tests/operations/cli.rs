@@ -118,6 +118,27 @@ fn coordinator_names_what_is_wrong() {
     }
     // Nothing listening on the store's port is not an error: the coordinator starts and
     // retries (tests/operations/ops_binaries.rs).
+
+    // serve's envoyproxy/ratelimit YAML is read as serve reads it: its errors are the
+    // YAML's (not a TOML parser's).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let yaml = dir.path().join("limits.yaml");
+    std::fs::write(
+        &yaml,
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {requests_per_unit: 1}\n",
+    )
+    .expect("write");
+    let (ok, _, stderr) = leasehold(&[
+        "coordinator",
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--config",
+        yaml.to_str().expect("utf-8"),
+    ]);
+    assert!(
+        !ok && stderr.contains("rate_limit needs a unit"),
+        "{stderr}"
+    );
 }
 
 /// The store's address from a file or the environment, never echoed: a malformed address

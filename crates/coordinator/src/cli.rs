@@ -2,7 +2,7 @@
 //! `leasehold coordinator`.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +18,8 @@ pub struct Args {
     /// The Redis holding the buckets.
     #[command(flatten)]
     pub store: StoreArgs,
-    /// The rules file the agents use.
+    /// The rules file the agents use (`leasehold coordinator` also reads serve's
+    /// envoyproxy/ratelimit YAML: a .yaml file or a directory of them).
     #[arg(long, env = "LEASEHOLD_CONFIG")]
     pub config: PathBuf,
     /// Where to serve the admin endpoint (keep it on loopback unless fronted).
@@ -102,10 +103,40 @@ pub fn connect(address: &str, config: StoreConfig) -> Result<RedisStore, String>
     })
 }
 
+/// Reads the rules `--config` names, at start and on every reload.
+pub type LoadRules = fn(&Path) -> Result<Rules, String>;
+
+/// A Leasehold rules file (TOML). envoyproxy/ratelimit's YAML is refused saying which
+/// command reads it (a TOML parser's complaint about YAML names no such thing).
+pub fn toml_rules(path: &Path) -> Result<Rules, String> {
+    let yaml = path.is_dir()
+        || matches!(
+            path.extension().and_then(|x| x.to_str()),
+            Some("yaml" | "yml")
+        );
+    if yaml {
+        return Err(format!(
+            "{}: this coordinator reads a Leasehold rules file (TOML); `leasehold coordinator` \
+             also reads envoyproxy/ratelimit YAML, as `leasehold serve` does",
+            path.display()
+        ));
+    }
+    Rules::from_file(path).map_err(|e| e.to_string())
+}
+
 /// Runs until `shutdown` completes; errors name what is wrong (rules file, Redis, port).
 pub async fn run(
     args: Args,
     shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    run_with(args, shutdown, toml_rules).await
+}
+
+/// [`run`], its rules read by `load`.
+pub async fn run_with(
+    args: Args,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    load: LoadRules,
 ) -> Result<(), String> {
     if !(args.split_above > 0.0 && args.split_above.is_finite()) {
         return Err(format!(
@@ -131,7 +162,7 @@ pub async fn run(
             args.term
         ));
     }
-    let rules = Rules::from_file(&args.config).map_err(|e| e.to_string())?;
+    let rules = load(&args.config)?;
     let address = args.store.address()?.ok_or(
         "no store given: pass --redis URL, --redis-url-file FILE or set LEASEHOLD_REDIS_URL",
     )?;
@@ -201,7 +232,7 @@ pub async fn run(
         "coordinator admin endpoint on http://{}",
         listener.local_addr().map_err(|e| e.to_string())?
     );
-    let reloading = tokio::spawn(reload_rules(coordinator.clone(), args.config.clone()));
+    let reloading = tokio::spawn(reload_rules(coordinator.clone(), args.config.clone(), load));
     let (stop_admin, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(crate::serve(listener, admin, async {
         let _ = stopped.await;
@@ -229,10 +260,10 @@ pub async fn run(
 
 /// Reads the rules file again when it changes (checked every second) or on SIGHUP. A
 /// file that fails validation is refused, logged, and the rules in force stay.
-async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf) {
+async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf, load: LoadRules) {
     leasehold_store::rules::watch(&path, |why| {
         let _span = tracing::info_span!("rules_reload", why).entered();
-        match Rules::from_file(&path) {
+        match load(&path) {
             Ok(rules) => {
                 let n = rules.len();
                 coordinator.set_rules(rules);
@@ -242,4 +273,18 @@ async fn reload_rules(coordinator: Arc<Coordinator>, path: std::path::PathBuf) {
         }
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_coordinator_binary_says_which_command_reads_yaml() {
+        let e = toml_rules(Path::new("/etc/ratelimit/config.yaml")).unwrap_err();
+        assert!(
+            e.contains("`leasehold coordinator` also reads envoyproxy/ratelimit YAML"),
+            "{e}"
+        );
+    }
 }

@@ -163,13 +163,30 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         listener,
         app,
         leasehold_net::Limits::default(),
-        async {
-            let _ = tokio::signal::ctrl_c().await;
-        },
+        stop_signal(),
     )
     .await?;
     limiter.shutdown().await;
     Ok(())
+}
+
+/// SIGINT or SIGTERM (what an orchestrator sends): the server stops taking connections,
+/// requests in flight finish, and the limiter gives its leases back before the exit (0).
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            let which = tokio::select! {
+                _ = tokio::signal::ctrl_c() => "SIGINT",
+                _ = term.recv() => "SIGTERM",
+            };
+            eprintln!("stopping ({which}): requests in flight finish, leases go back");
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    eprintln!("stopping (SIGINT): requests in flight finish, leases go back");
 }
 
 /// Refuses a request that carries more than one `x-api-key` (400): which of them names the

@@ -138,6 +138,28 @@ impl Proc {
     pub(crate) fn running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
+
+    /// Sends SIGTERM, as an orchestrator stops a process, and waits (30 s at most) for it
+    /// to exit: its exit status.
+    pub(crate) fn terminate(&mut self) -> std::process::ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(sent.success(), "kill -TERM failed");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no exit 30 s after SIGTERM: {}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 impl Drop for Proc {
@@ -380,6 +402,20 @@ fn every_binary_starts_while_redis_is_down_and_uses_it_once_it_is_up() {
             "{what} printed the password: {log}"
         );
         assert!(!log.contains('\u{1b}'), "{what} coloured a log file: {log}");
+    }
+    // Stopped as an orchestrator stops them: each exits 0, having said so.
+    for (what, p) in [
+        ("serve", &mut serve),
+        ("coordinator", &mut coordinator),
+        ("gateway", &mut gateway),
+    ] {
+        let status = p.terminate();
+        assert!(
+            status.success(),
+            "{what} exited {status} on SIGTERM: {}",
+            p.stderr()
+        );
+        assert!(p.stderr().contains("SIGTERM"), "{what}: {}", p.stderr());
     }
 }
 

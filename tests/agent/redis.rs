@@ -332,6 +332,15 @@ fn a_missing_or_wrong_password_is_named_and_never_echoed() {
             .expect_err("no password")
             .to_string();
         assert!(e.contains("NOAUTH") && e.contains("PASSWORD@"), "{e}");
+        // The password written where the user goes (no colon): named as the likely slip,
+        // and not shown.
+        let user_only = format!("redis://s3cret-pw@127.0.0.1:{port}");
+        let e = leasehold_agent::RedisStore::connect(&user_only, support::config())
+            .await
+            .expect_err("a user name, no password")
+            .to_string();
+        assert!(e.contains("names a user and no password"), "{e}");
+        assert!(!e.contains("s3cret"), "{e}");
         let wrong = format!("redis://:wrong-pw@127.0.0.1:{port}");
         let e = leasehold_agent::RedisStore::connect(&wrong, support::config())
             .await

@@ -151,6 +151,14 @@ pub fn what_is_wrong(address: &str) -> String {
             "the part after `@` (or after `://`) is not HOST:PORT[,HOST:PORT...] (PORT 1 to \
              65535, [ADDRESS]:PORT for IPv6)"
         };
+        // An unencoded `?` or `#` in the password ends the address there: the rest, with
+        // its `@`, reads as a query.
+        if p.query.is_some_and(|q| q.contains('@')) {
+            return format!(
+                "{shape}: a `?` or `#` in the password ends the address there; \
+                 percent-encode them (`?` is %3F, `#` is %23)"
+            );
+        }
         // Which node, and what of it: said in words, never shown (a password typed in
         // the wrong place would stand there).
         let nodes: Vec<&str> = p.hosts.split(',').collect();
@@ -543,6 +551,11 @@ mod tests {
                 "): its PORT is not a number from 1 to 65535",
             ),
             ("redis://:pw@:6379", "): its HOST is empty"),
+            (
+                "redis://:pa?ss@127.0.0.1:6379",
+                ": a `?` or `#` in the password ends",
+            ),
+            ("redis://user:pa#ss@127.0.0.1:6379", "`#` is %23"),
             ("redis://:pw@", "): it is empty"),
             ("redis://:pw@cache.internal", "): it has no :PORT"),
             ("redis://:pw@[::1", "): an IPv6 address goes in brackets"),

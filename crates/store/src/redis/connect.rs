@@ -704,7 +704,8 @@ impl RedisStore {
         {
             return Err(StoreError::Misconfigured(
                 "Redis requires a password (NOAUTH): give it in the URL, \
-                 redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT"
+                 redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT \
+                 (redis://WORD@HOST:PORT, without the colon, names a user and no password)"
                     .into(),
             ));
         }

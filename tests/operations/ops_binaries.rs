@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use leasehold_redis_harness::RedisServer;
+use leasehold_redis_harness::{RedisServer, SentinelSet};
 
 /// A binary run as a process, its output in files; killed on drop.
 pub(crate) struct Proc {
@@ -50,10 +50,10 @@ impl Proc {
         // It says which store it decides with.
         let out = std::fs::read_to_string(&serve.out).unwrap_or_default();
         let want = match redis {
-            None => "store: embedded, in this process",
-            Some(_) => "store: redis://",
+            None => "store: embedded, in this process".to_owned(),
+            Some(url) => format!("store: {}://", url.split("://").next().unwrap_or(url)),
         };
-        assert!(out.lines().any(|l| l.starts_with(want)), "{out}");
+        assert!(out.lines().any(|l| l.starts_with(&want)), "{out}");
         // An embedded store is a warning in the log too: each instance limits alone.
         let err = std::fs::read_to_string(&serve.err).unwrap_or_default();
         let warned = err
@@ -702,6 +702,27 @@ fn a_database_the_store_lacks_is_named_as_such() {
         body.contains("store not reached yet: store has no such database"),
         "{body}"
     );
+    assert!(serve.running(), "{}", serve.stderr());
+}
+
+/// An address of the wrong kind for the Redis it reaches (cluster:// on one Redis, a
+/// Sentinel service nobody monitors) is named as such, not as an outage.
+#[test]
+fn an_address_of_the_wrong_kind_is_named_as_such() {
+    let redis = RedisServer::start().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("cluster://127.0.0.1:{}", redis.port());
+    let (mut serve, _, body) = serve_degraded(&url, "store is not a Redis Cluster");
+    assert!(body.contains("cluster:// needs one"), "{body}");
+    assert!(serve.running(), "{}", serve.stderr());
+    drop(serve);
+
+    let sentinels = SentinelSet::start().unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "redis+sentinel://127.0.0.1:{}/no-such-service",
+        sentinels.port()
+    );
+    let (mut serve, _, body) = serve_degraded(&url, "store's Sentinels monitor no such service");
+    assert!(body.contains("check the /SERVICE of the address"), "{body}");
     assert!(serve.running(), "{}", serve.stderr());
 }
 

@@ -632,6 +632,17 @@ impl RedisStore {
                                 "store has no such database: check the /DB of the address \
                                  (0 to its `databases` setting less one, 0-15 by default)"
                             }
+                            // Reachable, but not the kind of Redis the address says.
+                            _ if text.contains("cluster support disabled") => {
+                                "store is not a Redis Cluster: cluster:// needs one (one Redis \
+                                 is redis://HOST:PORT)"
+                            }
+                            StoreError::Unavailable(r)
+                                if r.kind() == redis::ErrorKind::MasterNameNotFoundBySentinel =>
+                            {
+                                "store's Sentinels monitor no such service: check the \
+                                 /SERVICE of the address (the NAME of `sentinel monitor NAME`)"
+                            }
                             _ => "store unreachable",
                         };
                         store

@@ -345,3 +345,24 @@ fn files_of_one_domain_merge_only_when_asked() {
         "{stderr}"
     );
 }
+
+/// A port already taken is said at once, before the store (down here) is dialled.
+#[test]
+fn serve_names_a_taken_port_before_dialling_the_store() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/limits.toml");
+    let at = format!("127.0.0.1:{port}");
+    let (ok, _, stderr) = leasehold(&[
+        "serve",
+        "--config",
+        example,
+        "--redis",
+        "redis://127.0.0.1:1",
+        "--http",
+        &at,
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains(&format!("--http {at}")), "{stderr}");
+    assert!(!stderr.contains("store unreachable"), "{stderr}");
+}

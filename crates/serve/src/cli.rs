@@ -215,14 +215,8 @@ pub async fn run(
             c
         }),
     };
-    let metrics = leasehold_agent::telemetry::install_prometheus()?;
-    leasehold_net::describe(crate::METRICS);
-    leasehold_net::describe(leasehold_net::METRICS);
-    let limiter = builder
-        .build()
-        .await
-        .map_err(|e| args.store.redact(&e.to_string()))?;
-    let decider = Decider::new(limiter.clone(), domains, options);
+    // The ports first: one taken is said at once, before any store is dialled (which
+    // can take a second when the store is down).
     let grpc = match args.grpc {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -239,6 +233,14 @@ pub async fn run(
         ),
         None => None,
     };
+    let metrics = leasehold_agent::telemetry::install_prometheus()?;
+    leasehold_net::describe(crate::METRICS);
+    leasehold_net::describe(leasehold_net::METRICS);
+    let limiter = builder
+        .build()
+        .await
+        .map_err(|e| args.store.redact(&e.to_string()))?;
+    let decider = Decider::new(limiter.clone(), domains, options);
     println!("{store_line}");
     for (what, l) in [
         ("envoy rate limit service (gRPC)", &grpc),

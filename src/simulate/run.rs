@@ -391,9 +391,6 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         let mut env = Env::start(&opts.store)?;
         env.pin(redis_core.as_ref())?;
         store_name = env.describe();
-        if let Some(core) = &redis_core {
-            store_name = format!("{store_name} (Redis on core {} of its own)", core.core());
-        }
         let naive_offline = Arc::new(AtomicBool::new(false));
         let rss_before = rss_mb();
         let report = rt.block_on(async {
@@ -537,7 +534,8 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "warm_up_s": opts.warm_up.as_secs_f64(),
         "seed": opts.seed,
         "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
-        "machine": { "cores": cores },
+        // cores: the runtime's (the machine's less Redis's when it has one of its own).
+        "machine": { "cores": cores, "redis_core": redis_core.as_ref().map(RedisCore::core) },
         "systems": systems_json(&systems),
         "coordinator": summary,
         "agent_faults": agent_faults,

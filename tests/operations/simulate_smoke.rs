@@ -188,6 +188,22 @@ fn simulate_spawned_redis_zipf() {
         r["systems"]["naive"]["redis_calls_per_1k_decisions"].as_f64(),
         Some(1000.0)
     );
+    // On two cores or more the spawned Redis had one of its own, and the runtime the rest.
+    let machine = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if machine >= 2 {
+        let core = r["machine"]["redis_core"].as_u64();
+        assert!(
+            core.is_some_and(|c| (c as usize) < machine),
+            "{}",
+            r["machine"]
+        );
+        assert_eq!(
+            r["machine"]["cores"].as_u64(),
+            Some(machine as u64 - 1),
+            "{}",
+            r["machine"]
+        );
+    }
 }
 
 #[test]

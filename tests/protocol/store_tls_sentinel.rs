@@ -196,6 +196,34 @@ fn sentinel_failover_moves_the_store_to_the_new_primary() {
     });
 }
 
+/// The primary's password in a Sentinel address is percent-decoded, as redis-rs
+/// decodes a redis:// address's.
+#[test]
+fn a_sentinel_address_s_password_is_percent_decoded() {
+    let set = SentinelSet::start().unwrap_or_else(|e| panic!("{e}"));
+    let _: () = set
+        .pair
+        .primary
+        .cmd(&["CONFIG", "SET", "requirepass", "a?b#c%d"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "redis+sentinel://:a%3Fb%23c%25d@127.0.0.1:{}/{}",
+        set.port(),
+        SentinelSet::SERVICE
+    );
+    let p = params(100, "1/h", "1s", "100ms", None);
+    runtime().block_on(async {
+        let store = open(&url, support::config())
+            .await
+            .unwrap_or_else(|e| panic!("with the decoded password: {e}"));
+        let r = store
+            .call(&key("pw"), &p, &exact(1, 5))
+            .await
+            .expect("call");
+        assert_eq!((r.granted, r.remaining), (5, 95));
+    });
+}
+
 #[test]
 fn sentinel_addresses_are_checked_and_their_passwords_never_shown() {
     runtime().block_on(async {
@@ -207,6 +235,11 @@ fn sentinel_addresses_are_checked_and_their_passwords_never_shown() {
             (
                 "redis+sentinel://:pw-secret@127.0.0.1:x/svc",
                 "not a number",
+            ),
+            // As in redis:// addresses, `?` and `#` in the password are percent-encoded.
+            (
+                "redis+sentinel://:pw-secret#x@127.0.0.1:1/svc",
+                "must be percent-encoded",
             ),
             // A cluster address without nodes is named as such, not in the client's words.
             ("cluster://", "cluster address with no nodes"),

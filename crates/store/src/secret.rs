@@ -364,6 +364,12 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
 }
 
 /// `s` with its `%XX` escapes decoded, when it has any.
+/// `s` percent-decoded, as redis-rs decodes a `redis://` address's user and password
+/// (`s` itself when it holds no escape, or does not decode to UTF-8).
+pub(crate) fn percent_decode(s: &str) -> String {
+    percent_decoded(s).unwrap_or_else(|| s.to_owned())
+}
+
 fn percent_decoded(s: &str) -> Option<String> {
     if !s.contains('%') {
         return None;

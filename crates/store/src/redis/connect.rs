@@ -347,12 +347,21 @@ impl Dialer {
         )
         .map_err(|e| bad(&e.to_string()))?;
         if let Some(c) = credentials {
+            // As in redis:// addresses: percent-encoded, so `?` and `#` written plain are
+            // refused (there they end the address).
+            if c.contains(['?', '#']) {
+                return Err(bad(
+                    "a `?` or `#` in the user or password must be percent-encoded (`?` is \
+                     %3F, `#` is %23)",
+                ));
+            }
             let (user, password) = c.split_once(':').unwrap_or((c, ""));
             if !user.is_empty() {
-                builder = builder.set_client_to_redis_username(user);
+                builder = builder.set_client_to_redis_username(crate::secret::percent_decode(user));
             }
             if !password.is_empty() {
-                builder = builder.set_client_to_redis_password(password);
+                builder =
+                    builder.set_client_to_redis_password(crate::secret::percent_decode(password));
             }
         }
         if tls {

@@ -96,6 +96,10 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             c
         }),
     };
+    // The ports first: one taken is said at once, before the store is dialled.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
     if let Some(addr) = args.metrics {
         let listener =
             std::net::TcpListener::bind(addr).map_err(|e| format!("--metrics {addr}: {e}"))?;
@@ -155,7 +159,6 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
             }),
         )
         .layer(axum::middleware::from_fn(one_identity));
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
     println!("listening on {}", listener.local_addr()?);
     // TCP_NODELAY, header-read and idle timeouts, and a bound on open connections.
     leasehold_net::serve(
@@ -181,12 +184,18 @@ async fn stop_signal() {
                 _ = tokio::signal::ctrl_c() => "SIGINT",
                 _ = term.recv() => "SIGTERM",
             };
-            eprintln!("stopping ({which}): requests in flight finish, leases go back");
+            tracing::info!(
+                signal = which,
+                "stopping: requests in flight finish, leases go back"
+            );
             return;
         }
     }
     let _ = tokio::signal::ctrl_c().await;
-    eprintln!("stopping (SIGINT): requests in flight finish, leases go back");
+    tracing::info!(
+        signal = "SIGINT",
+        "stopping: requests in flight finish, leases go back"
+    );
 }
 
 /// Refuses a request that carries more than one `x-api-key` (400): which of them names the

@@ -439,7 +439,7 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
 }
 
 /// Ctrl-C or SIGTERM (what Kubernetes and systemd send to stop a process): either stops
-/// a server gracefully, and it says so.
+/// a server gracefully, and it says so in its log (JSON with `--log-format json`).
 async fn stop_signal() {
     #[cfg(unix)]
     {
@@ -447,9 +447,9 @@ async fn stop_signal() {
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("SIGTERM cannot be caught ({e}); Ctrl-C stops gracefully");
+                    tracing::warn!(error = %e, "SIGTERM cannot be caught; Ctrl-C stops gracefully");
                     let _ = tokio::signal::ctrl_c().await;
-                    eprintln!("stopping (SIGINT): calls in flight finish, leases go back");
+                    tracing::info!(signal = "SIGINT", "{STOPPING}");
                     return;
                 }
             };
@@ -457,14 +457,17 @@ async fn stop_signal() {
             _ = tokio::signal::ctrl_c() => "SIGINT",
             _ = term.recv() => "SIGTERM",
         };
-        eprintln!("stopping ({which}): calls in flight finish, leases go back");
+        tracing::info!(signal = which, "{STOPPING}");
     }
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
-        eprintln!("stopping: calls in flight finish, leases go back");
+        tracing::info!(signal = "SIGINT", "{STOPPING}");
     }
 }
+
+/// What a server says as it stops.
+const STOPPING: &str = "stopping: work in flight finishes, leases held go back";
 
 /// A runtime error (a store unreachable, a refused config file, a port taken): exit 1.
 fn fail(message: &str) -> ExitCode {

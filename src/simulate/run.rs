@@ -342,6 +342,7 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
     let rule = opts.scenario.validate()?;
     let rules =
         Rules::from_rules([Rule::from_spec(RULE, &opts.scenario.rule).map_err(|e| e.to_string())?]);
+    let machine_cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     // Before the runtime's threads start: they inherit the cores left to this process.
     let redis_core = match opts.store {
         StoreChoice::Spawn | StoreChoice::SpawnReplica if !opts.shared_cores => {
@@ -350,6 +351,13 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         _ => None,
     };
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    if let Some(core) = &redis_core {
+        println!(
+            "redis-server on core {} of its own, the agents and the load on the other {cores} \
+             (--shared-cores: all share them)",
+            core.core()
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores)
         .enable_all()
@@ -534,8 +542,12 @@ pub(crate) fn run(opts: &Options) -> Result<RunReport, String> {
         "warm_up_s": opts.warm_up.as_secs_f64(),
         "seed": opts.seed,
         "rule": { "capacity": rule.capacity().get(), "rate_per_sec": rate, "mode": format!("{:?}", rule.mode()) },
-        // cores: the runtime's (the machine's less Redis's when it has one of its own).
-        "machine": { "cores": cores, "redis_core": redis_core.as_ref().map(RedisCore::core) },
+        // The cores this process could use; the runtime's (less Redis's own, if it has one).
+        "machine": {
+            "cores": machine_cores,
+            "runtime_cores": cores,
+            "redis_core": redis_core.as_ref().map(RedisCore::core),
+        },
         "systems": systems_json(&systems),
         "coordinator": summary,
         "agent_faults": agent_faults,

@@ -198,7 +198,7 @@ fn simulate_spawned_redis_zipf() {
             r["machine"]
         );
         assert_eq!(
-            r["machine"]["cores"].as_u64(),
+            r["machine"]["runtime_cores"].as_u64(),
             Some(machine as u64 - 1),
             "{}",
             r["machine"]

@@ -88,6 +88,15 @@ pub fn shape_problem(address: &str) -> Option<String> {
 /// parameters it knows by name (a password can stand anywhere in a mistyped address).
 fn query_problem(address: &str, p: &Parts) -> Option<String> {
     let q = p.query?;
+    // An `@` past the first `?` or `#`: a password with one of them unencoded, the rest
+    // read as a query.
+    if q.contains('@') {
+        return Some(
+            "a `?` or `#` in the password ends the address there; percent-encode them \
+             (`?` is %3F, `#` is %23)"
+                .into(),
+        );
+    }
     // Parts splits at the first `?` or `#`: which of them it was.
     let (query, fragment) = if address[..address.len() - q.len()].ends_with('#') {
         (None, Some(q))
@@ -517,6 +526,11 @@ mod tests {
             (
                 format!("redis://h:1?{pw}"),
                 "a parameter redis-rs would ignore",
+            ),
+            // A password with `?` then `#` in it, the host taken as the user's.
+            (
+                format!("redis://{pw}?q#z@127.0.0.1:6379"),
+                "a `?` or `#` in the password ends the address there",
             ),
             (
                 format!("redis://h:1?protocol=resp3&{pw}=1"),

@@ -686,6 +686,18 @@ fn a_wrong_password_is_named_as_such() {
     let log = serve.stderr();
     assert!(!log.contains("Zq9"), "a password printed: {log}");
     assert!(serve.running(), "{log}");
+    drop(serve);
+    // No password at all (or one written where the user goes): named as such too.
+    let url = format!("redis://right-Zq9@127.0.0.1:{}", redis.port());
+    let (mut serve, _, body) =
+        serve_degraded(&url, "store wants a password the address does not give");
+    assert!(body.contains("names a user and no password"), "{body}");
+    let log = serve.stderr();
+    assert!(
+        !log.contains("Zq9") && !body.contains("Zq9"),
+        "a password printed: {log}"
+    );
+    assert!(serve.running(), "{log}");
 }
 
 /// A database number the store lacks is named as such in the log and the probes (it

@@ -583,7 +583,7 @@ fn whole_numbers(text: &str, shown: &str) -> Result<(), RulesError> {
                             path: shown.to_owned(),
                             rule: label,
                             field,
-                            value: other.to_string().chars().take(80).collect(),
+                            value: shown_value(other),
                         });
                     }
                 }
@@ -591,6 +591,20 @@ fn whole_numbers(text: &str, shown: &str) -> Result<(), RulesError> {
         }
     }
     Ok(())
+}
+
+/// A value as its author would recognise it: a large float in exponent form (`1e300`, not
+/// its 301 digits), anything longer than 80 characters cut with `…`.
+fn shown_value(v: &toml::Value) -> String {
+    let text = match v {
+        toml::Value::Float(f) if f.is_finite() && f.abs() >= 1e16 => format!("{f:e}"),
+        other => other.to_string(),
+    };
+    if text.chars().count() > 80 {
+        format!("{}…", text.chars().take(80).collect::<String>())
+    } else {
+        text
+    }
 }
 
 /// A rule as listings show it (`check-config`, the coordinator's page), every field
@@ -726,6 +740,11 @@ mod tests {
             .to_string();
         println!("{e}");
         assert!(e.contains("capacity"), "{e}");
+        // A large float as written, not as its 301 digits cut at 80.
+        let e = Rules::from_toml("[rules.d]\ncapacity = 1e300\nrate = \"1/s\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("capacity = 1e300:"), "{e}");
     }
 
     #[test]

@@ -641,6 +641,10 @@ impl RedisStore {
                                 "store has no such database: check the /DB of the address \
                                  (0 to its `databases` setting less one, 0-15 by default)"
                             }
+                            // Reachable, and it wants a password the address lacks.
+                            StoreError::Misconfigured(m) if m.contains("(NOAUTH)") => {
+                                "store wants a password the address does not give"
+                            }
                             // Reachable, but not the kind of Redis the address says.
                             _ if text.contains("cluster support disabled") => {
                                 "store is not a Redis Cluster: cluster:// needs one (one Redis \

@@ -4,6 +4,8 @@
 //!
 //! The agent never installs a global recorder by itself: the application owns it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 /// Every metric the agent records, with its kind, unit and help text: the reference the
 /// metrics table of docs/operating.md is written from.
 pub const METRICS: &[(&str, Kind, &str)] = &[
@@ -237,4 +239,32 @@ pub fn serve_prometheus(
         }
     });
     Ok(handle)
+}
+
+/// Whether a log line that every request could repeat is due: true at most once per
+/// `every_ns` for `slot` (`now_ns` on any clock that does not go back; the slot holds
+/// when it was last said). The agent's lines and serve's use it.
+pub fn once_per(slot: &AtomicU64, now_ns: u64, every_ns: u64) -> bool {
+    let now = now_ns.max(1);
+    let last = slot.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= every_ns)
+        && slot
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A line every request could repeat is said once, then again only a period later.
+    #[test]
+    fn once_per_says_a_repeated_line_once_a_period() {
+        let slot = AtomicU64::new(0);
+        assert!(once_per(&slot, 0, 10), "the first time");
+        assert!(!once_per(&slot, 6, 10));
+        assert!(!once_per(&slot, 10, 10));
+        assert!(once_per(&slot, 11, 10));
+        assert!(!once_per(&slot, 20, 10));
+    }
 }

@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -783,16 +783,12 @@ fn refill_time(missing: u64, rate: leasehold_core::Rate) -> Duration {
 }
 
 /// Whether a warning that every request could repeat is due: at most once every 10 s
-/// for each `slot` (the wall clock's seconds when it was last said).
+/// for each `slot`.
 fn said_now(slot: &AtomicU64) -> bool {
-    let now = std::time::SystemTime::now()
+    let now_ns = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let last = slot.load(Ordering::Relaxed);
-    (last == 0 || now >= last + 10)
-        && slot
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
+        .map_or(0, |d| d.as_nanos() as u64);
+    leasehold_agent::telemetry::once_per(slot, now_ns, 10_000_000_000)
 }
 
 #[cfg(test)]
@@ -804,7 +800,7 @@ mod tests {
         let slot = AtomicU64::new(0);
         assert!(said_now(&slot));
         assert!(!said_now(&slot));
-        slot.fetch_sub(10, Ordering::Relaxed);
+        slot.fetch_sub(10_000_000_000, std::sync::atomic::Ordering::Relaxed);
         assert!(said_now(&slot));
     }
 

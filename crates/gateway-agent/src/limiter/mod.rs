@@ -44,6 +44,7 @@ use crate::counters::{ErrorCounts, RuleStats};
 use crate::redis_store::ErrorKind;
 use crate::rules::UnknownRule;
 use crate::store::Store;
+use crate::telemetry::once_per;
 
 mod all;
 mod background;
@@ -75,17 +76,6 @@ pub(crate) use table::RuleEntry;
 use table::RuleTable;
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-
-/// Whether a line that every request could repeat is due: true at most once per
-/// `every_ns` for `slot` (the agent's clock, ns).
-fn once_per(slot: &AtomicU64, now_ns: u64, every_ns: u64) -> bool {
-    let now = now_ns.max(1);
-    let last = slot.load(Ordering::Relaxed);
-    (last == 0 || now.saturating_sub(last) >= every_ns)
-        && slot
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-}
 
 /// How often the shard map behind the breakers is read again.
 const TOPOLOGY_EVERY: Duration = Duration::from_secs(5);
@@ -491,22 +481,5 @@ impl Limiter {
             .get(rule.as_str())?
             .resolve(subject.as_ref())
             .params)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::once_per;
-    use std::sync::atomic::AtomicU64;
-
-    /// A line every request could repeat is said once, then again only a period later.
-    #[test]
-    fn once_per_says_a_repeated_line_once_a_period() {
-        let slot = AtomicU64::new(0);
-        assert!(once_per(&slot, 0, 10), "the first time");
-        assert!(!once_per(&slot, 6, 10));
-        assert!(!once_per(&slot, 10, 10));
-        assert!(once_per(&slot, 11, 10));
-        assert!(!once_per(&slot, 20, 10));
     }
 }

@@ -166,36 +166,11 @@ async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
         listener,
         app,
         leasehold_net::Limits::default(),
-        stop_signal(),
+        leasehold_net::stop_signal(),
     )
     .await?;
     limiter.shutdown().await;
     Ok(())
-}
-
-/// SIGINT or SIGTERM (what an orchestrator sends): the server stops taking connections,
-/// requests in flight finish, and the limiter gives its leases back before the exit (0).
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            let which = tokio::select! {
-                _ = tokio::signal::ctrl_c() => "SIGINT",
-                _ = term.recv() => "SIGTERM",
-            };
-            tracing::info!(
-                signal = which,
-                "stopping: requests in flight finish, leases go back"
-            );
-            return;
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
-    tracing::info!(
-        signal = "SIGINT",
-        "stopping: requests in flight finish, leases go back"
-    );
 }
 
 /// Refuses a request that carries more than one `x-api-key` (400): which of them names the

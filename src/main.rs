@@ -411,7 +411,10 @@ fn serve(args: leasehold_serve::cli::Args) -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return fail(&format!("tokio runtime: {e}")),
     };
-    let done = rt.block_on(leasehold_serve::cli::run(args, stop_signal()));
+    let done = rt.block_on(leasehold_serve::cli::run(
+        args,
+        leasehold_net::stop_signal(),
+    ));
     match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(&e),
@@ -429,7 +432,7 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
         |path| leasehold_serve::cli::load(path, true).map(|(_, rules)| rules);
     let done = rt.block_on(leasehold::coordinator::cli::run_with(
         args,
-        stop_signal(),
+        leasehold_net::stop_signal(),
         load,
     ));
     match done {
@@ -437,37 +440,6 @@ fn coordinator(args: leasehold::coordinator::cli::Args) -> ExitCode {
         Err(e) => fail(&e),
     }
 }
-
-/// Ctrl-C or SIGTERM (what Kubernetes and systemd send to stop a process): either stops
-/// a server gracefully, and it says so in its log (JSON with `--log-format json`).
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "SIGTERM cannot be caught; Ctrl-C stops gracefully");
-                    let _ = tokio::signal::ctrl_c().await;
-                    tracing::info!(signal = "SIGINT", "{STOPPING}");
-                    return;
-                }
-            };
-        let which = tokio::select! {
-            _ = tokio::signal::ctrl_c() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        };
-        tracing::info!(signal = which, "{STOPPING}");
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-        tracing::info!(signal = "SIGINT", "{STOPPING}");
-    }
-}
-
-/// What a server says as it stops.
-const STOPPING: &str = "stopping: work in flight finishes, leases held go back";
 
 /// A runtime error (a store unreachable, a refused config file, a port taken): exit 1.
 fn fail(message: &str) -> ExitCode {

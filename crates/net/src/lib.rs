@@ -315,6 +315,34 @@ impl AsyncWrite for Tracked {
     }
 }
 
+/// Ctrl-C or SIGTERM (what Kubernetes and systemd send to stop a process): the binaries'
+/// graceful stop (give it to [`serve`] as `shutdown`); it says so in the log (JSON with
+/// `--log-format json`).
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                let which = tokio::select! {
+                    _ = tokio::signal::ctrl_c() => "SIGINT",
+                    _ = term.recv() => "SIGTERM",
+                };
+                tracing::info!(signal = which, "{STOPPING}");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "SIGTERM cannot be caught; Ctrl-C stops gracefully")
+            }
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    tracing::info!(signal = "SIGINT", "{STOPPING}");
+}
+
+/// What a server says as it stops.
+const STOPPING: &str = "stopping: work in flight finishes, leases held go back";
+
 #[cfg(test)]
 mod tests {
     use super::*;

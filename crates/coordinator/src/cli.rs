@@ -109,12 +109,7 @@ pub type LoadRules = fn(&Path) -> Result<Rules, String>;
 /// A Leasehold rules file (TOML). envoyproxy/ratelimit's YAML is refused saying which
 /// command reads it (a TOML parser's complaint about YAML names no such thing).
 pub fn toml_rules(path: &Path) -> Result<Rules, String> {
-    let yaml = path.is_dir()
-        || matches!(
-            path.extension().and_then(|x| x.to_str()),
-            Some("yaml" | "yml")
-        );
-    if yaml {
+    if leasehold_store::rules::names_yaml(path) {
         return Err(format!(
             "{}: this coordinator reads a Leasehold rules file (TOML); `leasehold coordinator` \
              also reads envoyproxy/ratelimit YAML, as `leasehold serve` does",

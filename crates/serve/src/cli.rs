@@ -153,12 +153,7 @@ impl Args {
 /// YAML (a `.yaml`/`.yml` file, or a directory of them; `merge`: files naming one domain
 /// add to it), else a Leasehold TOML rules file.
 pub fn load(path: &Path, merge: bool) -> Result<(Domains, Rules), String> {
-    let yaml = path.is_dir()
-        || matches!(
-            path.extension().and_then(|x| x.to_str()),
-            Some("yaml" | "yml")
-        );
-    if yaml {
+    if leasehold_store::rules::names_yaml(path) {
         let domains = Domains::from_path_merging(path, merge).map_err(|e| e.to_string())?;
         for line in domains.unmatched_replaces() {
             tracing::warn!(config = %path.display(), "{line}");

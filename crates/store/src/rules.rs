@@ -375,6 +375,16 @@ impl Rules {
     }
 }
 
+/// Whether `path` names envoyproxy/ratelimit's YAML rather than a rules file: a `.yaml`
+/// or `.yml` file, or a directory of them (as ratelimit's runtime directory).
+pub fn names_yaml(path: &Path) -> bool {
+    path.is_dir()
+        || matches!(
+            path.extension().and_then(|x| x.to_str()),
+            Some("yaml" | "yml")
+        )
+}
+
 /// The newest modification time under `path`: the file's, or for a directory, its own
 /// and its files'.
 pub fn modified(path: &Path) -> Option<std::time::SystemTime> {

@@ -88,14 +88,8 @@ pub fn shape_problem(address: &str) -> Option<String> {
 /// parameters it knows by name (a password can stand anywhere in a mistyped address).
 fn query_problem(address: &str, p: &Parts) -> Option<String> {
     let q = p.query?;
-    // An `@` past the first `?` or `#`: a password with one of them unencoded, the rest
-    // read as a query.
-    if q.contains('@') {
-        return Some(
-            "a `?` or `#` in the password ends the address there; percent-encode them \
-             (`?` is %3F, `#` is %23)"
-                .into(),
-        );
+    if p.password_cut() {
+        return Some(PASSWORD_CUT.into());
     }
     // Parts splits at the first `?` or `#`: which of them it was.
     let (query, fragment) = if address[..address.len() - q.len()].ends_with('#') {
@@ -160,13 +154,8 @@ pub fn what_is_wrong(address: &str) -> String {
             "the part after `@` (or after `://`) is not HOST:PORT[,HOST:PORT...] (PORT 1 to \
              65535, [ADDRESS]:PORT for IPv6)"
         };
-        // An unencoded `?` or `#` in the password ends the address there: the rest, with
-        // its `@`, reads as a query.
-        if p.query.is_some_and(|q| q.contains('@')) {
-            return format!(
-                "{shape}: a `?` or `#` in the password ends the address there; \
-                 percent-encode them (`?` is %3F, `#` is %23)"
-            );
+        if p.password_cut() {
+            return format!("{shape}: {PASSWORD_CUT}");
         }
         // Which node, and what of it: said in words, never shown (a password typed in
         // the wrong place would stand there).
@@ -278,7 +267,17 @@ struct Parts<'a> {
     query: Option<&'a str>,
 }
 
+/// What [`Parts::password_cut`] finds, said.
+const PASSWORD_CUT: &str = "a `?` or `#` in the password ends the address there; \
+                            percent-encode them (`?` is %3F, `#` is %23)";
+
 impl<'a> Parts<'a> {
+    /// Whether an unencoded `?` or `#` in the password cut the address short: an `@`
+    /// past the first of them, the rest read as a query.
+    fn password_cut(&self) -> bool {
+        self.query.is_some_and(|q| q.contains('@'))
+    }
+
     fn of(address: &'a str) -> Option<Self> {
         let (scheme, rest) = address.split_once("://")?;
         if !SCHEMES.contains(&scheme) {

@@ -359,7 +359,7 @@ impl Limiter {
                 return;
             }
         };
-        let now = self.now_ns();
+        let call_keys = items.len() as u64;
         for (it, o) in items.into_iter().zip(outs) {
             let r = match o {
                 ExactOutcome::Decided(r) => r,
@@ -381,8 +381,8 @@ impl Limiter {
                     &it.ks,
                     &mut driver,
                     &it.entry,
-                    now,
                     &decisions,
+                    call_keys,
                     r.scale_ppm != 0,
                 );
             }

@@ -68,7 +68,10 @@ pub enum BuildError {
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct LimiterConfig {
-    /// A cold key (auto leasing) becomes leased above this many tokens per second here.
+    /// A cold key (auto leasing) becomes leased above this many tokens per second here,
+    /// when its exact calls carry it alone; calls that carry many keys make its exact
+    /// decisions cheaper for the store, and raise the rate up to 3.7x this
+    /// (`leasehold_core::policy::promote_above`).
     pub hot_above_per_sec: u64,
     /// A leased key whose lease saw no spending for this long returns its tokens and
     /// becomes cold again (capped at half the lease lifetime).

@@ -217,32 +217,33 @@ impl Limiter {
         cost: u64,
     ) -> Result<Decision, CallError> {
         let reply = self.call(ks, driver, entry, Op::Exact { cost }).await?;
-        let now = self.now_ns();
         let admitted = reply.granted == cost;
         self.count_exact(
             ks,
             driver,
             entry,
-            now,
             &[(cost, admitted)],
+            1,
             reply.scale_ppm != 0,
         );
         Ok(self.exact_decided(ks, entry, cost, admitted, reply.retry_us, reply.remaining))
     }
 
-    /// Counts exact decisions `(cost, admitted)` taken at `now` in the key's policy
-    /// (`leased_elsewhere`: the store said other agents lease the key). Promotion: a cold
-    /// key used faster than the threshold, or leased elsewhere, starts leasing, and the
-    /// sweep lists it.
+    /// Counts exact decisions `(cost, admitted)` taken now in the key's policy, from
+    /// a store call of `call_keys` keys (`leased_elsewhere`: the store said other agents
+    /// lease the key). Promotion: a cold key used faster than the threshold (higher for a
+    /// key whose calls carry many, see `promote_above`), or leased elsewhere, starts
+    /// leasing, and the sweep lists it.
     pub(super) fn count_exact(
         &self,
         ks: &Arc<KeyState>,
         driver: &mut Driver,
         entry: &RuleEntry,
-        now: u64,
         decisions: &[(u64, bool)],
+        call_keys: u64,
         leased_elsewhere: bool,
     ) {
+        let now = self.now_ns();
         let mut hot = false;
         for &(cost, admitted) in decisions {
             hot |= driver.policy.exact_done(
@@ -251,6 +252,7 @@ impl Limiter {
                 now,
                 cost,
                 admitted,
+                call_keys,
                 leased_elsewhere,
             );
         }

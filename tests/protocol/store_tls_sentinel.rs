@@ -224,6 +224,79 @@ fn a_sentinel_address_s_password_is_percent_decoded() {
     });
 }
 
+/// Sentinels with a password of their own (`requirepass`, or their default user's) are
+/// reached with the address's `sentinel_password`, percent-decoded; the credentials
+/// before the `@` stay the primary's. The store then follows a failover through them.
+/// Without it, or with a parameter misspelt, the error says what is missing and shows no
+/// password.
+#[test]
+fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
+    let set = SentinelSet::start().unwrap_or_else(|e| panic!("{e}"));
+    set.require_password("s&nt#pw-secret")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let base = format!(
+        "redis+sentinel://127.0.0.1:{}/{}",
+        set.port(),
+        SentinelSet::SERVICE
+    );
+    let p = params(100, "1/h", "1s", "100ms", None);
+    runtime().block_on(async {
+        for (address, says) in [
+            (
+                base.clone(),
+                "(NOAUTH): a Sentinel's own password goes in ?sentinel_password=",
+            ),
+            (
+                format!("{base}?sentinel_pasword=s%26nt%23pw-secret"),
+                "an unknown parameter (not shown)",
+            ),
+            (
+                format!("{base}?sentinel_password="),
+                "`sentinel_password` needs a value",
+            ),
+            (
+                format!("{base}?sentinel_password=wrong-secret"),
+                "(WRONGPASS)",
+            ),
+        ] {
+            let e = open(&address, support::config())
+                .await
+                .expect_err(&address)
+                .to_string();
+            assert!(e.contains(says), "{address}: {e}");
+            assert!(
+                !e.contains("pw-secret") && !e.contains("wrong-secret"),
+                "{e}"
+            );
+        }
+        let url = format!("{base}?sentinel_password=s%26nt%23pw-secret");
+        let store = open(&url, support::config())
+            .await
+            .unwrap_or_else(|e| panic!("with the Sentinel's password: {e}"));
+        let k = key("sp");
+        let r = store.call(&k, &p, &exact(1, 30)).await.expect("call");
+        assert_eq!((r.granted, r.remaining), (30, 70));
+        set.pair
+            .wait_synced(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e}"));
+        set.fail_over().unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seq = 2;
+        let reply = loop {
+            seq += 1;
+            match store.call(&k, &p, &exact(seq, 10)).await {
+                Ok(r) => break r,
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("during failover: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("the store never reached the new primary: {e}"),
+            }
+        };
+        assert_eq!((reply.granted, reply.remaining), (10, 60));
+    });
+}
+
 #[test]
 fn sentinel_addresses_are_checked_and_their_passwords_never_shown() {
     runtime().block_on(async {

@@ -493,6 +493,8 @@ pub struct SentinelSet {
     sentinel: Option<Child>,
     port: u16,
     dir: tempfile::TempDir,
+    /// The Sentinel's own password, once [`SentinelSet::require_password`] set one.
+    password: std::sync::Mutex<Option<String>>,
 }
 
 impl SentinelSet {
@@ -541,6 +543,7 @@ impl SentinelSet {
         let set = Self {
             pair,
             sentinel: Some(child),
+            password: std::sync::Mutex::new(None),
             port,
             dir,
         };
@@ -599,8 +602,17 @@ impl SentinelSet {
     /// machine) is retried for up to 5 s.
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Result<T> {
         let deadline = Instant::now() + Duration::from_secs(5);
+        let password = self.password.lock().map(|p| p.clone()).unwrap_or_default();
         loop {
-            let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?;
+            let mut info = redis::IntoConnectionInfo::into_connection_info(format!(
+                "redis://127.0.0.1:{}",
+                self.port
+            ))?;
+            if let Some(pw) = &password {
+                let auth = info.redis_settings().clone().set_password(pw);
+                info = info.set_redis_settings(auth);
+            }
+            let client = redis::Client::open(info)?;
             let mut cmd = redis::cmd(args[0]);
             for a in &args[1..] {
                 cmd.arg(*a);
@@ -618,6 +630,23 @@ impl SentinelSet {
                 other => return Ok(other?),
             }
         }
+    }
+
+    /// Gives the Sentinel a password of its own (its default user's, `ACL SETUSER`), as
+    /// a Sentinel with `requirepass` has; this set's later commands give it.
+    pub fn require_password(&self, password: &str) -> Result<()> {
+        let _: String = self.cmd(&[
+            "ACL",
+            "SETUSER",
+            "default",
+            "on",
+            "resetpass",
+            &format!(">{password}"),
+        ])?;
+        if let Ok(mut p) = self.password.lock() {
+            *p = Some(password.to_owned());
+        }
+        Ok(())
     }
 
     /// The primary's port as the Sentinel names it.

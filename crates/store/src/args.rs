@@ -13,7 +13,8 @@ use crate::redis::{StoreConfig, TlsFiles};
 pub struct StoreArgs {
     /// The store: redis://[USER:PASSWORD@]HOST:PORT, rediss://… (TLS),
     /// cluster://HOST:PORT,HOST:PORT (clusters:// for TLS), or
-    /// redis+sentinel://HOST:PORT,HOST:PORT/SERVICE (rediss+sentinel:// for TLS).
+    /// redis+sentinel://HOST:PORT,HOST:PORT/SERVICE (rediss+sentinel:// for TLS;
+    /// ?sentinel_password=… when the Sentinels have a password of their own).
     #[arg(long, env = "LEASEHOLD_REDIS_URL", hide_env_values = true)]
     pub redis: Option<String>,
     /// Read the store's address from the first line of this file (it wins over --redis

@@ -54,7 +54,7 @@ impl SentinelConn {
     /// they name now.
     pub(crate) fn start(
         sentinels: Arc<tokio::sync::Mutex<SentinelClient>>,
-        watch: Vec<redis::ConnectionAddr>,
+        watch: Vec<redis::ConnectionInfo>,
         watch_tls: Option<crate::redis::Certs>,
         service: String,
         conn: ConnectionManager,
@@ -211,10 +211,10 @@ fn service_of<'a>(channel: &str, payload: &'a str) -> Option<&'a str> {
 async fn listen(
     conn: std::sync::Weak<SentinelConn>,
     bit: u64,
-    addr: redis::ConnectionAddr,
+    addr: redis::ConnectionInfo,
     tls: Option<crate::redis::Certs>,
 ) {
-    let shown = addr.to_string();
+    let shown = addr.addr().to_string();
     let mut failures = 0u32;
     loop {
         if conn.strong_count() == 0 {

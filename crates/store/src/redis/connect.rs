@@ -254,8 +254,9 @@ pub(super) enum Dialer {
     Cluster(Box<redis::cluster::ClusterClient>),
     Sentinel {
         sentinels: Arc<tokio::sync::Mutex<redis::sentinel::SentinelClient>>,
-        /// The Sentinels' own addresses, whose announcements of a failover are followed.
-        watch: Vec<redis::ConnectionAddr>,
+        /// The Sentinels' own addresses (and credentials), whose announcements of a
+        /// failover are followed.
+        watch: Vec<redis::ConnectionInfo>,
         /// The TLS files for the Sentinels, when given.
         certs: Option<Certs>,
         service: String,
@@ -301,12 +302,44 @@ impl Dialer {
         let bad = |why: &str| {
             StoreError::Misconfigured(format!(
                 "sentinel address {shown}: {why}; expected \
-                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE"
+                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE\
+                 [?sentinel_username=USER&sentinel_password=PASSWORD]"
             ))
         };
         let (authority, service) = rest.split_once('/').ok_or_else(|| bad("no /SERVICE"))?;
-        if service.is_empty() || service.contains(['/', '?', '#']) {
+        let (service, query) = match service.split_once('?') {
+            Some((s, q)) => (s, Some(q)),
+            None => (service, None),
+        };
+        if service.is_empty() || service.contains(['/', '#']) {
             return Err(bad("the service name is missing or malformed"));
+        }
+        // The Sentinels' own credentials, when they have a `requirepass` (or ACL users) of
+        // their own: the ones before `@` are the data nodes'.
+        let mut sentinel_auth = redis::RedisConnectionInfo::default();
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            // A name is echoed only when it is one of the two: anything else may be a
+            // password typed in the wrong place.
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let known = ["sentinel_username", "sentinel_password"].contains(&name);
+            if !known {
+                return Err(bad(
+                    "an unknown parameter (not shown): a Sentinel address takes \
+                     sentinel_username and sentinel_password, the Sentinels' own \
+                     credentials; the primary's go before the @",
+                ));
+            }
+            if value.is_empty() || value.contains('#') {
+                return Err(bad(&format!(
+                    "`{name}` needs a value, percent-encoded (`#` is %23, `&` is %26)"
+                )));
+            }
+            let value = crate::secret::percent_decode(value);
+            sentinel_auth = if name == "sentinel_username" {
+                sentinel_auth.set_username(&value)
+            } else {
+                sentinel_auth.set_password(&value)
+            };
         }
         let (credentials, hosts) = match authority.rsplit_once('@') {
             Some((c, h)) => (Some(c), h),
@@ -346,6 +379,12 @@ impl Dialer {
             redis::sentinel::SentinelServerType::Master,
         )
         .map_err(|e| bad(&e.to_string()))?;
+        if let Some(user) = sentinel_auth.username() {
+            builder = builder.set_client_to_sentinel_username(user);
+        }
+        if let Some(password) = sentinel_auth.password() {
+            builder = builder.set_client_to_sentinel_password(password);
+        }
         if let Some(c) = credentials {
             // As in redis:// addresses: percent-encoded, so `?` and `#` written plain are
             // refused (there they end the address).
@@ -387,9 +426,16 @@ impl Dialer {
             ));
         }
         let sentinel = builder.build().map_err(|e| bad(&e.to_string()))?;
+        let watch = (sentinels.into_iter())
+            .map(|a| {
+                redis::IntoConnectionInfo::into_connection_info(a)
+                    .map(|i| i.set_redis_settings(sentinel_auth.clone()))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad(&e.to_string()))?;
         Ok(Self::Sentinel {
             sentinels: Arc::new(tokio::sync::Mutex::new(sentinel)),
-            watch: sentinels,
+            watch,
             certs,
             service: service.to_owned(),
         })
@@ -471,7 +517,10 @@ impl Dialer {
             ),
             Self::Cluster(_) => false,
             Self::Sentinel { watch, .. } => {
-                matches!(watch.first(), Some(redis::ConnectionAddr::TcpTls { .. }))
+                matches!(
+                    watch.first().map(redis::ConnectionInfo::addr),
+                    Some(redis::ConnectionAddr::TcpTls { .. })
+                )
             }
         }
     }
@@ -481,7 +530,7 @@ impl Dialer {
         let limit = config.connect_timeout * 2;
         let settings = manager_settings(config);
         let dialled = tokio::time::timeout(limit, async {
-            Ok(match self {
+            Ok::<_, redis::RedisError>(match self {
                 Self::Single(client) => Conn::Single(
                     ConnectionManager::new_with_config(client.clone(), settings).await?,
                 ),
@@ -509,6 +558,19 @@ impl Dialer {
         .await;
         match dialled {
             Ok(Ok(conn)) => Ok(conn),
+            // Through Sentinels, a refusal may be theirs: say where each password goes.
+            Ok(Err(e))
+                if matches!(self, Self::Sentinel { .. })
+                    && (matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+                        || e.kind() == redis::ErrorKind::AuthenticationFailed) =>
+            {
+                Err(StoreError::Misconfigured(format!(
+                    "the Sentinels or the primary they name refused the credentials ({}): a \
+                     Sentinel's own password goes in ?sentinel_password=PASSWORD, the \
+                     primary's before the @ (both percent-encoded)",
+                    e.code().unwrap_or("WRONGPASS")
+                )))
+            }
             Ok(Err(e)) => Err(StoreError::Unavailable(e)),
             Err(_) if self.tls() => Err(StoreError::Misconfigured(format!(
                 "no TLS session within {limit:?}: the server may not speak TLS on that port \
@@ -542,7 +604,8 @@ impl RedisStore {
     ///   any of its nodes;
     /// - `redis+sentinel://[USER:PASSWORD@]HOST:PORT,HOST:PORT/SERVICE` (or
     ///   `rediss+sentinel://…`): the primary that these Sentinels name for `SERVICE`,
-    ///   followed through failovers. The credentials are the data nodes'.
+    ///   followed through failovers. The credentials are the data nodes'; Sentinels with
+    ///   a password of their own take `?sentinel_password=…` (and `sentinel_username=…`).
     ///
     /// No error shows the password.
     pub async fn open(address: &str, config: StoreConfig) -> Result<Self, StoreError> {

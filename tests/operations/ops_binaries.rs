@@ -678,7 +678,7 @@ fn a_wrong_password_is_named_as_such() {
     for path in ["/ready", "/health"] {
         let (_, body) = http(at, "GET", path, &[], "");
         assert!(
-            body.contains("store not reached yet: store refused the credentials"),
+            body.contains("store not connected yet: store refused the credentials"),
             "{path}: {body}"
         );
         assert!(!body.contains("Zq9"), "a password in {path}: {body}");
@@ -711,7 +711,7 @@ fn a_database_the_store_lacks_is_named_as_such() {
         "store has no such database: check the /DB of the address",
     );
     assert!(
-        body.contains("store not reached yet: store has no such database"),
+        body.contains("store not connected yet: store has no such database"),
         "{body}"
     );
     assert!(serve.running(), "{}", serve.stderr());

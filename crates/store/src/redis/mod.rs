@@ -139,15 +139,17 @@ impl RedisStore {
         self.link.refused.store(why.map(Arc::new));
     }
 
-    /// While the store has not been reached: `store not reached yet; connecting`, or why
-    /// the last attempt failed (refused credentials, unreachable), for health probes.
+    /// While the store is not connected: `store not reached yet; connecting`, or why the
+    /// last attempt failed, for health probes: `store not connected yet: store
+    /// unreachable (…)`, or, when the store answered and refused, `…: store refused the
+    /// credentials …` ("not reached" read as if it never answered).
     pub fn not_reached(&self) -> Option<String> {
         if self.is_connected() {
             return None;
         }
         Some(match self.link.not_reached.load_full() {
             None => "store not reached yet; connecting".to_owned(),
-            Some(why) => format!("store not reached yet: {why}; retrying"),
+            Some(why) => format!("store not connected yet: {why}; retrying"),
         })
     }
 

@@ -244,11 +244,25 @@ fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
         for (address, says) in [
             (
                 base.clone(),
-                "(NOAUTH): a Sentinel's own password goes in ?sentinel_password=",
+                "the Sentinels refused the credentials (NOAUTH): theirs go in \
+                 ?sentinel_password=",
             ),
             (
                 format!("{base}?sentinel_pasword=s%26nt%23pw-secret"),
+                "an unknown parameter `sentinel_pasword`",
+            ),
+            // A raw `&` cuts the password: the rest is no parameter, and not shown.
+            (
+                format!("{base}?sentinel_password=s&nt%23pw-secret"),
                 "an unknown parameter (not shown)",
+            ),
+            (
+                format!("{base}?sentinel_password=s%26nt#pw-secret"),
+                "(%23)",
+            ),
+            (
+                format!("{base}?sentinel_password=50%off-pw-secret"),
+                "a `%` in `sentinel_password`",
             ),
             (
                 format!("{base}?sentinel_password="),
@@ -256,7 +270,7 @@ fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
             ),
             (
                 format!("{base}?sentinel_password=wrong-secret"),
-                "(WRONGPASS)",
+                "the Sentinels refused the credentials (WRONGPASS)",
             ),
         ] {
             let e = open(&address, support::config())
@@ -294,6 +308,41 @@ fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
             }
         };
         assert_eq!((reply.granted, reply.remaining), (10, 60));
+        drop(store);
+
+        // The primary with a password of its own (the Sentinel told it): a wrong one
+        // before the @ is said to be the primary's, the Sentinels having taken theirs.
+        let primary = if set.primary_port().expect("primary") == set.pair.replica.port() {
+            &set.pair.replica
+        } else {
+            &set.pair.primary
+        };
+        let _: () = primary
+            .cmd(&["CONFIG", "SET", "requirepass", "prim-secret"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _: String = set
+            .cmd(&[
+                "SENTINEL",
+                "SET",
+                SentinelSet::SERVICE,
+                "auth-pass",
+                "prim-secret",
+            ])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let wrong = format!(
+            "redis+sentinel://:wrong-secret@127.0.0.1:{}/{}?sentinel_password=s%26nt%23pw-secret",
+            set.port(),
+            SentinelSet::SERVICE
+        );
+        let e = open(&wrong, support::config())
+            .await
+            .expect_err("a wrong primary password")
+            .to_string();
+        assert!(
+            e.contains("the primary the Sentinels name refused the credentials (WRONGPASS)"),
+            "{e}"
+        );
+        assert!(!e.contains("-secret"), "{e}");
     });
 }
 

@@ -374,6 +374,17 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
 /// `s` with its `%XX` escapes decoded, when it has any.
 /// `s` percent-decoded, as redis-rs decodes a `redis://` address's user and password
 /// (`s` itself when it holds no escape, or does not decode to UTF-8).
+/// Whether `s` has a `%` not followed by two hex digits (not an escape).
+pub(crate) fn bad_escape(s: &str) -> bool {
+    let b = s.as_bytes();
+    (0..b.len()).any(|i| {
+        b[i] == b'%'
+            && !b
+                .get(i + 1..i + 3)
+                .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
+    })
+}
+
 pub(crate) fn percent_decode(s: &str) -> String {
     percent_decoded(s).unwrap_or_else(|| s.to_owned())
 }

@@ -239,7 +239,21 @@ async fn listen(
             Ok(Ok(p)) => p,
             Ok(Err(e)) => {
                 failures += 1;
-                if failures == 1 {
+                // A refused password does not mend by itself (the Sentinel's was changed,
+                // say): said again every 30 attempts, as an error, since failovers are then
+                // seen only when a call finds the old primary read-only.
+                let refused = matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+                    || e.kind() == redis::ErrorKind::AuthenticationFailed;
+                if refused && (failures == 1 || failures.is_multiple_of(30)) {
+                    tracing::error!(
+                        sentinel = %shown,
+                        error = %e,
+                        failures,
+                        "this Sentinel refuses the address's sentinel_password: its failover \
+                         announcements are not followed, and a failover is seen only once a \
+                         call finds the old primary read-only; retrying"
+                    );
+                } else if failures == 1 {
                     tracing::warn!(sentinel = %shown, error = %e, "cannot follow this Sentinel's failover announcements; retrying");
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -250,6 +264,9 @@ async fn listen(
                 continue;
             }
         };
+        if failures > 0 {
+            tracing::info!(sentinel = %shown, failures, "following this Sentinel's failover announcements again");
+        }
         failures = 0;
         let mut messages = pubsub.into_on_message();
         loop {

@@ -302,8 +302,8 @@ impl Dialer {
         let bad = |why: &str| {
             StoreError::Misconfigured(format!(
                 "sentinel address {shown}: {why}; expected \
-                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE\
-                 [?sentinel_username=USER&sentinel_password=PASSWORD]"
+                 redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE, the \
+                 Sentinels' own credentials in ?sentinel_username and sentinel_password"
             ))
         };
         let (authority, service) = rest.split_once('/').ok_or_else(|| bad("no /SERVICE"))?;
@@ -318,20 +318,34 @@ impl Dialer {
         // their own: the ones before `@` are the data nodes'.
         let mut sentinel_auth = redis::RedisConnectionInfo::default();
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            // A name is echoed only when it is one of the two: anything else may be a
-            // password typed in the wrong place.
+            // A name is echoed only when it looks like a misspelt one: anything else may
+            // be a password typed in the wrong place, or the rest of one cut at a raw `&`.
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
             let known = ["sentinel_username", "sentinel_password"].contains(&name);
             if !known {
-                return Err(bad(
-                    "an unknown parameter (not shown): a Sentinel address takes \
-                     sentinel_username and sentinel_password, the Sentinels' own \
-                     credentials; the primary's go before the @",
-                ));
-            }
-            if value.is_empty() || value.contains('#') {
+                let shown = if name.starts_with("sentinel_") && name.len() <= 24 {
+                    format!("`{name}`")
+                } else {
+                    "(not shown)".to_owned()
+                };
                 return Err(bad(&format!(
-                    "`{name}` needs a value, percent-encoded (`#` is %23, `&` is %26)"
+                    "an unknown parameter {shown}: a Sentinel address takes \
+                     sentinel_username and sentinel_password, the Sentinels' own \
+                     credentials (the primary's go before the @), and a `&` within a value \
+                     is written %26"
+                )));
+            }
+            if value.is_empty() {
+                return Err(bad(&format!("`{name}` needs a value")));
+            }
+            if value.contains('#') {
+                return Err(bad(&format!(
+                    "a `#` in `{name}` must be percent-encoded (%23): it ends the address"
+                )));
+            }
+            if crate::secret::bad_escape(value) {
+                return Err(bad(&format!(
+                    "a `%` in `{name}` starts an escape of two hex digits (a `%` is %25)"
                 )));
             }
             let value = crate::secret::percent_decode(value);
@@ -558,18 +572,37 @@ impl Dialer {
         .await;
         match dialled {
             Ok(Ok(conn)) => Ok(conn),
-            // Through Sentinels, a refusal may be theirs: say where each password goes.
+            // Through Sentinels, a refusal may be theirs or the primary's: a PING to the
+            // Sentinels tells which, and the message says where that password goes.
             Ok(Err(e))
                 if matches!(self, Self::Sentinel { .. })
                     && (matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
                         || e.kind() == redis::ErrorKind::AuthenticationFailed) =>
             {
-                Err(StoreError::Misconfigured(format!(
-                    "the Sentinels or the primary they name refused the credentials ({}): a \
-                     Sentinel's own password goes in ?sentinel_password=PASSWORD, the \
-                     primary's before the @ (both percent-encoded)",
-                    e.code().unwrap_or("WRONGPASS")
-                )))
+                let code = e.code().unwrap_or("WRONGPASS");
+                let Self::Sentinel { watch, .. } = self else {
+                    unreachable!("matched above")
+                };
+                Err(StoreError::Misconfigured(
+                    match sentinels_refuse(watch).await {
+                        Some(true) => format!(
+                            "the Sentinels refused the credentials ({code}): theirs go in \
+                         ?sentinel_password=PASSWORD (and sentinel_username=USER), \
+                         percent-encoded; the ones before the @ are the primary's"
+                        ),
+                        Some(false) => format!(
+                            "the primary the Sentinels name refused the credentials ({code}): \
+                         they go before the @ (redis+sentinel://USER:PASSWORD@HOST:PORT/\
+                         SERVICE), percent-encoded; the Sentinels accepted theirs"
+                        ),
+                        None => format!(
+                            "the Sentinels or the primary they name refused the credentials \
+                         ({code}): a Sentinel's own password goes in \
+                         ?sentinel_password=PASSWORD, the primary's before the @ (both \
+                         percent-encoded)"
+                        ),
+                    },
+                ))
             }
             Ok(Err(e)) => Err(StoreError::Unavailable(e)),
             Err(_) if self.tls() => Err(StoreError::Misconfigured(format!(
@@ -595,6 +628,33 @@ mod no_tls_tests {
         assert!(e.contains("rediss://***@127.0.0.1:1"), "{e}");
         assert!(!e.contains("secret"), "{e}");
     }
+}
+
+/// Whether the Sentinels refuse the credentials the address gives them: `Some(true)` when
+/// one answers a PING with an authentication error, `Some(false)` when one answers it, `None`
+/// when none answers within a second (or they speak TLS: not probed).
+async fn sentinels_refuse(watch: &[redis::ConnectionInfo]) -> Option<bool> {
+    for info in watch {
+        if matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. }) {
+            return None;
+        }
+        let probe = async {
+            let client = redis::Client::open(info.clone())?;
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            redis::cmd("PING").query_async::<String>(&mut conn).await
+        };
+        match tokio::time::timeout(Duration::from_secs(1), probe).await {
+            Ok(Ok(_)) => return Some(false),
+            Ok(Err(e))
+                if matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+                    || e.kind() == redis::ErrorKind::AuthenticationFailed =>
+            {
+                return Some(true);
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 impl RedisStore {
@@ -707,6 +767,11 @@ impl RedisStore {
                             // Reachable, and it wants a password the address lacks.
                             StoreError::Misconfigured(m) if m.contains("(NOAUTH)") => {
                                 "store wants a password the address does not give"
+                            }
+                            // Through Sentinels: they, or the primary, refused it.
+                            StoreError::Misconfigured(m) if m.contains("(WRONGPASS)") => {
+                                "store refused the credentials: check the user and \
+                                 password of the address"
                             }
                             // Reachable, but not the kind of Redis the address says.
                             _ if text.contains("cluster support disabled") => {

@@ -158,42 +158,45 @@ fn a_server_that_requires_client_certificates_gets_one() {
 #[test]
 fn sentinel_failover_moves_the_store_to_the_new_primary() {
     let set = SentinelSet::start().unwrap_or_else(|e| panic!("{e}"));
-    let p = params(100, "1/h", "1s", "100ms", None);
     runtime().block_on(async {
         let store = open(&set.url(), support::config())
             .await
             .unwrap_or_else(|e| panic!("through the Sentinel: {e}"));
         assert!(format!("{store:?}").contains("sentinel"));
         let k = key("s");
-        let r = store.call(&k, &p, &exact(1, 30)).await.expect("call");
-        assert_eq!((r.granted, r.remaining), (30, 70));
-        set.pair
-            .wait_synced(Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("{e}"));
-
         let old = set.primary_port().expect("primary");
-        set.fail_over().unwrap_or_else(|e| panic!("{e}"));
+        debit_across_a_failover(&set, &store, &k).await;
         assert_ne!(set.primary_port().expect("primary"), old);
-
-        // Calls fail until the store has asked the Sentinel again; then they succeed
-        // on the new primary, which holds the replicated debit.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut seq = 2;
-        let reply = loop {
-            seq += 1;
-            match store.call(&k, &p, &exact(seq, 10)).await {
-                Ok(r) => break r,
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("during failover: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("the store never reached the new primary: {e}"),
-            }
-        };
-        assert_eq!((reply.granted, reply.remaining), (10, 60));
         let tokens = support::field(&set.pair.replica, k.as_str(), "tok");
         assert_eq!(tokens, 60, "the write went to the promoted replica");
     });
+}
+
+/// Takes 30 of `k`'s 100 tokens through `store`, has the Sentinel fail over, then takes
+/// 10 more: calls fail until the store has asked the Sentinel again, then succeed on the
+/// new primary, which holds the replicated debit (60 left).
+async fn debit_across_a_failover(set: &SentinelSet, store: &RedisStore, k: &BucketKey) {
+    let p = params(100, "1/h", "1s", "100ms", None);
+    let r = store.call(k, &p, &exact(1, 30)).await.expect("call");
+    assert_eq!((r.granted, r.remaining), (30, 70));
+    set.pair
+        .wait_synced(Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e}"));
+    set.fail_over().unwrap_or_else(|e| panic!("{e}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seq = 2;
+    let reply = loop {
+        seq += 1;
+        match store.call(k, &p, &exact(seq, 10)).await {
+            Ok(r) => break r,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("during failover: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the store never reached the new primary: {e}"),
+        }
+    };
+    assert_eq!((reply.granted, reply.remaining), (10, 60));
 }
 
 /// The primary's password in a Sentinel address is percent-decoded, as redis-rs
@@ -239,7 +242,6 @@ fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
         set.port(),
         SentinelSet::SERVICE
     );
-    let p = params(100, "1/h", "1s", "100ms", None);
     runtime().block_on(async {
         for (address, says) in [
             (
@@ -287,27 +289,7 @@ fn sentinels_with_a_password_of_their_own_are_reached_with_sentinel_password() {
         let store = open(&url, support::config())
             .await
             .unwrap_or_else(|e| panic!("with the Sentinel's password: {e}"));
-        let k = key("sp");
-        let r = store.call(&k, &p, &exact(1, 30)).await.expect("call");
-        assert_eq!((r.granted, r.remaining), (30, 70));
-        set.pair
-            .wait_synced(Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("{e}"));
-        set.fail_over().unwrap_or_else(|e| panic!("{e}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut seq = 2;
-        let reply = loop {
-            seq += 1;
-            match store.call(&k, &p, &exact(seq, 10)).await {
-                Ok(r) => break r,
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("during failover: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("the store never reached the new primary: {e}"),
-            }
-        };
-        assert_eq!((reply.granted, reply.remaining), (10, 60));
+        debit_across_a_failover(&set, &store, &key("sp")).await;
         drop(store);
 
         // The primary with a password of its own (the Sentinel told it): a wrong one

@@ -205,6 +205,12 @@ fn service_of<'a>(channel: &str, payload: &'a str) -> Option<&'a str> {
     }
 }
 
+/// Whether `e` is a server refusing the credentials given (none, or wrong ones).
+pub(crate) fn auth_refused(e: &RedisError) -> bool {
+    matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+        || e.kind() == redis::ErrorKind::AuthenticationFailed
+}
+
 /// Follows one Sentinel's announcements for as long as the connection lives, raising
 /// and lowering its bit of the fence; reconnects when the Sentinel is lost (a lost
 /// Sentinel lowers its bit: it can no longer tell the end of its failover).
@@ -242,9 +248,7 @@ async fn listen(
                 // A refused password does not mend by itself (the Sentinel's was changed,
                 // say): said again every 30 attempts, as an error, since failovers are then
                 // seen only when a call finds the old primary read-only.
-                let refused = matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
-                    || e.kind() == redis::ErrorKind::AuthenticationFailed;
-                if refused && (failures == 1 || failures.is_multiple_of(30)) {
+                if auth_refused(&e) && (failures == 1 || failures.is_multiple_of(30)) {
                     tracing::error!(
                         sentinel = %shown,
                         error = %e,

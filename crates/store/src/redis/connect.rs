@@ -570,40 +570,34 @@ impl Dialer {
             })
         })
         .await;
+        // Through Sentinels, a refusal may be theirs or the primary's: a PING to the
+        // Sentinels tells which, and the message says where that password goes.
+        if let (Ok(Err(e)), Self::Sentinel { watch, .. }) = (&dialled, self)
+            && crate::sentinel::auth_refused(e)
+        {
+            let code = e.code().unwrap_or("WRONGPASS");
+            return Err(StoreError::Misconfigured(
+                match sentinels_refuse(watch).await {
+                    Some(true) => format!(
+                        "the Sentinels refused the credentials ({code}): theirs go in \
+                     ?sentinel_password=PASSWORD (and sentinel_username=USER), \
+                     percent-encoded; the ones before the @ are the primary's"
+                    ),
+                    Some(false) => format!(
+                        "the primary the Sentinels name refused the credentials ({code}): they \
+                     go before the @ (redis+sentinel://USER:PASSWORD@HOST:PORT/SERVICE), \
+                     percent-encoded; the Sentinels accepted theirs"
+                    ),
+                    None => format!(
+                        "the Sentinels or the primary they name refused the credentials ({code}): \
+                     a Sentinel's own password goes in ?sentinel_password=PASSWORD, the \
+                     primary's before the @ (both percent-encoded)"
+                    ),
+                },
+            ));
+        }
         match dialled {
             Ok(Ok(conn)) => Ok(conn),
-            // Through Sentinels, a refusal may be theirs or the primary's: a PING to the
-            // Sentinels tells which, and the message says where that password goes.
-            Ok(Err(e))
-                if matches!(self, Self::Sentinel { .. })
-                    && (matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
-                        || e.kind() == redis::ErrorKind::AuthenticationFailed) =>
-            {
-                let code = e.code().unwrap_or("WRONGPASS");
-                let Self::Sentinel { watch, .. } = self else {
-                    unreachable!("matched above")
-                };
-                Err(StoreError::Misconfigured(
-                    match sentinels_refuse(watch).await {
-                        Some(true) => format!(
-                            "the Sentinels refused the credentials ({code}): theirs go in \
-                         ?sentinel_password=PASSWORD (and sentinel_username=USER), \
-                         percent-encoded; the ones before the @ are the primary's"
-                        ),
-                        Some(false) => format!(
-                            "the primary the Sentinels name refused the credentials ({code}): \
-                         they go before the @ (redis+sentinel://USER:PASSWORD@HOST:PORT/\
-                         SERVICE), percent-encoded; the Sentinels accepted theirs"
-                        ),
-                        None => format!(
-                            "the Sentinels or the primary they name refused the credentials \
-                         ({code}): a Sentinel's own password goes in \
-                         ?sentinel_password=PASSWORD, the primary's before the @ (both \
-                         percent-encoded)"
-                        ),
-                    },
-                ))
-            }
             Ok(Err(e)) => Err(StoreError::Unavailable(e)),
             Err(_) if self.tls() => Err(StoreError::Misconfigured(format!(
                 "no TLS session within {limit:?}: the server may not speak TLS on that port \
@@ -645,12 +639,7 @@ async fn sentinels_refuse(watch: &[redis::ConnectionInfo]) -> Option<bool> {
         };
         match tokio::time::timeout(Duration::from_secs(1), probe).await {
             Ok(Ok(_)) => return Some(false),
-            Ok(Err(e))
-                if matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
-                    || e.kind() == redis::ErrorKind::AuthenticationFailed =>
-            {
-                return Some(true);
-            }
+            Ok(Err(e)) if crate::sentinel::auth_refused(&e) => return Some(true),
             _ => {}
         }
     }

@@ -371,9 +371,6 @@ fn host_problem(h: &str, port_optional: bool) -> Option<&'static str> {
     }
 }
 
-/// `s` with its `%XX` escapes decoded, when it has any.
-/// `s` percent-decoded, as redis-rs decodes a `redis://` address's user and password
-/// (`s` itself when it holds no escape, or does not decode to UTF-8).
 /// Whether `s` has a `%` not followed by two hex digits (not an escape).
 pub(crate) fn bad_escape(s: &str) -> bool {
     let b = s.as_bytes();
@@ -385,34 +382,20 @@ pub(crate) fn bad_escape(s: &str) -> bool {
     })
 }
 
+/// `s` percent-decoded, as redis-rs decodes a `redis://` address's user and password
+/// (`s` itself when it holds no escape, or does not decode to UTF-8).
 pub(crate) fn percent_decode(s: &str) -> String {
     percent_decoded(s).unwrap_or_else(|| s.to_owned())
 }
 
+/// `s` with its `%XX` escapes decoded, when it has any and decodes to UTF-8: by the
+/// `percent-encoding` crate, redis-rs's own decoder.
 fn percent_decoded(s: &str) -> Option<String> {
     if !s.contains('%') {
         return None;
     }
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
+    let decoded = percent_encoding::percent_decode_str(s).decode_utf8().ok()?;
+    Some(decoded.into_owned())
 }
 
 #[cfg(test)]

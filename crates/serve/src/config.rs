@@ -665,34 +665,20 @@ impl Domains {
 
     /// Every limit by its full key (for listings).
     pub fn limits(&self) -> BTreeMap<&str, &Limit> {
-        fn walk<'a>(n: &'a Node, out: &mut BTreeMap<&'a str, &'a Limit>) {
-            if let Some(l) = &n.limit {
-                out.insert(&l.full_key, l);
-            }
-            for c in n.children.values() {
-                walk(c, out);
-            }
-        }
-        let mut out = BTreeMap::new();
+        let mut all = Vec::new();
         for n in self.domains.values() {
-            walk(n, &mut out);
+            limits_under(n, &mut all);
         }
-        out
+        all.into_iter().map(|l| (l.full_key.as_str(), l)).collect()
     }
 
     /// Each `replaces` entry naming no limit of its domain, as a line for the log: it
     /// replaces nothing. (envoyproxy/ratelimit loads such a file too, so it is loaded.)
     pub fn unmatched_replaces(&self) -> Vec<String> {
-        fn walk<'a>(n: &'a Node, out: &mut Vec<&'a Limit>) {
-            out.extend(&n.limit);
-            for c in n.children.values() {
-                walk(c, out);
-            }
-        }
         let mut lines = Vec::new();
         for (domain, node) in &self.domains {
             let mut limits = Vec::new();
-            walk(node, &mut limits);
+            limits_under(node, &mut limits);
             for l in &limits {
                 for r in &l.replaces {
                     if !limits.iter().any(|o| o.name.as_deref() == Some(r.as_str())) {
@@ -831,6 +817,14 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
         }
     }
     true
+}
+
+/// The limits of `n` and of every node under it, `n`'s first.
+fn limits_under<'a>(n: &'a Node, out: &mut Vec<&'a Limit>) {
+    out.extend(&n.limit);
+    for c in n.children.values() {
+        limits_under(c, out);
+    }
 }
 
 /// A Leasehold rule name for a descriptor's full key: the key with every character

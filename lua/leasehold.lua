@@ -196,19 +196,17 @@ local function cap_of(p, out)
   return capped(p.cap, p, out)
 end
 
+-- Level::refill on locals: tok and its carry car after dt µs (at least 0) at n tokens per
+-- `per` µs, up to cap. (decide_levels has it inline: a call costs a batch's key as much.)
+local function refilled(tok, car, dt, cap, n, per)
+  if tok >= cap or dt >= ceil_div((cap - tok) * per - car, n) then return cap, 0 end
+  local q, r = divmod(car + n * dt, per)
+  return tok + q, r
+end
+
 -- Level::refill at n tokens per `per` µs.
 local function refill_at(s, n, per, cap, dt)
-  if s.tok >= cap then
-    s.tok, s.car = cap, 0
-    return
-  end
-  local need = (cap - s.tok) * per - s.car
-  if dt >= ceil_div(need, n) then
-    s.tok, s.car = cap, 0
-    return
-  end
-  local q, r = divmod(s.car + n * dt, per)
-  s.tok, s.car = s.tok + q, r
+  s.tok, s.car = refilled(s.tok, s.car, dt, cap, n, per)
 end
 
 local function refill(s, p, cap, dt)
@@ -836,14 +834,7 @@ local function acquire_plain(key, p, held, want, min, demand, server_now, f)
   if per ~= pper then car, per = 0, pper end
   local cap = p.cap
   if maxout == 0 then cap = math.max(cap - out, 0) end
-  if tok >= cap then
-    tok, car = cap, 0
-  elseif now - ts >= ceil_div((cap - tok) * per - car, n) then
-    tok, car = cap, 0
-  else
-    local q, rm = divmod(car + n * (now - ts), per)
-    tok, car = tok + q, rm
-  end
+  tok, car = refilled(tok, car, now - ts, cap, n, per)
   ts = now
   -- acquire: the agent's count replaces ours, then clamp.
   out = out - rheld + held
@@ -1315,14 +1306,7 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
   local per, rate, cap = p.per, p.n, p.cap
   local now = server_now
   if ts > now then now = ts end
-  if tok >= cap then
-    tok, car = cap, 0
-  elseif now - ts >= ceil_div((cap - tok) * per - car, rate) then
-    tok, car = cap, 0
-  else
-    local q, r = divmod(car + rate * (now - ts), per)
-    tok, car = tok + q, r
-  end
+  tok, car = refilled(tok, car, now - ts, cap, rate, per)
   -- The answer (see answer) written in place: its remaining once the costs are taken.
   local n = #out
   out[n + 1], out[n + 2], out[n + 4] = 0, now - server_now, 0

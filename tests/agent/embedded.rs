@@ -433,10 +433,11 @@ async fn shutdown_returns_leases_and_leases_nothing_after() {
     assert_eq!(end.admitted_exact, after.admitted_exact + 20, "{end:?}");
 }
 
-/// At `max_keys` a new key takes the place of an idle cold key (none is decided without
-/// keeping state while idle keys can go), the map stays at the cap, a key that leases is
-/// never dropped (its lease goes on deciding), and a dropped key loses nothing: its
-/// bucket is the store's, so a subject admitted once is denied again after its state left.
+/// At `max_keys` a key seen for the first time is decided without keeping its state, and
+/// one seen again takes the place of an idle cold key (none is decided without keeping
+/// state while idle keys can go); the map stays at the cap, a key that leases is never
+/// dropped (its lease goes on deciding), and a key kept out or dropped loses nothing: its
+/// bucket is the store's, so a subject admitted once is denied again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
     let l = Limiter::builder()
@@ -471,11 +472,22 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
     }
     let flood = 3000;
     for i in 0..flood {
-        let d = l
+        let first = l
             .check(&"once".into(), &format!("once-{i}"), 1)
             .await
             .unwrap();
-        assert!(matches!(d, Decision::Allowed { .. }), "once-{i}: {d:?}");
+        assert!(
+            matches!(first, Decision::Allowed { .. }),
+            "once-{i}: {first:?}"
+        );
+        let again = l
+            .check(&"once".into(), &format!("once-{i}"), 1)
+            .await
+            .unwrap();
+        assert!(
+            matches!(again, Decision::Denied { .. }),
+            "once-{i} again: {again:?}"
+        );
         assert!(l.keys_in_memory() <= 300, "{} keys", l.keys_in_memory());
     }
     let (evicted, without_state) = l.keys_evicted();
@@ -483,9 +495,15 @@ async fn at_max_keys_a_new_key_takes_an_idle_keys_place_and_leases_stay() {
         without_state, 0,
         "decided without state while idle keys could go"
     );
+    // Each new key past the cap: kept out the first time, let in the second.
+    let first_seen = l.keys_first_seen();
+    assert!(
+        first_seen >= flood - 300 && first_seen <= flood,
+        "{first_seen} first sightings kept out for {flood} new keys"
+    );
     assert!(
         evicted >= flood - 300,
-        "{evicted} evicted for {flood} new keys"
+        "{evicted} evicted for {flood} new keys seen twice"
     );
     for s in &leased {
         let d = l.check(&"leased".into(), s, 1).await.unwrap();

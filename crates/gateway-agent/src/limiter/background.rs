@@ -81,6 +81,8 @@ pub(super) async fn background(
                     .absolute(inner.keys_over_cap.load(Ordering::Relaxed));
                 metrics::counter!("leasehold_keys_evicted_total")
                     .absolute(inner.keys_evicted.load(Ordering::Relaxed));
+                metrics::counter!("leasehold_keys_first_seen_total")
+                    .absolute(inner.keys_first_seen.load(Ordering::Relaxed));
                 inner.error_kinds.publish();
                 let now = Limiter { inner: Arc::clone(&inner) }.now_ns();
                 for (shard, open) in inner.breakers.states(now) {

@@ -364,6 +364,7 @@ impl LimiterBuilder {
             shut: AtomicBool::new(false),
             stop: Arc::new(tokio::sync::Notify::new()),
             keys_evicted: AtomicU64::new(0),
+            keys_first_seen: AtomicU64::new(0),
             prefetch: tx,
             swept: parking_lot::Mutex::new(Vec::new()),
             report_log: parking_lot::Mutex::default(),

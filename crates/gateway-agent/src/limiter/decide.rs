@@ -330,6 +330,12 @@ impl Limiter {
                 self.inner.keys_over_cap.fetch_add(1, Ordering::Relaxed);
                 return Ok(Local::NeedsStore(ks, entry));
             }
+            // At the cap, a key not seen recently: one exact call, no state kept (most
+            // subjects of a long tail are seen once).
+            keymap::Placed::FirstSeen => {
+                self.inner.keys_first_seen.fetch_add(1, Ordering::Relaxed);
+                return Ok(Local::NeedsStore(ks, entry));
+            }
         }
         if let Some(d) = self.decide_local(ks.hot(), &ks.counters, &ks, cost, now) {
             return Ok(Local::Decided(d));

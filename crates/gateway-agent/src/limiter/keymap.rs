@@ -10,10 +10,14 @@
 //! each entry (papaya) adds a pointer chase into memory scattered by every allocation
 //! made between two keys' creations: at 10 000 keys that was most of a decision's time. Writers (a key's creation, forgetting) take one shard's write lock; a
 //! creation at `max_keys` evicts from that shard, or from a next one whose lock is free.
+//!
+//! At `max_keys` a key enters only when seen before, recently ([`Doorkeeper`], TinyLFU's
+//! admission): a tenant of a long tail seen once is decided without keeping its state,
+//! instead of each one allocating a state and evicting another key for it.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, PoisonError};
 
 use crossbeam_utils::CachePadded;
 use crossbeam_utils::sync::{ShardedLock, ShardedLockReadGuard, ShardedLockWriteGuard};
@@ -96,6 +100,49 @@ pub(super) struct KeyMap {
     shards: Box<[CachePadded<ShardedLock<Table>>]>,
     hasher: Hasher,
     len: AtomicUsize,
+    /// Made when the map first reaches `max_keys`.
+    door: OnceLock<Doorkeeper>,
+}
+
+/// Which keys new to a full map were seen recently: one bit per key hash in 2^21 (256
+/// KB), all cleared once 2^18 keys were marked, so at most an eighth are set and a key
+/// seen once passes for another only one time in eight or fewer. long-tail-store (a
+/// million tenants, 50 000 keys a gateway): each gateway marks about 20 000 keys a second,
+/// so a key seen again within about 13 s enters. Races between markers and the clearing
+/// lose a mark or keep one: a key is let in one sighting later or earlier, no more.
+pub(super) struct Doorkeeper {
+    bits: Box<[AtomicU64]>,
+    marked: AtomicUsize,
+}
+
+const DOOR_BITS: usize = 1 << 21;
+const DOOR_MARKS: usize = DOOR_BITS / 8;
+
+impl Doorkeeper {
+    fn new() -> Self {
+        Self {
+            bits: (0..DOOR_BITS / 64).map(|_| AtomicU64::new(0)).collect(),
+            marked: AtomicUsize::new(0),
+        }
+    }
+
+    /// Whether the key of `hash` was seen since the last clearing; marks it.
+    fn seen(&self, hash: u64) -> bool {
+        // Bits of the hash that neither the shard (its top) nor the table's probe (its
+        // low bits) spends, so keys of one shard spread over the whole filter.
+        let bit = (hash >> 20) as usize % DOOR_BITS;
+        let mask = 1u64 << (bit % 64);
+        if self.bits[bit / 64].fetch_or(mask, Ordering::Relaxed) & mask != 0 {
+            return true;
+        }
+        if self.marked.fetch_add(1, Ordering::Relaxed) + 1 >= DOOR_MARKS {
+            self.marked.store(0, Ordering::Relaxed);
+            for w in self.bits.iter() {
+                w.store(0, Ordering::Relaxed);
+            }
+        }
+        false
+    }
 }
 
 impl KeyMap {
@@ -107,6 +154,7 @@ impl KeyMap {
                 .collect(),
             hasher,
             len: AtomicUsize::new(0),
+            door: OnceLock::new(),
         }
     }
 
@@ -147,11 +195,12 @@ impl KeyMap {
         self.with(key, |slot| slot.ks.clone())
     }
 
-    /// The key's state: found, or made by `make(false)` and inserted. At `max` keys the
-    /// new key takes the place of an idle cold key of its shard (the longest idle of up
-    /// to [`EVICTION_SAMPLES`] keys sampled from a random place, as Redis evicts: no pass
-    /// over the map), and when none of those may go (each leases, holds tokens or has
-    /// a waiter), `make(true)` makes a state kept out of the map.
+    /// The key's state: found, or made by `make(false)` and inserted. At `max` keys a
+    /// key the [`Doorkeeper`] has not seen recently gets a state kept out of the map
+    /// (`make(true)`), and one it has takes the place of an idle cold key of its shard
+    /// (the longest idle of up to [`EVICTION_SAMPLES`] keys sampled from a random place,
+    /// as Redis evicts: no pass over the map); when none of those may go (each leases,
+    /// holds tokens or has a waiter), `make(true)` again.
     pub(super) fn get_or_insert_with(
         &self,
         id: KeyId,
@@ -167,6 +216,9 @@ impl KeyMap {
         }
         let mut placed = Placed::Inserted;
         if self.len.load(Ordering::Relaxed) >= max {
+            if !self.door.get_or_init(Doorkeeper::new).seen(hash) {
+                return (make(true), Placed::FirstSeen);
+            }
             // The key's own shard, else the next few whose lock is free (never waited
             // for while this one is held: no lock order to keep).
             let evicted = self.evict(&mut table, hash, now)
@@ -252,6 +304,8 @@ pub(super) enum Placed {
     Inserted,
     /// Inserted in place of an idle cold key, at `max_keys`.
     Evicted,
+    /// Not inserted: the map is full and the key was not seen recently.
+    FirstSeen,
     /// Not inserted: the map is full and no sampled key could go.
     Transient,
 }
@@ -389,5 +443,39 @@ impl std::fmt::Debug for Cell {
         f.debug_struct("Cell")
             .field("index", &self.at.index)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_doorkeeper_lets_a_key_in_on_its_second_sighting_and_forgets_after_its_marks() {
+        let door = Doorkeeper::new();
+        let hash = |i: u64| foldhash::fast::FixedState::with_seed(7).hash_one(i);
+        assert!(!door.seen(hash(1)), "a first sighting");
+        assert!(door.seen(hash(1)), "a second sighting");
+        // Fill to one mark short of the clearing: the first key is still remembered.
+        let mut marked = 1;
+        let mut i = 2;
+        while marked < DOOR_MARKS - 1 {
+            if !door.seen(hash(i)) {
+                marked += 1;
+            }
+            i += 1;
+        }
+        assert!(door.seen(hash(1)), "forgotten before the clearing");
+        // The next new mark clears every bit.
+        while door.seen(hash(i)) {
+            i += 1;
+        }
+        assert!(!door.seen(hash(1)), "remembered past the clearing");
+        let set: u32 = door
+            .bits
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_ones())
+            .sum();
+        assert_eq!(set, 1, "bits set after the clearing and one mark");
     }
 }

@@ -193,6 +193,9 @@ struct Inner {
     /// Wakes the background loop to end.
     stop: Arc<tokio::sync::Notify>,
     keys_evicted: AtomicU64,
+    /// Decisions on keys new to the full map and not seen recently, made without
+    /// keeping their state.
+    keys_first_seen: AtomicU64,
     prefetch: mpsc::Sender<Arc<KeyState>>,
     /// The keys that lease or hold tokens: what the sweep visits every tick (renewal,
     /// reclaim, demotion). Cold keys only need forgetting, in a pass over the whole map
@@ -434,6 +437,12 @@ impl Limiter {
             self.inner.keys_evicted.load(Ordering::Relaxed),
             self.inner.keys_over_cap.load(Ordering::Relaxed),
         )
+    }
+
+    /// Decisions on keys the full map had not seen recently, made by one exact call
+    /// without keeping state (seen again soon, a key takes an idle key's place).
+    pub fn keys_first_seen(&self) -> u64 {
+        self.inner.keys_first_seen.load(Ordering::Relaxed)
     }
 
     /// Graceful shutdown: stops the background loop (no refills, sweeps or reports

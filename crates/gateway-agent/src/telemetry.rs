@@ -87,7 +87,14 @@ pub const METRICS: &[(&str, Kind, &str)] = &[
     (
         "leasehold_keys_decided_without_state_total",
         Kind::Counter,
-        "Decisions on new keys made by one exact call without keeping state, at max_keys.",
+        "Decisions on new keys made by one exact call without keeping state, at max_keys, \
+         because no sampled key could make room.",
+    ),
+    (
+        "leasehold_keys_first_seen_total",
+        Kind::Counter,
+        "Decisions on keys seen for the first time at max_keys, made by one exact call \
+         without keeping state (seen again soon, a key takes an idle key's place).",
     ),
     (
         "leasehold_store_may_evict_buckets",

@@ -282,10 +282,16 @@ local function clamp(s, p)
   if s.tok >= cap then s.tok, s.car = cap, 0 end
 end
 
+-- Level::time_until on locals: µs until a level of tok (carry car) holds k, at n tokens
+-- per `per` µs (0 when it does).
+local function until_holds(tok, car, k, per, n)
+  if tok >= k then return 0 end
+  return ceil_div((k - tok) * per - car, n)
+end
+
 -- Level::time_until
 local function time_until(s, k, p)
-  if s.tok >= k then return 0 end
-  return ceil_div((k - s.tok) * p.per - s.car, p.n)
+  return until_holds(s.tok, s.car, k, p.per, p.n)
 end
 
 -- What a region's bucket tells a denial to wait when only a deposit can help (µs).
@@ -775,8 +781,9 @@ end
 
 -- Proportional share, enforced (model/share.rs, Allowance): while the key is contended an
 -- agent earns r * share tokens a second, banks at most B * share, and grants spend it.
--- Returns its credit (thousandths of a token) and what it earns a µs, or nil.
-local function allowance(p, rr, ds, demand, scale, min, rec, now)
+-- credit and at: the agent's record's credit and time of its last call (credit nil: no
+-- record). Returns its credit (thousandths of a token) and what it earns a µs, or nil.
+local function allowance(p, rr, ds, demand, scale, min, credit, at, now)
   if scale >= 1000000 then return nil, nil end
   -- 1% of the sum for an agent reporting no demand yet (model/share.rs, Allowance::new).
   local share = demand
@@ -787,9 +794,9 @@ local function allowance(p, rr, ds, demand, scale, min, rec, now)
   local per_us = rate_us * share / ds
   local cap = math.max(min * 1000, math.floor(p.cap * 1000 * share / ds))
   local banked, elapsed = cap, 0
-  if rec then
-    banked = rec.credit
-    elapsed = math.max(now - rec.reply[5], 0)
+  if credit then
+    banked = credit
+    elapsed = math.max(now - at, 0)
   end
   return math.min(banked + math.floor(elapsed * per_us), cap), per_us
 end
@@ -807,8 +814,9 @@ end
 -- finish) with what those conditions make zero left out; returns its reply packed, or
 -- nil having written nothing, for the general path. (The general path's tables, a
 -- state's, a record's and their replies', cost an acquire a fifth of its instructions:
--- 192 900 -> 153 300 replaying a second of zipf-store's acquires. differential.rs holds
--- both paths to the model.)
+-- 192 900 -> 153 300 replaying a second of zipf-store's acquires, 151 600 calling the
+-- helpers below rather than writing them out. differential.rs holds both paths to the
+-- model.)
 local function acquire_plain(key, p, held, want, min, demand, server_now, f)
   local v = f[1]
   if f.err or not v or #v ~= STATE_LEN then return nil end
@@ -832,41 +840,28 @@ local function acquire_plain(key, p, held, want, min, demand, server_now, f)
   local n, pper, maxout, ttl = p.n, p.per, p.maxout, p.ttl
   -- advance: a rule with another period restarts the carry; refill_to now.
   if per ~= pper then car, per = 0, pper end
-  local cap = p.cap
-  if maxout == 0 then cap = math.max(cap - out, 0) end
-  tok, car = refilled(tok, car, now - ts, cap, n, per)
+  tok, car = refilled(tok, car, now - ts, cap_of(p, out), n, per)
   ts = now
   -- acquire: the agent's count replaces ours, then clamp.
   out = out - rheld + held
   ds = ds - rdemand + demand
-  cap = p.cap
-  if maxout == 0 then cap = math.max(cap - out, 0) end
+  local cap = cap_of(p, out)
   if tok >= cap then tok, car = cap, 0 end
   local level = tok
   local scale = scale_ppm(p, 0, ds, demand)
-  -- allowance
-  local earned, per_us = nil, nil
-  if scale < 1000000 then
-    local share = demand
-    if demand == 0 then share = math.ceil(ds / 100) end
-    per_us = (n * 1000 / per) * share / ds
-    local bank = math.max(min * 1000, math.floor(p.cap * 1000 * share / ds))
-    local banked, elapsed = bank, 0
-    if r then banked, elapsed = rcredit, math.max(now - rat, 0) end
-    earned = math.min(banked + math.floor(elapsed * per_us), bank)
-  end
+  local earned, per_us = allowance(p, 0, ds, demand, scale, min, r and rcredit, rat, now)
   local avail = level
   if ttl == 0 then
     avail = 0
   elseif maxout ~= 0 then
     avail = math.min(level, math.max(maxout - out, 0))
   end
-  local plenty = ceil_div(p.cap, 8)
+  local plenty = plenty_level(p)
   if earned and level < plenty then avail = math.min(avail, math.floor(earned / 1000)) end
   local g = math.min(want, avail)
   if g < min then g = 0 end
   tok, out = tok - g, out + g
-  local credit = p.cap * 1000
+  local credit = full_credit(p)
   if earned then
     earned = math.max(earned - g * 1000, 0)
     credit = earned
@@ -882,13 +877,9 @@ local function acquire_plain(key, p, held, want, min, demand, server_now, f)
       if earned then
         local need = min * 1000 - earned
         if need <= 0 then need = min * 1000 end
-        local full = 0
-        if tok < plenty then full = ceil_div((plenty - tok) * per - car, n) end
-        turn = math.min(math.ceil(need / per_us), full)
+        turn = math.min(math.ceil(need / per_us), until_holds(tok, car, plenty, per, n))
       end
-      local due = 0
-      if tok < min then due = ceil_div((min - tok) * per - car, n) end
-      wait = math.max(due, blocked, turn, 1)
+      wait = math.max(until_holds(tok, car, min, per, n), blocked, turn, 1)
     end
   end
   -- finish
@@ -904,9 +895,7 @@ local function acquire_plain(key, p, held, want, min, demand, server_now, f)
     scale, 0)
   rcall('HSET', key, STATE, spack(HEAD9_FORMAT, tok, car, per, ts, out, nexp, mx, ds, dx) ..
     ssub(v, 9 * 8 + 1), p.id, rec)
-  local rest = 0
-  if tok < p.cap then rest = ceil_div((p.cap - tok) * per - car, n) end
-  local life = math.max(mx - now, 0) + rest
+  local life = math.max(mx - now, 0) + until_holds(tok, car, p.cap, per, n)
   rcall('PEXPIREAT', key, fmt(divmod(now + life, 1000) + 1))
   -- The reply: the record's 7, then 8 zeros (see Reply), packed.
   return ssub(rec, 5 * 8 + 1) .. ZEROS8
@@ -941,7 +930,8 @@ local function acquire(keys, p, held, want, min, demand)
   clamp(s, p)
   local tok = s.tok
   local scale = scale_ppm(p, s.rr, s.ds, demand)
-  local earned, per_us = allowance(p, s.rr, s.ds, demand, scale, min, rec, now)
+  local earned, per_us = allowance(p, s.rr, s.ds, demand, scale, min, rec and rec.credit,
+    rec and rec.reply[5], now)
   local avail = tok
   if moved or ttl == 0 then
     avail = 0
@@ -1316,13 +1306,11 @@ local function decide_cold(p, tok, car, ts, server_now, cost, first, count, out)
       tok = tok - c
       out[n + 4 + i] = 0
     else
-      out[n + 4 + i] = ceil_div((c - tok) * per - car, rate)
+      out[n + 4 + i] = until_holds(tok, car, c, per, rate)
     end
   end
   out[n + 3] = tok
-  local full = 0
-  if tok < cap then full = ceil_div((cap - tok) * per - car, rate) end
-  return tok, car, now, divmod(now + p.grace + full, 1000) + 1
+  return tok, car, now, divmod(now + p.grace + until_holds(tok, car, cap, per, rate), 1000) + 1
 end
 
 -- One hash key. The common case (a live key with no lease record, no demand, no split,

@@ -10,30 +10,19 @@ import socket
 import struct
 import sys
 
+import resp
+from resp import encode
+
 port, n, calls = (int(a) for a in sys.argv[1:4])
 conn = socket.create_connection(("127.0.0.1", port))
 replies = conn.makefile("rb")
 
 
-def encode(*args):
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        a = a if isinstance(a, bytes) else str(a).encode()
-        out += [b"$%d\r\n" % len(a), a, b"\r\n"]
-    return b"".join(out)
-
-
 def read():
-    line = replies.readline()
-    kind, rest = line[:1], line[1:]
-    if kind == b"$":
-        size = int(rest)
-        return None if size < 0 else replies.read(size + 2)[:-2]
-    if kind == b"*":
-        return [read() for _ in range(int(rest))]
-    if kind == b"-":
-        sys.exit(f"error reply: {line!r}")
-    return line
+    r = resp.read(replies)
+    if isinstance(r, resp.Error):
+        sys.exit(f"error reply: {r!r}")
+    return r
 
 
 def command(*args):

@@ -13,6 +13,8 @@ import socket
 import sys
 import time
 
+import resp
+
 port, capture, old, new = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 
 FAKE_TIME = """local function fake_time()
@@ -60,28 +62,14 @@ class Conn:
         self.command("SELECT", db)
 
     def command(self, *args):
-        out = [b"*%d\r\n" % len(args)]
-        for a in args:
-            a = a if isinstance(a, bytes) else str(a).encode()
-            out += [b"$%d\r\n" % len(a), a, b"\r\n"]
-        self.sock.sendall(b"".join(out))
-        return self.read()
-
-    def read(self):
-        line = self.replies.readline()
-        kind = line[:1]
-        if kind == b"$":
-            size = int(line[1:])
-            return None if size < 0 else self.replies.read(size + 2)[:-2]
-        if kind == b"*":
-            return [self.read() for _ in range(int(line[1:]))]
-        return line
+        self.sock.sendall(resp.encode(*args))
+        return resp.read(self.replies)
 
 
 a, b = Conn(0), Conn(1)
 for path, tag in ((old, "A"), (new, "B")):
     r = a.command("FUNCTION", "LOAD", "REPLACE", renamed(path, tag).encode())
-    if r.startswith(b"-"):
+    if isinstance(r, resp.Error):
         sys.exit(f"{path}: FUNCTION LOAD: {r.decode(errors='replace').strip()}")
 
 calls = differ = 0
